@@ -22,13 +22,14 @@ Loss normaliser: every loss is  sum over valid tokens / num_tokens,  where `num_
 of valid tokens in the call (at least 1). With gradient accumulation, pass the token count of the whole batch
 so that the micro-batch losses add up to the token mean over the batch.
 
-Benchmarks:  python kernels.py --bench        (CPU section; the GPU section too when CUDA is present)
-             python kernels.py --bench-gpu    (GPU section only)
+Benchmarks (one JSON line per op and size):
+    python kernels.py --bench        # the GPU section when CUDA and Triton are present, else the CPU section
+    python kernels.py --bench-cpu    # CPU section, one thread (about 10 minutes: log-probs at V = 151,936)
+    python kernels.py --bench-gpu    # GPU section: copy bandwidth, GAE, fused losses, log-prob memory
 """
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 
@@ -259,8 +260,9 @@ def gae_ref(rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: float
     if packed:
         slot = valid.cumsum(1, dtype=torch.int32) - 1  # [B, T]  index of each valid token among the valid ones
         dest = torch.where(valid, slot, T).long()  # [B, T]  masked positions go to a spare column T
-        r = torch.zeros(B, T + 1, device=r.device).scatter_(1, dest, r)[:, :T]  # [B, T] valid tokens first
-        v = torch.zeros(B, T + 1, device=r.device).scatter_(1, dest, v)[:, :T]  # [B, T] (only zeros reach column T)
+        spare = torch.zeros(B, T + 1, device=r.device, dtype=torch.float32)  # [B, T+1]
+        r = spare.scatter(1, dest, r)[:, :T]  # [B, T] valid tokens first
+        v = spare.scatter(1, dest, v)[:, :T]  # [B, T] (only zeros reach column T)
     v_next = F.pad(v[:, 1:], (0, 1))  # [B, T]  V of the next valid token; 0 after the last one (terminal)
     delta = r + gamma * v_next - v  # [B, T]  exactly 0 wherever r = v = 0 (padding, or past the packed tokens)
     if isinstance(lam, Tensor):
@@ -639,11 +641,11 @@ def bce_value_loss(value_logits: Tensor, targets: Tensor, response_mask: Tensor,
 # 4. Log-probs and entropy from hidden states
 #
 #     z = hidden @ weight.T / temperature,   logp(y) = z_y - logsumexp(z),   entropy = logsumexp(z) - sum_j p_j z_j
-# computed a few rows at a time so that only [rows, V] logits ever exist, never [N, V]. The backward pass
-# recomputes each chunk's logits from the saved per-row logsumexp.
+# computed block by block so that the [N, V] logits never exist: forward walks blocks of rows ([rows, V]),
+# backward recomputes the logits in blocks of the vocabulary ([N, V_chunk]) from the saved per-row logsumexp.
 # ---------------------------------------------------------------------------------------------------------
 
-LOGITS_CHUNK_ELEMENTS = 1 << 24  # at most this many logits (rows * V) are held at once: 64 MiB in fp32
+LOGITS_CHUNK_ELEMENTS = 1 << 24  # logits held at once (rows * V forward, N * V_chunk backward): 64 MiB in fp32
 
 
 @_jit
@@ -845,7 +847,7 @@ def logprobs_from_hidden(hidden: Tensor, weight: Tensor, targets: Tensor, temper
 
 
 # ---------------------------------------------------------------------------------------------------------
-# 5. Benchmarks:  python kernels.py --bench  |  python kernels.py --bench-gpu
+# 5. Benchmarks:  python kernels.py --bench | --bench-cpu | --bench-gpu
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -999,7 +1001,7 @@ def _bench_logprobs_cpu(print_json):
             available = psutil.virtual_memory().available
         except ImportError:
             available = float("inf")
-        need = 6 * N * V * 4 + 3 * V * H * 4  # rough peak of the naive path
+        need = 4 * N * V * 4 + 2 * V * H * 4  # rough peak of the naive path: four [N, V] fp32 buffers
         skipped = None
         if need > 0.8 * available:
             impls, skipped = ["chunked"], f"naive skipped: needs ~{need / 2**30:.1f} GiB, {available / 2**30:.1f} free"
@@ -1010,7 +1012,10 @@ def _bench_logprobs_cpu(print_json):
                                       str(H), str(V)], env=env, capture_output=True, text=True, check=True)
                 res[k].append(json.loads(out.stdout.strip().splitlines()[-1]))
         row = {"op": "logprobs_from_hidden", "device": "cpu", "dtype": "float32", "N": N, "H": H, "V": V,
-               "reps": reps, "threads": 1, "memory": res["chunked"][0]["method"] + ", peak RSS minus RSS after inputs"}
+               "reps": reps, "threads": 1,
+               "memory": "fresh process per run; peak RSS (" + res["chunked"][0]["method"] + ") minus RSS after "
+                         "the inputs were built; it includes the [V,H] + [N,H] gradients, which *_minus_grads "
+                         "subtracts"}
         for k, rs in res.items():
             row[f"{k}_fwd_bwd_s"] = round(statistics.median(r["time_s"] for r in rs), 3)
             extra = statistics.median(r["peak_extra_bytes"] for r in rs)
@@ -1067,14 +1072,14 @@ def _bench_gpu(print_json):
     rewards, values, masks = _bench_gae_inputs(B, T)
     rewards, values = rewards.to(dev), values.to(dev)
     mask = masks["with_gaps"].to(dev).bool()
-    lam = torch.full((B,), 0.95, device=dev)
+    lam = 0.95
     adv_t, _ = _gae_triton(rewards, values, mask, 1.0, lam)
     adv_r, _ = gae_ref(rewards, values, mask, 1.0, lam)
     err = (adv_t - adv_r).abs().max().item()
     gae_bytes = B * T * (4 + 4 + 1 + 4 + 4)  # read rewards, values, mask; write advantages, returns
     us_t = _cuda_time_us(lambda: _gae_triton(rewards, values, mask, 1.0, lam))
     us_r = _cuda_time_us(lambda: gae_ref(rewards, values, mask, 1.0, lam))
-    us_loop = _cuda_time_us(lambda: _gae_verl_loop(rewards, values, mask.float(), 1.0, 0.95), warmup=1, reps=3)
+    us_loop = _cuda_time_us(lambda: _gae_verl_loop(rewards, values, mask.float(), 1.0, lam), warmup=1, reps=3)
     report("gae_triton", (B, T), us_t, gae_bytes, ref_us=round(us_r, 1), verl_loop_us=round(us_loop, 1),
            speedup_vs_ref=round(us_r / us_t, 2), speedup_vs_verl_loop=round(us_loop / us_t, 1),
            max_abs_diff_vs_ref=err)
@@ -1148,17 +1153,16 @@ def _main(argv):
     if argv[:1] == ["--logprobs-worker"]:
         _logprobs_worker(argv[1], int(argv[2]), int(argv[3]), int(argv[4]))
         return
-    if "--bench-gpu" in argv:
-        if not torch.cuda.is_available() or not HAS_TRITON:
+    gpu = torch.cuda.is_available() and HAS_TRITON
+    if "--bench-gpu" in argv or ("--bench" in argv and gpu):
+        if not gpu:
             raise SystemExit("--bench-gpu needs CUDA and triton")
         _bench_gpu(print_json)
         return
-    if "--bench" in argv:
+    if "--bench" in argv or "--bench-cpu" in argv:
         torch.set_num_threads(1)
         _bench_gae_cpu(print_json)
         _bench_logprobs_cpu(print_json)
-        if torch.cuda.is_available() and HAS_TRITON:
-            _bench_gpu(print_json)
         return
     print(__doc__)
 

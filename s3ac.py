@@ -662,7 +662,8 @@ def evaluate(model, tokenizer, problems, prompts, verifier, eos_ids, pad_id, arg
             "eval/response_len": batch.response_mask.sum(1).mean().item(), "eval/n": len(rewards)}
 
 
-def save_checkpoint(out_dir: str, step: int, model, tokenizer, critic, actor_opt, critic_opt, sampler, keep: int):
+def save_checkpoint(out_dir: str, step: int, model, tokenizer, critic, actor_opt, critic_opt, sampler, update_gen,
+                    keep: int):
     """Write checkpoints/step_N atomically: everything goes to a temporary directory that is renamed when
     complete, then the `latest` pointer is replaced. A kill at any moment leaves the previous checkpoint."""
     from safetensors.torch import save_file
@@ -677,6 +678,7 @@ def save_checkpoint(out_dir: str, step: int, model, tokenizer, critic, actor_opt
     rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
+    rng["update"] = update_gen.get_state()
     torch.save({"step": step, "actor_opt": actor_opt.state_dict(), "critic_opt": critic_opt.state_dict(),
                 "sampler": (sampler.epoch, sampler.pos), "rng": rng}, os.path.join(tmp, "trainer_state.pt"))
     if os.path.exists(final):
@@ -718,6 +720,8 @@ def log_metrics(path: str, metrics: dict):
 def train(args: Args):
     from tqdm import tqdm
     from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()  # one tqdm bar: the training steps
     kernels.set_backend(args.kernels)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -753,6 +757,7 @@ def train(args: Args):
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
     actor_opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     critic_opt = torch.optim.AdamW(critic.parameters(), lr=args.lr * args.critic_lr_ratio, weight_decay=0.0)
+    update_gen = torch.Generator().manual_seed(args.seed)  # mini-batch order in the updates
     start_step = 0
     metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
     if ckpt:
@@ -764,10 +769,10 @@ def train(args: Args):
         torch.set_rng_state(state["rng"]["torch"])
         if "cuda" in state["rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        update_gen.set_state(state["rng"]["update"])
         start_step = state["step"]
         _drop_records_after(metrics_path, start_step)  # records of steps that the kill threw away
         print(f"resumed from {ckpt} at step {start_step}", file=sys.stderr)
-    update_gen = torch.Generator().manual_seed(args.seed + start_step)
 
     prompt_cache = {}
 
@@ -854,7 +859,7 @@ def train(args: Args):
             metrics.update(run_eval(step))
         if step == args.steps or (args.save_every and step % args.save_every == 0):
             save_checkpoint(args.out_dir, step, model, tokenizer, critic, actor_opt, critic_opt, sampler,
-                            args.keep_checkpoints)
+                            update_gen, args.keep_checkpoints)
         metrics["perf/step_s"] = time.time() - timer
         log_metrics(metrics_path, metrics)
         tqdm.write(f"step {step:4d} | reward {metrics['rollout/reward']:+.3f} acc {metrics['rollout/acc']:.3f} "
