@@ -317,7 +317,7 @@ def gae(rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: float, la
 # ---------------------------------------------------------------------------------------------------------
 
 
-@_jit
+@_jit(do_not_specialize=["n_elements"])
 def _cispo_kernel(logp_ptr, old_logp_ptr, adv_ptr, mask_ptr, coef_ptr, partial_ptr, n_elements, eps_low, eps_high,
                   BLOCK: tl.constexpr):
     # One program per BLOCK tokens of the flattened [B*T] batch. Writes d(per-token loss)/d(logprob) and three
@@ -450,7 +450,7 @@ def cispo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, respo
 # ---------------------------------------------------------------------------------------------------------
 
 
-@_jit
+@_jit(do_not_specialize=["n_elements"])
 def _value_loss_kernel(values_ptr, old_values_ptr, returns_ptr, mask_ptr, coef_ptr, partial_ptr, n_elements, eps_v,
                        BLOCK: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
@@ -557,7 +557,7 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, response_mas
     return value_loss_ref(values, old_values, returns, response_mask, eps_v, num_tokens)
 
 
-@_jit
+@_jit(do_not_specialize=["n_elements"])
 def _bce_value_loss_kernel(logits_ptr, targets_ptr, mask_ptr, coef_ptr, partial_ptr, n_elements, BLOCK: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
@@ -648,7 +648,7 @@ def bce_value_loss(value_logits: Tensor, targets: Tensor, response_mask: Tensor,
 LOGITS_CHUNK_ELEMENTS = 1 << 24  # logits held at once (rows * V forward, N * V_chunk backward): 64 MiB in fp32
 
 
-@_jit
+@_jit(do_not_specialize=["V", "stride_row"])
 def _logsumexp_entropy_kernel(logits_ptr, targets_ptr, lse_ptr, logp_ptr, entropy_ptr, V, stride_row, inv_temp,
                               BLOCK_V: tl.constexpr):
     # One program per row of a [rows, V] logits chunk; an online (streaming) logsumexp over blocks of V:
@@ -677,7 +677,7 @@ def _logsumexp_entropy_kernel(logits_ptr, targets_ptr, lse_ptr, logp_ptr, entrop
     tl.store(entropy_ptr + row, lse - w / s)
 
 
-@_jit
+@_jit(do_not_specialize=["v_start", "V_chunk", "stride_row"])
 def _logprob_grad_kernel(logits_ptr, targets_ptr, lse_ptr, grad_logp_ptr, v_start, V_chunk, stride_row, inv_temp,
                          BLOCK_V: tl.constexpr):
     # Overwrites an [N, V_chunk] logits block (vocabulary ids v_start ..., in place, same dtype) with

@@ -22,16 +22,18 @@ Equations (shape letters: B sequences, T response tokens, P prompt tokens, H hid
     2 critic epochs per rollout batch (actor 1).
 
 Where this code departs from the papers:
-    1. Rollouts use plain temperature sampling over the full vocabulary; the model's own generation_config
-       (top-p, top-k, repetition penalty) is ignored so that the behaviour policy mu is exactly
-       softmax(logits / temperature), which the trainer recomputes for the importance ratio.
+    1. Rollouts use plain temperature sampling over the full vocabulary: the model's generation_config is replaced
+       by a neutral one (no top-p, top-k or repetition penalty), so the behaviour policy mu is exactly
+       softmax(logits / temperature), which the trainer recomputes (same temperature) for the importance ratio.
     2. When the actor takes one optimizer step per rollout batch (the default), mu is the pre-update policy, so
        old_logprobs are the detached log-probs of the same forward pass and the ratio is exactly 1.
-    3. The learning rates are constant (no warm-up, no decay).
+    3. Learning rates are constant (no warm-up or decay); AdamW without weight decay; fp32 weights and optimizer
+       states, bf16 autocast for forward passes on CUDA.
     4. The critic is a separate model (default: a copy of the actor's checkpoint) that must share the actor's
        tokenizer.
-    5. Models that rescale their logits (Gemma-2 soft-capping, Granite logit scaling) are refused: log-probs are
-       computed from the last hidden state and the output embedding, which skips such rescaling.
+    5. Log-probs come from the last hidden state and the output embedding in chunks (kernels.logprobs_from_hidden),
+       so models that rescale their logits after the output layer (Gemma-2, Granite, Cohere) are refused.
+    6. A verifier check that hangs is killed after --verify-timeout seconds and counts as a wrong answer.
 
 Run:
     python s3ac.py --model Qwen/Qwen2.5-Math-1.5B                                # paper setting, GPU
@@ -69,12 +71,13 @@ class Args:
     # model
     model: str = "Qwen/Qwen2.5-Math-1.5B"  # actor: Hugging Face name, local directory, or a .gguf file
     critic_model: str = ""  # critic backbone; empty = the actor's checkpoint (must share the tokenizer)
-    dtype: str = "auto"  # auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16
+    dtype: str = "auto"  # compute dtype: auto (bfloat16 autocast on CUDA, float32 on CPU) | float32 | bfloat16;
+    #                      weights, gradients and optimizer states stay float32
     device: str = "auto"  # auto | cpu | cuda
     cache_dir: str = "~/.cache/s3ac"  # where .gguf models are converted to safetensors, once
     gradient_checkpointing: bool = False  # recompute activations in backward to save memory
     # data
-    data: str = "builtin:arithmetic"  # JSONL file, Hugging Face dataset name, or builtin:arithmetic
+    data: str = "builtin:arithmetic"  # JSONL file, Hugging Face dataset (name or name:config), builtin:arithmetic[:N]
     eval_data: str = ""  # held-out problems; empty = hold out eval_size problems of --data
     prompt_key: str = ""  # JSONL/dataset field with the question; empty = question (GSM8K) or problem (MATH)
     answer_key: str = ""  # field with the gold answer; empty = answer (text after '####' for GSM8K)
@@ -82,7 +85,7 @@ class Args:
     eval_split: str = "test"  # split for --eval-data when it is a Hugging Face dataset
     prompt_template: str = ""  # overrides the chat template: a string with {question}
     # rollout
-    rollout: str = "hf"  # rollout backend: hf (transformers generate)
+    rollout: str = "hf"  # rollout backend: hf (transformers generate) is the one in this version
     batch_prompts: int = 64  # prompts per step
     k: int = 1  # rollouts per prompt (1 = single-rollout mode, >1 = group mode)
     max_new_tokens: int = 1024  # response length limit, tokens
@@ -100,14 +103,15 @@ class Args:
     eps_high: float = 0.28  # CISPO upper bound, relative: weight <= 1 + eps_high
     actor_grad_clip: float = 1.0  # global grad-norm clip of the actor
     actor_epochs: int = 1  # passes over each rollout batch
-    minibatches: int = 1  # optimizer steps per pass (actor and critic)
-    micro_batch_size: int = 8  # sequences per forward/backward; gradients accumulate over a mini-batch
     # critic
     critic_lr_ratio: float = 5.0  # critic learning rate = critic_lr_ratio * lr
     critic_grad_clip: float = 10.0  # global grad-norm clip of the critic
     critic_epochs: int = 2  # passes of the critic over each rollout batch
     eps_v: float = 0.5  # value clip range, absolute, on the +-1 reward scale
     critic_seed: int = 1  # seed of the value-head initialisation
+    # updates (actor and critic)
+    minibatches: int = 1  # optimizer steps per pass over the rollout batch
+    micro_batch_size: int = 8  # sequences per forward/backward; gradients accumulate over a mini-batch
     # run
     steps: int = 200  # training steps (one rollout batch each)
     seed: int = 0  # seed of sampling, data order and rollouts
@@ -132,7 +136,14 @@ def parse_args(argv=None) -> Args:
             parser.add_argument(flag, type=_str2bool, nargs="?", const=True, default=field.default)
         else:
             parser.add_argument(flag, type=type(field.default), default=field.default)
-    return Args(**vars(parser.parse_args(argv)))
+    args = Args(**vars(parser.parse_args(argv)))
+    if args.rollout != "hf":
+        parser.error(f"--rollout {args.rollout}: only hf is available")
+    for name in ("k", "batch_prompts", "max_new_tokens", "minibatches", "micro_batch_size", "actor_epochs",
+                 "critic_epochs", "gen_batch_size"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    return args
 
 
 def _str2bool(s: str) -> bool:
@@ -195,7 +206,8 @@ def load_problems(spec: str, prompt_key: str = "", answer_key: str = "", split: 
         except ImportError:
             raise ImportError(f"{spec!r} is not a file; loading it as a Hugging Face dataset needs `pip install "
                               f"datasets`") from None
-        ds = datasets.load_dataset(spec, split=split)
+        name, _, config = spec.partition(":")  # 'openai/gsm8k:main' names a dataset configuration
+        ds = datasets.load_dataset(name, config or None, split=split)
         problems = [_row_to_problem(row, prompt_key, answer_key, f"{spec}[{split}], row {i}")
                     for i, row in enumerate(ds)]
     if not problems:
@@ -219,32 +231,49 @@ def _row_to_problem(row, prompt_key: str, answer_key: str, where: str) -> Proble
     return Problem(str(row[qkey]), answer)
 
 
-def split_problems(train, eval_spec: str, args: Args):
-    """Held-out problems: --eval-data when given, else a seeded slice of eval_size problems taken out of train."""
+def split_problems(train: list, eval_spec: str, args: Args):
+    """(train, held_out): held_out is the first eval_size problems of --eval-data when given, else a seeded slice
+    of eval_size distinct problems of train. Duplicate questions are dropped, and no question of held_out stays in
+    train. Raises ValueError when too few problems are left."""
+    train = list({p.question: p for p in reversed(train)}.values())[::-1]  # distinct questions, first kept
     if eval_spec:
         held_out = load_problems(eval_spec, args.prompt_key, args.answer_key, args.eval_split, seed=args.seed + 1)
-        return train, held_out[: args.eval_size]
-    if len(train) <= args.eval_size:
-        raise ValueError(f"{args.data}: {len(train)} problems, too few to hold out eval_size={args.eval_size}")
-    order = list(range(len(train)))
-    random.Random(args.seed + 12345).shuffle(order)
-    held = set(order[: args.eval_size])
-    return [p for i, p in enumerate(train) if i not in held], [train[i] for i in order[: args.eval_size]]
+        held_out = list({p.question: p for p in reversed(held_out)}.values())[::-1][: args.eval_size]
+    else:
+        if len(train) <= args.eval_size:
+            raise ValueError(f"{args.data}: {len(train)} distinct problems, too few to hold out {args.eval_size}")
+        held_out = random.Random(args.seed + 12345).sample(train, args.eval_size)
+    seen = {p.question for p in held_out}
+    train = [p for p in train if p.question not in seen]
+    if not train:
+        raise ValueError(f"{args.data}: no training problem left once the held-out questions are removed")
+    return train, held_out
 
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
 def build_prompt(tokenizer, question: str, template: str = "") -> list:
-    """Token ids of the prompt: `template` with {question} if given, else the tokenizer's chat template asking
-    for a \\boxed{} answer, else a plain 'Question: ... Answer:' text."""
+    """Token ids of the prompt: `template` with {question} replaced if given, else the tokenizer's chat template
+    asking for a \\boxed{} answer, else a plain 'Question: ... Answer:' text."""
     if template:
-        return tokenizer(template.format(question=question))["input_ids"]
+        return tokenizer(template.replace("{question}", question))["input_ids"]  # not str.format: \\boxed{}
     if tokenizer.chat_template:
         text = tokenizer.apply_chat_template([{"role": "user", "content": f"{question}\n{INSTRUCTION}"}],
                                              tokenize=False, add_generation_prompt=True)
         return tokenizer(text, add_special_tokens=False)["input_ids"]  # the template holds any BOS itself
     return tokenizer(f"Question: {question}\n{INSTRUCTION}\nAnswer:")["input_ids"]
+
+
+def chat_stop_ids(tokenizer) -> set:
+    """The special token that closes an assistant turn in the chat template (e.g. <|im_end|> for Qwen, whose base
+    models name <|endoftext|> as EOS), or an empty set without a chat template."""
+    if not tokenizer.chat_template:
+        return set()
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "1"}, {"role": "assistant", "content": "@@"}],
+                                         tokenize=False)
+    after = tokenizer(text.split("@@", 1)[-1], add_special_tokens=False)["input_ids"]
+    return {after[0]} if after and after[0] in tokenizer.all_special_ids + list(tokenizer.added_tokens_decoder) else set()
 
 
 class PromptSampler:
@@ -257,6 +286,7 @@ class PromptSampler:
         return torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 7919 + self.epoch))
 
     def draw(self, count: int) -> list:
+        """The next `count` problem indices."""
         out = []
         while len(out) < count:
             if self.pos == self.n:
@@ -302,12 +332,35 @@ def resolve_model(name: str, cache_dir: str) -> str:
     return out
 
 
-def load_actor(path: str, dtype, device):
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
-    for field in ("final_logit_softcapping", "logits_scaling"):
+def compute_dtype(name: str, device) -> torch.dtype:
+    """--dtype to the autocast dtype: auto = bfloat16 on CUDA, float32 elsewhere. Raises ValueError."""
+    table = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
+             "bfloat16": torch.bfloat16}
+    if name not in table:
+        raise ValueError(f"--dtype {name!r}: expected one of {sorted(table)}")
+    return table[name]
+
+
+def autocast(device, dtype):
+    """bf16 autocast for forward passes (weights, gradients and optimizer states stay fp32); off for float32."""
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+
+def load_actor(path: str, device):
+    """The policy as an fp32 causal LM on `device`, with a neutral generation_config (transformers fills every
+    sampling field a caller leaves unset from it, so a checkpoint's top-p or repetition penalty would otherwise
+    change the behaviour policy). Raises ValueError for models whose logits are rescaled after the output
+    embedding, which log-probs computed from hidden states would miss."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    for field in ("final_logit_softcapping", "logits_scaling", "logit_scale"):
         if getattr(model.config, field, None) not in (None, 1.0):
             raise ValueError(f"{path}: config.{field} rescales logits; log-probs from hidden states would skip it")
+    if getattr(model.get_output_embeddings(), "bias", None) is not None:
+        raise ValueError(f"{path}: the output layer has a bias; log-probs from hidden states would skip it")
+    old = model.generation_config
+    model.generation_config = GenerationConfig(eos_token_id=old.eos_token_id, pad_token_id=old.pad_token_id,
+                                               bos_token_id=old.bos_token_id)
     return model
 
 
@@ -330,13 +383,14 @@ class Critic(nn.Module):
         """Values at every position, [B, L] fp32 (B sequences of L tokens)."""
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                use_cache=False).last_hidden_state  # [B, L, H]
-        return self.value_head(hidden.float()).squeeze(-1)  # [B, L]
+        with torch.autocast(hidden.device.type, enabled=False):  # the head stays fp32 under bf16 autocast
+            return self.value_head(hidden.float()).squeeze(-1)  # [B, L]
 
 
-def load_critic(path: str, dtype, device, seed: int, head_file: str = "") -> Critic:
-    """Critic from a backbone checkpoint; the value head comes from head_file when resuming, else fresh."""
+def load_critic(path: str, device, seed: int, head_file: str = "") -> Critic:
+    """fp32 critic from a backbone checkpoint; the value head comes from head_file when resuming, else fresh."""
     from transformers import AutoModel
-    critic = Critic(AutoModel.from_pretrained(path, dtype=dtype), seed)
+    critic = Critic(AutoModel.from_pretrained(path, dtype=torch.float32), seed)
     if head_file:
         from safetensors.torch import load_file
         critic.value_head.load_state_dict(load_file(head_file))
@@ -356,6 +410,7 @@ class Batch:
     prompt_index: torch.Tensor  # [B] index of the problem each sequence answers (groups for K > 1)
 
     def rows(self, idx):
+        """The sub-batch of the sequences `idx` (a list or a [b] index tensor)."""
         return Batch(*(getattr(self, f.name)[idx] for f in dataclasses.fields(self)))
 
 
@@ -434,6 +489,7 @@ def _verify_one(gold: str, completion: str) -> str:
 
 
 def _verify_worker(conn):
+    """Worker process loop: (gold, completion) in, status out, until None."""
     while True:
         item = conn.recv()
         if item is None:
@@ -471,13 +527,13 @@ class Verifier:
         self._proc = None
 
     def _check(self, gold: str, completion: str) -> str:
-        if self._proc is None or not self._proc.is_alive():
-            self._start()
         try:
+            if self._proc is None or not self._proc.is_alive():
+                self._start()
             self._conn.send((gold, completion))
             if self._conn.poll(self.timeout):
                 return self._conn.recv()
-        except (EOFError, OSError):  # the worker died (out of memory, a crash in sympy's C code)
+        except (EOFError, OSError, RuntimeError):  # the worker died or did not start; the next check retries
             self._kill()
             return "error"
         self._kill()  # hung past the deadline: a fresh worker takes the next check
@@ -520,7 +576,9 @@ def actor_logprobs(model, batch: Batch, temperature: float):
     valid = batch.response_mask.to(device).bool()  # [B, T]
     h = hidden[:, P - 1: P + T - 1][valid]  # [N, H] N valid response tokens
     targets = batch.response_ids.to(device)[valid]  # [N]
-    lp, ent = kernels.logprobs_from_hidden(h, model.get_output_embeddings().weight, targets, temperature)  # [N]
+    weight = model.get_output_embeddings().weight  # [V, H] fp32
+    with torch.autocast(device.type, enabled=False):  # log-probs in fp32 even under bf16 autocast
+        lp, ent = kernels.logprobs_from_hidden(h.float(), weight, targets, temperature)  # [N]
     logprobs = torch.zeros(valid.shape, device=device).masked_scatter(valid, lp)  # [B, T]
     entropy = torch.zeros(valid.shape, device=device).masked_scatter(valid, ent.detach())  # [B, T]
     return logprobs, entropy
@@ -537,6 +595,7 @@ def critic_values(critic: Critic, batch: Batch):
 
 
 def micro_batches(n: int, size: int):
+    """Index lists [0..size), [size..2 size), ... covering range(n)."""
     return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
 
 
@@ -572,6 +631,7 @@ def decoupled_gae(rewards, values, response_mask, gamma: float, critic_lam: floa
 
 
 def masked_mean(x, mask):
+    """Mean of x [B, T] over the positions where mask [B, T] is nonzero (0 when there are none)."""
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
@@ -587,65 +647,79 @@ def explained_variance(values, returns, mask) -> float:
 # ---------------------------------------------------------------------------------------------------------------
 # 7. Updates: actor (CISPO) then critic (clipped value loss)
 # ---------------------------------------------------------------------------------------------------------------
-def update_actor(model, optimizer, batch: Batch, advantages, old_logprobs, args: Args, generator):
-    """args.actor_epochs passes of args.minibatches optimizer steps; loss = token-mean over each mini-batch.
+def optimize(module, optimizer, batch: Batch, loss_fn, epochs: int, minibatches: int, micro_batch_size: int,
+             grad_clip: float, generator, amp_dtype) -> dict:
+    """The update loop shared by actor and critic: `epochs` passes over the batch, each split into `minibatches`
+    optimizer steps; a mini-batch runs in micro-batches of micro_batch_size sequences whose gradients accumulate.
 
-    old_logprobs [B, T]: mu, the behaviour policy; None means one optimizer step in all, so mu is the current
-    policy and its log-probs are the detached log-probs of the same forward pass.
+    loss_fn(rows, mbatch, num_tokens) -> (loss, metrics): rows [b] indexes the batch, mbatch = batch.rows(rows),
+    num_tokens = valid tokens of the whole mini-batch; the loss must be a sum over tokens divided by num_tokens, so
+    the accumulated gradient is the token-mean over the mini-batch, and so must its per-token metrics. Returns the
+    metrics averaged over optimizer steps, with grad_norm (before clipping) and clipped (share of clipped steps).
     """
-    B = advantages.shape[0]
-    sums, steps = {}, 0
-    for _ in range(args.actor_epochs):
-        perm = torch.randperm(B, generator=generator)
-        for mb in perm.chunk(args.minibatches):
-            num_tokens = batch.response_mask[mb].sum()  # loss normaliser: all response tokens of the mini-batch
-            for micro in mb.split(args.micro_batch_size):
-                mbatch = batch.rows(micro)
-                logprobs, entropy = actor_logprobs(model, mbatch, args.temperature)  # [b, T]
-                mask = mbatch.response_mask.to(logprobs.device)
-                old = logprobs.detach() if old_logprobs is None else old_logprobs[micro].to(logprobs.device)
-                # CISPO: J = sg(clip(r, 1-eps_low, 1+eps_high)) * A * log pi, loss = -J summed / num_tokens
-                pg_loss, m = kernels.cispo_loss(logprobs, old, advantages[micro].to(logprobs.device), mask,
-                                                args.eps_low, args.eps_high, num_tokens=num_tokens)
-                pg_loss.backward()
-                m = dict(m, pg_loss=pg_loss.detach(), entropy=(entropy * mask).sum() / num_tokens)
-                for key, value in m.items():
+    device = next(module.parameters()).device
+    sums, steps = {"grad_norm": 0.0, "clipped": 0.0}, 0
+    for _ in range(epochs):
+        perm = torch.randperm(batch.response_mask.shape[0], generator=generator)  # [B]
+        for mb in perm.chunk(minibatches):
+            num_tokens = batch.response_mask[mb].sum().to(device)  # loss normaliser: tokens of the mini-batch
+            for rows in mb.split(micro_batch_size):
+                with autocast(device, amp_dtype):  # forward only; backward runs outside autocast
+                    loss, metrics = loss_fn(rows, batch.rows(rows), num_tokens)
+                loss.backward()
+                for key, value in metrics.items():
                     sums[key] = sums.get(key, 0.0) + float(value)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.actor_grad_clip)
-            sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm.item()
+            grad_norm = torch.nn.utils.clip_grad_norm_(module.parameters(), grad_clip).item()
+            sums["grad_norm"] += grad_norm
+            sums["clipped"] += float(grad_norm > grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             steps += 1
-    # per-token metrics were summed per mini-batch, so dividing by the step count averages over mini-batches
-    return {f"actor/{k}": v / steps for k, v in sums.items()}
+    return {key: value / steps for key, value in sums.items()}
 
 
-def update_critic(critic, optimizer, batch: Batch, old_values, returns, args: Args, generator):
-    """args.critic_epochs passes of args.minibatches optimizer steps on the clipped value loss toward `returns`
-    (token-mean over each mini-batch). old_values [B, T]: the values used for the advantages."""
-    B = returns.shape[0]
-    sums, steps = {}, 0
-    for _ in range(args.critic_epochs):
-        perm = torch.randperm(B, generator=generator)
-        for mb in perm.chunk(args.minibatches):
-            num_tokens = batch.response_mask[mb].sum()
-            for micro in mb.split(args.micro_batch_size):
-                mbatch = batch.rows(micro)
-                values = critic_values(critic, mbatch)  # [b, T]
-                dev = values.device
-                # L_V = 0.5 * max((V - R)^2, (V_old + clip(V - V_old, -eps_v, eps_v) - R)^2), summed / num_tokens
-                v_loss, m = kernels.value_loss(values, old_values[micro].to(dev), returns[micro].to(dev),
-                                               mbatch.response_mask.to(dev), args.eps_v, num_tokens=num_tokens)
-                v_loss.backward()
-                for key, value in dict(m, v_loss=v_loss.detach()).items():
-                    sums[key] = sums.get(key, 0.0) + float(value)
-            grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.critic_grad_clip)
-            sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm.item()
-            sums["clipped"] = sums.get("clipped", 0.0) + float(grad_norm.item() > args.critic_grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            steps += 1
-    return {f"critic/{k}": v / steps for k, v in sums.items()}
+def update_actor(model, optimizer, batch: Batch, advantages, old_logprobs, args: Args, generator) -> dict:
+    """CISPO on the batch: args.actor_epochs passes of args.minibatches steps, token-mean loss per mini-batch.
+
+    advantages [B, T] (on the model's device); old_logprobs [B, T]: log mu, the behaviour policy, or None when the
+    actor takes one optimizer step in all, so that mu is the current policy and its log-probs are the detached
+    log-probs of the same forward pass (ratio exactly 1).
+    """
+    device = advantages.device
+
+    def loss_fn(rows, mbatch, num_tokens):
+        logprobs, entropy = actor_logprobs(model, mbatch, args.temperature)  # [b, T]
+        mask = mbatch.response_mask.to(device)  # [b, T]
+        old = logprobs.detach() if old_logprobs is None else old_logprobs[rows.to(device)]  # [b, T]
+        # CISPO: J = sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * log pi; loss = -(sum of J) / num_tokens
+        pg_loss, m = kernels.cispo_loss(logprobs, old, advantages[rows.to(device)], mask, args.eps_low,
+                                        args.eps_high, num_tokens=num_tokens)
+        return pg_loss, dict(m, pg_loss=pg_loss.detach(), entropy=(entropy * mask).sum() / num_tokens)
+
+    metrics = optimize(model, optimizer, batch, loss_fn, args.actor_epochs, args.minibatches, args.micro_batch_size,
+                       args.actor_grad_clip, generator, compute_dtype(args.dtype, device))
+    return {f"actor/{k}": v for k, v in metrics.items()}
+
+
+def update_critic(critic, optimizer, batch: Batch, old_values, returns, args: Args, generator) -> dict:
+    """Clipped value regression toward `returns`: args.critic_epochs passes of args.minibatches steps.
+
+    old_values [B, T]: the values the advantages used (the clipping centre); returns [B, T]: the targets; both on
+    the critic's device.
+    """
+    device = returns.device
+
+    def loss_fn(rows, mbatch, num_tokens):
+        values = critic_values(critic, mbatch)  # [b, T]
+        r = rows.to(device)
+        # L_V = 0.5 * max((V - R)^2, (V_old + clip(V - V_old, -eps_v, eps_v) - R)^2); sum / num_tokens
+        v_loss, m = kernels.value_loss(values, old_values[r], returns[r], mbatch.response_mask.to(device),
+                                       args.eps_v, num_tokens=num_tokens)
+        return v_loss, dict(m, v_loss=v_loss.detach())
+
+    metrics = optimize(critic, optimizer, batch, loss_fn, args.critic_epochs, args.minibatches,
+                       args.micro_batch_size, args.critic_grad_clip, generator, compute_dtype(args.dtype, device))
+    return {f"critic/{k}": v for k, v in metrics.items()}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -727,10 +801,7 @@ def train(args: Args):
         torch.set_num_threads(args.threads)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)
-    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
-             "float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    random.seed(args.seed)
-    torch.manual_seed(args.seed)
+    amp_dtype = compute_dtype(args.dtype, device)
     os.makedirs(args.out_dir, exist_ok=True)
 
     # data
@@ -746,13 +817,15 @@ def train(args: Args):
     critic_path = resolve_model(args.critic_model, args.cache_dir) if args.critic_model else model_path
     actor_src = os.path.join(ckpt, "actor") if ckpt else model_path
     tokenizer = AutoTokenizer.from_pretrained(actor_src)
-    model = load_actor(actor_src, dtype, device)
-    critic = load_critic(os.path.join(ckpt, "critic") if ckpt else critic_path, dtype, device, args.critic_seed,
+    model = load_actor(actor_src, device)
+    critic = load_critic(os.path.join(ckpt, "critic") if ckpt else critic_path, device, args.critic_seed,
                          os.path.join(ckpt, "critic", "value_head.safetensors") if ckpt else "")
+    random.seed(args.seed)  # after loading: a one-time .gguf conversion draws from the global RNG
+    torch.manual_seed(args.seed)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         critic.backbone.gradient_checkpointing_enable()
-    eos_ids = {tokenizer.eos_token_id} | set(_as_list(model.generation_config.eos_token_id))
+    eos_ids = {tokenizer.eos_token_id, *_as_list(model.generation_config.eos_token_id), *chat_stop_ids(tokenizer)}
     eos_ids.discard(None)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
     actor_opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
@@ -773,6 +846,8 @@ def train(args: Args):
         start_step = state["step"]
         _drop_records_after(metrics_path, start_step)  # records of steps that the kill threw away
         print(f"resumed from {ckpt} at step {start_step}", file=sys.stderr)
+    elif os.path.exists(metrics_path):
+        os.remove(metrics_path)  # a fresh run starts a fresh log
 
     prompt_cache = {}
 
@@ -792,7 +867,8 @@ def train(args: Args):
         return m
 
     if start_step == 0:
-        log_metrics(metrics_path, {"step": 0, **run_eval(0)})
+        with autocast(device, amp_dtype):
+            log_metrics(metrics_path, {"step": 0, **run_eval(0)})
     bar = tqdm(range(start_step + 1, args.steps + 1), initial=start_step, total=args.steps, desc="s3ac",
                file=sys.stderr)
     for step in bar:
@@ -801,30 +877,30 @@ def train(args: Args):
         # rollout: K samples for each of batch_prompts prompts
         index = [i for i in sampler.draw(args.batch_prompts) for _ in range(args.k)]
         model.eval()
-        batch = generate_hf(model, [prompt_ids(i, train_problems, "train") for i in index], index, eos_ids,
-                            pad_id, args.max_new_tokens, args.temperature, args.gen_batch_size)
+        with autocast(device, amp_dtype):
+            batch = generate_hf(model, [prompt_ids(i, train_problems, "train") for i in index], index, eos_ids,
+                                pad_id, args.max_new_tokens, args.temperature, args.gen_batch_size)
         metrics["time/rollout"] = time.time() - timer
-        n_tokens = batch.response_mask.sum().item()
 
         # verify
         t0 = time.time()
         texts = tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
         reward_list, statuses = verifier([train_problems[i].answer for i in index], texts)
-        rewards = torch.tensor(reward_list)  # [B]
+        rewards = torch.tensor(reward_list, device=device)  # [B]
         metrics["time/verify"] = time.time() - t0
 
         # values V(s_t) from the critic; behaviour log-probs when the actor takes several steps
         t0 = time.time()
-        with torch.no_grad():
+        mask = batch.response_mask.to(device)  # [B, T]
+        with torch.no_grad(), autocast(device, amp_dtype):
             critic.eval()
-            values = torch.cat([critic_values(critic, batch.rows(mb)).cpu()
+            values = torch.cat([critic_values(critic, batch.rows(mb))
                                 for mb in micro_batches(len(index), args.micro_batch_size)])  # [B, T]
+            values = torch.where(mask.bool(), values, 0.0)  # [B, T]
             old_logprobs = None
             if args.actor_epochs * args.minibatches > 1:
-                old_logprobs = torch.cat([actor_logprobs(model, batch.rows(mb), args.temperature)[0].cpu()
+                old_logprobs = torch.cat([actor_logprobs(model, batch.rows(mb), args.temperature)[0]
                                           for mb in micro_batches(len(index), args.micro_batch_size)])  # [B, T]
-        mask = batch.response_mask  # [B, T]
-        values = torch.where(mask.bool(), values, 0.0)  # [B, T]
         metrics["time/values"] = time.time() - t0
 
         # advantages (decoupled GAE), raw: no whitening
@@ -841,25 +917,22 @@ def train(args: Args):
         metrics.update(update_critic(critic, critic_opt, batch, values, returns, args, update_gen))
         metrics["time/critic"] = time.time() - t0
 
-        # log
-        lengths = mask.sum(1)
+        # log (before the checkpoint, so that a checkpointed step always has its record)
         metrics.update({
             "rollout/reward": rewards.mean().item(),
             "rollout/acc": (rewards > 0).float().mean().item(),
-            "rollout/response_len": lengths.mean().item(),
+            "rollout/response_len": mask.sum(1).mean().item(),
             "rollout/truncated": batch.truncated.float().mean().item(),
             **{f"verify/{s}": statuses.count(s) for s in Verifier.STATUSES[2:]},
             "critic/explained_var": explained_variance(values, returns, mask),
             "critic/value_mean": masked_mean(values, mask).item(),
             "critic/v0_mean": values[:, 0].mean().item(),
             "adv/mean": masked_mean(advantages, mask).item(),
-            "perf/tokens_per_s": n_tokens / metrics["time/rollout"],
+            "perf/tokens_per_s": mask.sum().item() / metrics["time/rollout"],
         })
         if step == args.steps or (args.eval_every and step % args.eval_every == 0):
-            metrics.update(run_eval(step))
-        if step == args.steps or (args.save_every and step % args.save_every == 0):
-            save_checkpoint(args.out_dir, step, model, tokenizer, critic, actor_opt, critic_opt, sampler,
-                            update_gen, args.keep_checkpoints)
+            with autocast(device, amp_dtype):
+                metrics.update(run_eval(step))
         metrics["perf/step_s"] = time.time() - timer
         log_metrics(metrics_path, metrics)
         tqdm.write(f"step {step:4d} | reward {metrics['rollout/reward']:+.3f} acc {metrics['rollout/acc']:.3f} "
@@ -867,6 +940,9 @@ def train(args: Args):
                    f"clipfrac {metrics['actor/pg_clipfrac']:.3f} entropy {metrics['actor/entropy']:.3f} | "
                    f"v_loss {metrics['critic/v_loss']:.4f} EV {metrics['critic/explained_var']:+.3f} "
                    f"V0 {metrics['critic/v0_mean']:+.3f} | {metrics['perf/step_s']:.0f}s")
+        if step == args.steps or (args.save_every and step % args.save_every == 0):
+            save_checkpoint(args.out_dir, step, model, tokenizer, critic, actor_opt, critic_opt, sampler,
+                            update_gen, args.keep_checkpoints)
     verifier.close()
     return metrics_path
 

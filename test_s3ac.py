@@ -18,7 +18,6 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import kernels
 import kernels as K
 import s3ac
 
@@ -91,59 +90,18 @@ def smoke_flags(model, out_dir, *extra):
 # ---------------------------------------------------------------------------------------------------------------
 # GAE
 # ---------------------------------------------------------------------------------------------------------------
-def gae_loop(rewards, values, mask, gamma, lam):
-    """Plain Python GAE over one row, skipping masked tokens (fp64 floats)."""
-    adv, nextv, last = [0.0] * len(rewards), 0.0, 0.0
-    for t in reversed(range(len(rewards))):
-        if mask[t]:
-            delta = rewards[t] + gamma * nextv - values[t]
-            last = delta + gamma * lam * last
-            nextv = values[t]
-            adv[t] = last
-    return adv
-
-
-
-
-
-def test_gae_matches_loop_and_ignores_padding_garbage():
-    g = torch.Generator().manual_seed(0)
-    B, T = 6, 37
-    rewards = torch.randn(B, T, generator=g)
-    values = torch.randn(B, T, generator=g)
-    lengths = torch.tensor([37, 1, 0, 20, 36, 5])
-    mask = (torch.arange(T)[None] < lengths[:, None]).float()
-    mask[0, 10:15] = 0  # interior masked span
-    lam = torch.tensor([0.9, 0.5, 1.0, 0.95, 0.0, 1.0])
-    adv, ret = kernels.gae(rewards, values, mask, 0.99, lam)
-    for garbage in (float("nan"), float("inf"), 1e8):
-        bad_v = torch.where(mask.bool(), values, garbage)
-        bad_r = torch.where(mask.bool(), rewards, garbage)
-        adv2, ret2 = kernels.gae(bad_r, bad_v, mask, 0.99, lam)
-        assert torch.equal(adv2, adv) and torch.equal(ret2, ret)
-    for i in range(B):
-        ref = gae_loop(rewards[i].double().tolist(), values[i].double().tolist(), mask[i].tolist(), 0.99,
-                       lam[i].item())
-        assert torch.allclose(adv[i].double(), torch.tensor(ref, dtype=torch.float64), atol=1e-5)
-    assert (adv != 0).sum() == mask.sum()  # every valid token gets credit, no padding does
-    assert torch.equal(adv[2], torch.zeros(T))  # fully masked row
-
-
-
-
-
 def test_decoupled_gae_uses_monte_carlo_returns_and_adaptive_lambda():
     mask = torch.tensor([[1.0, 1, 1, 0], [1, 1, 0, 0]])
     values = torch.tensor([[0.2, -0.1, 0.4, 7.0], [0.3, 0.5, float("nan"), 1.0]])
     rewards = torch.tensor([1.0, -1.0])
     adv, ret, _ = s3ac.decoupled_gae(rewards, values, mask, 1.0, 1.0, 1.5)
     assert torch.allclose(ret, torch.tensor([[1.0, 1, 1, 0], [-1, -1, 0, 0]]), atol=1e-6)  # critic: lambda = 1
-    for i, T in enumerate([3, 2]):
-        lam = 1 - 1 / (1.5 * T)  # actor: lambda_i = 1 - 1/(alpha T_i)
-        r = [0.0] * 4
-        r[T - 1] = rewards[i].item()
-        ref = gae_loop(r, torch.nan_to_num(values[i]).tolist(), mask[i].tolist(), 1.0, lam)
-        assert torch.allclose(adv[i], torch.tensor(ref, dtype=torch.float32), atol=1e-6)
+    token_rewards = torch.tensor([[0.0, 0, 1, 0], [0, -1, 0, 0]])
+    assert torch.equal(s3ac.outcome_rewards_to_tokens(rewards, mask), token_rewards)  # R on the last valid token
+    lam = torch.tensor([1 - 1 / (1.5 * 3), 1 - 1 / (1.5 * 2)])  # actor: lambda_i = 1 - 1/(alpha T_i)
+    ref, _ = _k_gae_loop(token_rewards, torch.nan_to_num(values), mask, 1.0, lam)
+    assert torch.allclose(adv.double(), ref, atol=1e-6)
+    assert (adv != 0).sum() == mask.sum()  # every valid token gets credit, no padding does
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -155,23 +113,49 @@ def test_response_mask_from_positions_when_pad_equals_eos():
     assert truncated.tolist() == [False, True]
 
 
+def greedy_reference(model, prompt, n):
+    """n greedy tokens by an argmax loop over full forward passes (no generate, no stop tokens)."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(model(torch.tensor([ids])).logits[0, -1].argmax().item())
+    return ids[len(prompt):]
+
+
 def test_generate_truncation_and_eos_in_prompt(tiny):
     _, model, tok = tiny
-    eos = tok.eos_token_id
     prompt = tok("12+3=")["input_ids"]
-    # the model is random: greedy continuation decides which token it emits first; make THAT token the stop id
-    first = s3ac.generate_hf(model, [prompt], [0], {10**6}, eos, 1, 1.0, 4, greedy=True).response_ids[0, 0].item()
-    b = s3ac.generate_hf(model, [prompt + [first], prompt], [0, 1], {first}, eos, 6, 1.0, 4, greedy=True)
-    # row 0 has the stop id inside its prompt: its response is still judged by its own tokens only
-    assert b.response_mask[1].tolist()[0] == 1 and not b.truncated[1] and b.response_mask[1].sum() == 1
+    ref = greedy_reference(model, prompt, 6)
+    stop = ref[0]  # make the first greedy token the stop id
+    b = s3ac.generate_hf(model, [prompt], [0], {stop}, tok.pad_token_id, 6, 1.0, 4, greedy=True)
+    assert b.response_mask.tolist() == [[1.0]] and b.truncated.tolist() == [False]
+    # the stop id inside a prompt does not end that row's response: the row is judged by its own tokens
+    prompt2 = prompt + [stop]
+    ref2 = greedy_reference(model, prompt2, 6)
+    c = s3ac.generate_hf(model, [prompt2, prompt], [0, 1], {stop}, tok.pad_token_id, 6, 1.0, 4, greedy=True)
+    n = ref2.index(stop) + 1 if stop in ref2 else 6
+    assert c.response_mask[0].tolist() == [1.0] * n + [0.0] * (c.response_mask.shape[1] - n)
+    assert c.response_ids[0, :n].tolist() == ref2[:n] and c.truncated[0].item() == (stop not in ref2)
     # a response that never emits a stop id hits the limit, keeps its last token, mask all ones, truncated
-    c = s3ac.generate_hf(model, [prompt], [0], {10**6}, eos, 6, 1.0, 4, greedy=True)
-    full = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                          do_sample=False, max_new_tokens=6, eos_token_id=None, pad_token_id=eos)[0, len(prompt):]
-    assert c.response_ids[0].tolist() == full.tolist()
-    assert c.response_mask.tolist() == [[1.0] * 6] and c.truncated.tolist() == [True]
-    if b.truncated[0]:
-        assert b.response_mask[0].sum() == 6
+    d = s3ac.generate_hf(model, [prompt], [0], {10**6}, tok.pad_token_id, 6, 1.0, 4, greedy=True)
+    assert d.response_ids[0].tolist() == ref
+    assert d.response_mask.tolist() == [[1.0] * 6] and d.truncated.tolist() == [True]
+
+
+def test_checkpoint_generation_config_does_not_change_sampling(tiny, tmp_path):
+    import copy
+    path, model, tok = tiny
+    penalised = copy.deepcopy(model)
+    penalised.generation_config.repetition_penalty = 100.0  # a checkpoint's sampling default, saved with it
+    penalised.save_pretrained(tmp_path)
+    prompt = tok("What is 7 * 8?")["input_ids"]
+    loaded = s3ac.load_actor(str(tmp_path), torch.device("cpu"))
+    out = s3ac.generate_hf(loaded, [prompt], [0], {10**6}, tok.pad_token_id, 8, 1.0, 4, greedy=True)
+    assert out.response_ids[0].tolist() == greedy_reference(model, prompt, 8)
+    from transformers import AutoModelForCausalLM
+    raw = AutoModelForCausalLM.from_pretrained(str(tmp_path))  # the penalty really would change the tokens
+    assert s3ac.generate_hf(raw, [prompt], [0], {10**6}, tok.pad_token_id, 8, 1.0, 4,
+                            greedy=True).response_ids[0].tolist() != greedy_reference(model, prompt, 8)
 
 
 def test_left_padding_generate_matches_unpadded(tiny):
@@ -241,9 +225,51 @@ def test_explained_variance_uses_global_statistics():
     returns, values = torch.tensor([[0.0, 1, 10, 11]]), torch.tensor([[0.0, 1, 10.5, 10.5]])
     mask = torch.ones(1, 4)
     assert s3ac.explained_variance(values, returns, mask) == pytest.approx(0.99505, abs=1e-5)
-    per_micro = [s3ac.explained_variance(values[:, i:i + 2], returns[:, i:i + 2], mask[:, :2]) for i in (0, 2)]
-    assert sum(per_micro) / 2 != pytest.approx(0.99505, abs=1e-3)  # what averaging micro-batches would give
     assert s3ac.explained_variance(values, torch.ones(1, 4), mask) != s3ac.explained_variance(values, torch.ones(1, 4), mask)  # nan
+
+
+def sampled_batch(model, tok, n=5, seed=0):
+    torch.manual_seed(seed)
+    prompts = [tok(f"What is {i} + {2 * i}?")["input_ids"] for i in range(n)]
+    return s3ac.generate_hf(model, prompts, list(range(n)), {tok.eos_token_id}, tok.pad_token_id, 7, 1.0, 8)
+
+
+@pytest.mark.parametrize("minibatches", [1, 2])
+def test_updates_are_invariant_to_micro_batching(tiny, minibatches):
+    """Gradient accumulation over micro-batches gives the update and metrics of one pass over the mini-batch."""
+    import copy
+    _, model, tok = tiny
+    batch = sampled_batch(model, tok)
+    B, T = batch.response_mask.shape
+    g = torch.Generator().manual_seed(1)
+    advantages, returns = torch.randn(B, T, generator=g), torch.randn(B, T, generator=g)
+    old_values = returns + 0.3 * torch.randn(B, T, generator=g)
+    critic = s3ac.Critic(copy.deepcopy(model.base_model), seed=0)
+    results = []
+    for micro in (1, B):
+        args = s3ac.Args(micro_batch_size=micro, minibatches=minibatches, actor_grad_clip=1e9, critic_grad_clip=1e9,
+                         eps_v=0.05, temperature=0.8)
+        actor, crit = copy.deepcopy(model), copy.deepcopy(critic)
+        # SGD moves each weight in proportion to its gradient (Adam's first step would hide a scale error)
+        m = s3ac.update_actor(actor, torch.optim.SGD(actor.parameters(), lr=1e-3), batch, advantages, None, args,
+                              torch.Generator().manual_seed(0))
+        m.update(s3ac.update_critic(crit, torch.optim.SGD(crit.parameters(), lr=1e-3), batch, old_values, returns,
+                                    args, torch.Generator().manual_seed(0)))
+        results.append((m, list(actor.parameters()) + list(crit.parameters())))
+    (m1, p1), (m2, p2) = results
+    for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "critic/v_loss", "critic/v_clipfrac",
+                "critic/grad_norm"):
+        assert m1[key] == pytest.approx(m2[key], rel=1e-5, abs=1e-7), key
+    assert 0 < m1["critic/v_clipfrac"] < 1
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(p1, p2))
+    # the entropy metric is the token mean of the sampling distribution's entropy, computed independently here
+    with torch.no_grad():
+        ids, attn, pos = s3ac.model_inputs(batch)
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, -T - 1:-1].double() / 0.8
+        ent = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)  # [B, T]
+        mask = batch.response_mask.double()
+    if minibatches == 1:
+        assert m1["actor/entropy"] == pytest.approx(((ent * mask).sum() / mask.sum()).item(), rel=1e-4)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -334,12 +360,27 @@ def test_builtin_arithmetic_is_seeded_and_correct():
     assert len(ops) == 6  # every operation with one- and two-digit operands
 
 
+def test_split_drops_duplicates_and_keeps_held_out_questions_out_of_train(tmp_path):
+    problems = s3ac.make_arithmetic(2000, seed=0)
+    args = s3ac.Args(eval_size=50)
+    train, held = s3ac.split_problems(problems, "", args)
+    assert len(held) == 50 and len({p.question for p in held}) == 50
+    assert not {p.question for p in train} & {p.question for p in held}
+    assert len({p.question for p in train}) == len(train)
+    other = write_lines(tmp_path / "e.jsonl", [json.dumps({"question": p.question, "answer": "#### " + p.answer})
+                                               for p in problems[:30]])
+    train2, held2 = s3ac.split_problems(problems, other, args)
+    assert len(held2) == len({p.question for p in problems[:30]})
+    assert not {p.question for p in train2} & {p.question for p in held2}
+
+
 def test_prompt_uses_chat_template_and_boxed(tiny):
     _, _, tok = tiny
     text = tok.decode(s3ac.build_prompt(tok, "What is 2 + 2?"))
     assert text.startswith("<|im_start|>user\nWhat is 2 + 2?") and "\\boxed{}" in text
     assert text.endswith("<|im_start|>assistant\n")
-    assert tok.decode(s3ac.build_prompt(tok, "Q", "Solve: {question} =")) == "Solve: Q ="
+    assert tok.decode(s3ac.build_prompt(tok, "Q", "Solve: {question} = \\boxed{}")) == "Solve: Q = \\boxed{}"
+    assert s3ac.chat_stop_ids(tok) == {tok.convert_tokens_to_ids("<|im_end|>")}
 
 
 def test_args_flags_generated_from_dataclass():
@@ -358,7 +399,8 @@ def test_args_flags_generated_from_dataclass():
 def smoke_run(tiny, tmp_path_factory):
     path = tiny[0]
     out = str(tmp_path_factory.mktemp("run"))
-    run_s3ac(*smoke_flags(path, out, "--steps", "2", "--save-every", "1", "--keep-checkpoints", "3"))
+    run_s3ac(*smoke_flags(path, out, "--steps", "2", "--save-every", "1", "--keep-checkpoints", "3",
+                          "--minibatches", "2"))
     return path, out
 
 
@@ -394,7 +436,7 @@ def test_checkpoint_round_trip(smoke_run, tmp_path):
     ckpt = s3ac.latest_checkpoint(out)
     assert ckpt.endswith("step_2") and os.path.isdir(os.path.join(out, "checkpoints", "step_1"))
     actor = AutoModelForCausalLM.from_pretrained(os.path.join(ckpt, "actor"))
-    critic = s3ac.load_critic(os.path.join(ckpt, "critic"), torch.float32, "cpu", 99,
+    critic = s3ac.load_critic(os.path.join(ckpt, "critic"), "cpu", 99,
                               os.path.join(ckpt, "critic", "value_head.safetensors"))
     state = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
     assert state["step"] == 2 and state["actor_opt"]["state"] and state["critic_opt"]["state"]
@@ -403,7 +445,7 @@ def test_checkpoint_round_trip(smoke_run, tmp_path):
     tmp = str(tmp_path / "again")
     s3ac.save_checkpoint(tmp, 7, actor, s3ac_tokenizer(ckpt), critic, torch.optim.AdamW(actor.parameters()),
                          torch.optim.AdamW(critic.parameters()), s3ac.PromptSampler(5, 0), torch.Generator(), keep=1)
-    again = s3ac.load_critic(os.path.join(tmp, "checkpoints", "step_7", "critic"), torch.float32, "cpu", 5,
+    again = s3ac.load_critic(os.path.join(tmp, "checkpoints", "step_7", "critic"), "cpu", 5,
                              os.path.join(tmp, "checkpoints", "step_7", "critic", "value_head.safetensors"))
     assert all(torch.equal(a, b) for a, b in zip(critic.state_dict().values(), again.state_dict().values()))
 
@@ -416,15 +458,20 @@ def s3ac_tokenizer(ckpt):
 def test_resume_after_kill_matches_uninterrupted_run(smoke_run, tmp_path):
     path, full_out = smoke_run
     out = str(tmp_path / "killed")
-    run_s3ac(*smoke_flags(path, out, "--steps", "1", "--save-every", "1"))
+    run_s3ac(*smoke_flags(path, out, "--steps", "1", "--save-every", "1", "--minibatches", "2"))
     # what a kill during step 2 leaves behind: a half-written checkpoint and no record of step 2
     os.makedirs(os.path.join(out, "checkpoints", ".tmp-step_2", "actor"))
-    proc = run_s3ac(*smoke_flags(path, out, "--steps", "2", "--save-every", "1", "--resume"))
+    proc = run_s3ac(*smoke_flags(path, out, "--steps", "2", "--save-every", "1", "--resume", "--minibatches", "2"))
     assert "resumed from" in proc.stderr
     full, resumed = read_jsonl(os.path.join(full_out, "metrics.jsonl")), read_jsonl(os.path.join(out, "metrics.jsonl"))
     assert [r["step"] for r in resumed] == [0, 1, 2]
     for key in ("rollout/reward", "rollout/response_len", "actor/pg_loss", "critic/v_loss", "critic/value_mean"):
         assert resumed[2][key] == pytest.approx(full[2][key], rel=1e-5, abs=1e-6), key
+    from safetensors.torch import load_file
+    for part in ("actor/model.safetensors", "critic/model.safetensors", "critic/value_head.safetensors"):
+        a = load_file(os.path.join(full_out, "checkpoints", "step_2", part))
+        b = load_file(os.path.join(out, "checkpoints", "step_2", part))
+        assert all(torch.equal(a[k], b[k]) for k in a), part  # bit-identical weights after the resume
 
 
 def test_one_step_same_metrics_with_triton_forced(tiny, tmp_path):
