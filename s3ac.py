@@ -636,12 +636,13 @@ def masked_mean(x, mask):
 
 
 def explained_variance(values, returns, mask) -> float:
-    """1 - Var[R - V] / Var[R] over all valid tokens of the batch (population variances); nan when Var[R] = 0.
-    Computed from global sums, never as the mean of per-micro-batch values."""
+    """1 - Var[R - V] / Var[R] over all valid tokens of the batch (population variances), from global sums, never
+    as the mean of per-micro-batch values. nan when the returns are constant up to rounding (Var[R] < 1e-8: every
+    answer right, or every answer wrong), where the ratio would only measure float error."""
     m = mask.bool()
     r, v = returns[m].double(), values[m].double()
-    var_r = r.var(unbiased=False)
-    return float("nan") if var_r.item() == 0 else (1 - (r - v).var(unbiased=False) / var_r).item()
+    var_r = r.var(unbiased=False) if r.numel() else torch.zeros((), dtype=torch.float64)
+    return float("nan") if var_r.item() < 1e-8 else (1 - (r - v).var(unbiased=False) / var_r).item()
 
 
 # ---------------------------------------------------------------------------------------------------------------
