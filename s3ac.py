@@ -21,8 +21,9 @@ Equations (shape letters: B sequences, T response tokens, P prompt tokens, H hid
     Value head init (S3AC): w ~ N(0, (1 / (H + 1))^2); critic grad-clip 10 (actor 1), critic lr 5x actor lr,
     2 critic epochs per rollout batch (actor 1).
     PACT critic sync (--critic-sync pact): actor update first, then one more forward pass of the updated actor:
-        rho_t = pi_new(a_t | s_t) / mu(a_t | s_t) (detached),  critic target for V(s_t): rho_t * R,
-        tokens with rho_t outside [rho_min, rho_max] = [0, 6] left out of the critic loss; actor lambda 1.
+        rho_t = pi_new(a_t | s_t) / mu(a_t | s_t) (detached),  critic target for V(s_t): rho_t * R on PACT's
+        [0, 1] reward scale, i.e. rho_t * (R + 1) - 1 on the +-1 scale; tokens with rho_t outside
+        [rho_min, rho_max] = [0, 6] left out of the critic loss; actor lambda 1.
     Sigmoid critic (PACT, --critic-loss bce): V = 2 sigmoid(z) - 1,  L = BCE(sigmoid(z), (target + 1) / 2).
     DAPS (S3AC, --prompt-selection daps), per prompt with decayed success / attempt counts S, N:
         p_c = clip((V(s_0) + 1) / 2, 0, 1),  p_hat = (S + n_c p_c) / (N + n_c),
@@ -48,9 +49,9 @@ Where this code departs from the papers:
     5. Models that rescale their logits (Gemma-2 soft-capping, Granite logit scaling) are refused: log-probs are
        computed from the last hidden state and the output embedding, which skips such rescaling.
     6. PACT's ratio I_t is the product of per-token ratios from t to the end; this code uses the detached
-       current-token ratio (PACT's practical choice), exact only for the last token. The ratio weights the +-1
-       return R (a BCE critic sees (rho_t R + 1) / 2) where PACT weights a [0, 1] reward; under mu both have the
-       expectation of V^pi_new, since E_mu[rho_t] = 1.
+       current-token ratio (PACT's practical choice), exact only for the last token. The ratio weights the
+       [0, 1]-scale return (R + 1) / 2 for both critic losses, as in PACT: weighting the +-1 return instead
+       would hand a BCE critic negative targets (1 - rho) / 2 on wrong answers, where soft BCE has no minimum.
     7. REINFORCE++ is used without its per-token KL penalty (no reference model is kept).
     8. The DAPS constants (n_c, a_min, decay, daps_start) are this code's defaults; the paper's are not used.
     9. Coverage pretraining uses the online critic update (clipped value loss or BCE, critic_epochs per batch)
@@ -142,7 +143,8 @@ class Args:
     # critic (s3ac and ppo only; the critic-free algorithms load no critic)
     critic_loss: str = "mse"  # mse: clipped value loss | bce: sigmoid critic, soft BCE toward (target + 1) / 2
     critic_sync: str = "s3ac"  # s3ac: critic then fits the rollout returns | pact: after the actor update it
-    #                            fits rho_t * R, rho_t = pi_new / mu from one more actor forward pass (PACT)
+    #                            fits rho_t * R ([0, 1] scale), rho_t = pi_new / mu from one more actor
+    #                            forward pass (PACT)
     rho_min: float = 0.0  # pact: tokens with rho_t outside [rho_min, rho_max] (absolute) leave the critic loss
     rho_max: float = 6.0  # pact: upper bound of the kept rho_t
     critic_lr_ratio: float = 5.0  # critic learning rate = critic_lr_ratio * lr
@@ -906,13 +908,15 @@ def pact_targets(returns, logprobs, old_logprobs, response_mask, rho_min: float,
     """PACT's importance-corrected critic targets and loss mask (PACT, "policy-aligned critic training").
 
         rho_t    = pi_new(a_t | s_t) / mu(a_t | s_t)           detached, per token (not PACT's product I_t)
-        target_t = rho_t * R_t                                for V(s_t), the state before token t
+        target_t = rho_t * (R_t + 1) / 2                      for V(s_t) on the [0, 1] scale (PACT's I_t R),
+                 = rho_t * (R_t + 1) - 1                      on the +-1 scale returned here
         mask_t   = response_mask_t * [rho_min <= rho_t <= rho_max]
 
-    E_mu[rho_t * R | s_t] = V^pi_new(s_t) when later tokens follow pi_new as well (exact for the last token).
-    returns [B, T] (R_t, the Monte-Carlo return R with critic_lam = 1), logprobs [B, T] of the updated actor,
-    old_logprobs [B, T] of the behaviour policy mu, response_mask [B, T].
-    Returns (targets [B, T], critic_mask [B, T] float, metrics).
+    E_mu[target_t | s_t] = V^pi_new(s_t) when later tokens follow pi_new as well (exact for the last token).
+    A wrong answer (R = -1) keeps the target -1 whatever rho_t; a right one gets 2 rho_t - 1.
+    returns [B, T] (R_t on the +-1 scale, the Monte-Carlo return R with critic_lam = 1), logprobs [B, T] of the
+    updated actor, old_logprobs [B, T] of the behaviour policy mu, response_mask [B, T].
+    Returns (targets [B, T] on the +-1 scale, critic_mask [B, T] float, metrics).
     """
     valid = response_mask.bool()  # [B, T]
     rho = torch.where(valid, logprobs.detach() - old_logprobs, 0.0).exp()  # [B, T]
@@ -920,7 +924,7 @@ def pact_targets(returns, logprobs, old_logprobs, response_mask, rho_min: float,
     n = valid.sum().clamp(min=1)
     metrics = {"critic/rho_mean": (rho * valid).sum().item() / n.item(),
                "critic/rho_masked_frac": 1.0 - critic_mask.sum().item() / n.item()}
-    return rho * returns * critic_mask, critic_mask, metrics  # [B, T], [B, T]
+    return (rho * (returns + 1) - 1) * critic_mask, critic_mask, metrics  # [B, T], [B, T]
 
 
 def critic_loss_fn(raw, old_values, targets, response_mask, critic_loss: str, eps_v: float, num_tokens=None):
@@ -1395,7 +1399,7 @@ def train(args: Args):
         metrics.update(m)
         metrics["time/actor"] = time.time() - t0
 
-        # critic update on the same batch, toward the rollout returns (s3ac) or PACT's rho_t * R, where
+        # critic update on the same batch, toward the rollout returns (s3ac) or PACT's rho_t-weighted ones, where
         # rho_t = pi_new / mu comes from one more forward pass of the UPDATED actor (no new generation)
         if critic is not None:
             t0 = time.time()

@@ -682,9 +682,10 @@ def test_pact_targets_mask_ratios_outside_range_and_padding():
     old = torch.zeros(1, 4)
     new = torch.log(torch.tensor([[0.5, 7.0, 6.0, 3.0]]))
     mask = torch.tensor([[1.0, 1, 1, 0]])
-    targets, critic_mask, m = s3ac.pact_targets(torch.full((1, 4), -1.0), new, old, mask, 0.0, 6.0)
+    targets, critic_mask, m = s3ac.pact_targets(torch.tensor([[1.0, 1, -1, 1]]), new, old, mask, 0.0, 6.0)
     assert critic_mask.tolist() == [[1, 0, 1, 0]]  # 7 > 6 masked, 6 kept (closed range), padding masked
-    assert targets[0, [0, 2]].tolist() == pytest.approx([-0.5, -6.0])
+    # [0, 1] scale: rho * (R + 1) / 2 -> 0.5 * 1 and 6 * 0, i.e. 0.0 and -1.0 on the +-1 scale
+    assert targets[0, [0, 2]].tolist() == pytest.approx([0.0, -1.0])
     assert m["critic/rho_masked_frac"] == pytest.approx(1 / 3)
 
 
@@ -764,7 +765,7 @@ def test_critic_efficiency_published_rows():
 
 
 def test_credit_sparsity_value_separation_and_adv_explained_variance():
-    values = torch.tensor([[0.0, 0.5, 0.52, 9.0], [-0.2, -0.2, 0.0, 0.0]])
+    values = torch.tensor([[0.0, 0.5, 0.58, 9.0], [-0.2, -0.2, 0.0, 0.0]])  # 0.08 on +-1 = 0.04 on [0, 1]
     mask = torch.tensor([[1.0, 1, 1, 0], [1, 1, 0, 0]])
     rewards = torch.tensor([1.0, -1.0])
     counts, m = s3ac.credit_sparsity(values, rewards, mask, 0.05)
@@ -775,7 +776,7 @@ def test_credit_sparsity_value_separation_and_adv_explained_variance():
         seq = values[i, :L].tolist() + [rewards[i].item()]
         ref.append(sum(abs(seq[t + 1] - seq[t]) / 2 > 0.05 for t in range(L)))
     assert counts.tolist() == ref == [2, 1] and m["critic/credit_sparsity"] == 1.5
-    assert s3ac.value_separation(values, rewards, mask) == pytest.approx((1.02 / 3) - (-0.2))
+    assert s3ac.value_separation(values, rewards, mask) == pytest.approx((1.08 / 3) - (-0.2))
     assert math.isnan(s3ac.value_separation(values, torch.tensor([1.0, 1.0]), mask))
     m = s3ac.critic_metrics(torch.where(mask.bool(), values, 0.0), rewards[:, None] * mask, rewards, mask, 1.0, 4.0,
                             0.05)
