@@ -20,6 +20,22 @@ Equations (shape letters: B sequences, T response tokens, P prompt tokens, H hid
         L_V = 0.5 * max((V - R)^2, (V_old + clip(V - V_old, -eps_v, eps_v) - R)^2)
     Value head init (S3AC): w ~ N(0, (1 / (H + 1))^2); critic grad-clip 10 (actor 1), critic lr 5x actor lr,
     2 critic epochs per rollout batch (actor 1).
+    PACT critic sync (--critic-sync pact): actor update first, then one more forward pass of the updated actor:
+        rho_t = pi_new(a_t | s_t) / mu(a_t | s_t) (detached),  critic target for V(s_t): rho_t * R on PACT's
+        [0, 1] reward scale, i.e. rho_t * (R + 1) - 1 on the +-1 scale; tokens with rho_t outside
+        [rho_min, rho_max] = [0, 6] left out of the critic loss; actor lambda 1.
+    Sigmoid critic (PACT, --critic-loss bce): V = 2 sigmoid(z) - 1,  L = BCE(sigmoid(z), (target + 1) / 2).
+    DAPS (S3AC, --prompt-selection daps), per prompt with decayed success / attempt counts S, N:
+        p_c = clip((V(s_0) + 1) / 2, 0, 1),  p_hat = (S + n_c p_c) / (N + n_c),
+        accept with probability a = a_min + (1 - a_min) * 4 p_hat (1 - p_hat).
+    Baselines (--algo), A_i broadcast over the tokens of sequence i unless GAE:
+        ppo           GAE with one lambda = 0.95 for actor and critic, clipped surrogate (Schulman et al. 2017):
+                      J = min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t)
+        grpo          A_i = (R_i - mean_g) / std_g, population std over the K rollouts of prompt g
+        rloo          A_i = R_i - mean of the other K - 1 rewards of its group
+        reinforce_pp  A = R whitened over the valid tokens of the whole batch
+    Critic diagnostics: token credit C_i = V_i - V_(i-1), with R after the last token (PACT); compute efficiency
+        1 / ((1 - EV) (1 + c)), c = critic compute / actor compute, worth it when EV > c / (1 + c) (Baseten).
 
 Where this code departs from the papers:
     1. Rollouts use plain temperature sampling over the full vocabulary: the model's generation_config is replaced
@@ -34,17 +50,30 @@ Where this code departs from the papers:
     5. Log-probs come from the last hidden state and the output embedding in chunks (kernels.logprobs_from_hidden),
        so models that rescale their logits after the output layer (Gemma-2, Granite, Cohere) are refused.
     6. A verifier check that hangs is killed after --verify-timeout seconds and counts as a wrong answer.
+    7. PACT's ratio I_t is the product of per-token ratios from t to the end; this code uses the detached
+       current-token ratio (PACT's practical choice), exact only for the last token. The ratio weights the
+       [0, 1]-scale return (R + 1) / 2 for both critic losses, as in PACT: weighting the +-1 return instead
+       would hand a BCE critic negative targets (1 - rho) / 2 on wrong answers, where soft BCE has no minimum.
+    8. REINFORCE++ is used without its per-token KL penalty (no reference model is kept).
+    9. The DAPS constants (n_c, a_min, decay, daps_start) are this code's defaults; the paper's are not used.
+    10. Coverage pretraining uses the online critic update (clipped value loss or BCE, critic_epochs per batch)
+       toward Monte-Carlo returns, and holds out 10% of the prompts to report its fit.
 
 Run:
     python s3ac.py --model Qwen/Qwen2.5-Math-1.5B                                # paper setting, GPU
     python s3ac.py --model path/to/model.gguf --data builtin:arithmetic --steps 30  # CPU
     python s3ac.py --data ../shared/data/gsm8k_train.jsonl --eval-data ../shared/data/gsm8k_test.jsonl
     python s3ac.py --out-dir runs/x --resume                                      # continue a killed run
+    python s3ac.py --algo grpo --k 8 --dynamic-sampling                # baselines: --algo ppo|grpo|rloo|reinforce_pp
+    python s3ac.py --critic-sync pact --critic-loss bce                # PACT's critic (actor lambda 1)
+    python s3ac.py --prompt-selection daps --coverage-temperatures 0.6,1.0,1.3 --critic-warmup-steps 5
 """
 
 import argparse
 import dataclasses
+import functools
 import hashlib
+import inspect
 import json
 import math
 import multiprocessing
@@ -84,6 +113,12 @@ class Args:
     split: str = "train"  # dataset split (Hugging Face datasets only)
     eval_split: str = "test"  # split for --eval-data when it is a Hugging Face dataset
     prompt_template: str = ""  # overrides the chat template: a string with {question}
+    # algorithm (the flags left at "by algorithm" are resolved once by resolve_args and printed)
+    algo: str = "s3ac"  # advantages: s3ac | ppo (critic, GAE) | grpo | rloo | reinforce_pp (critic-free)
+    actor_loss: str = ""  # cispo | ppo (clipped surrogate); empty = by algorithm: ppo for --algo ppo, else cispo
+    grpo_std: bool = True  # grpo: divide by the group's population std (false: mean-centring only)
+    dynamic_sampling: bool = False  # drop groups whose rewards are all equal, refill with new prompts (K >= 2)
+    max_refills: int = 3  # dynamic sampling: extra generation rounds per step, at most
     # rollout
     rollout: str = "hf"  # rollout backend: hf (transformers generate) is the one in this version
     batch_prompts: int = 64  # prompts per step
@@ -95,20 +130,43 @@ class Args:
     verify_timeout: float = 10.0  # seconds per answer before the check is killed and counted as a timeout
     # GAE
     gamma: float = 1.0  # discount
-    critic_lam: float = 1.0  # lambda of the critic's targets (1 = Monte-Carlo returns)
-    alpha: float = 1.5  # actor lambda_i = 1 - 1/(alpha * T_i); VAPO itself uses alpha = 0.05
+    critic_lam: float = -1.0  # lambda of the critic's targets; -1 = by algorithm: 0.95 for ppo, else 1 (MC returns)
+    actor_lam: float = -1.0  # actor lambda in (0, 1]; 0 = length-adaptive 1 - 1/(alpha*T_i); -1 = by algorithm:
+    #                          0.95 for ppo, 1 with --critic-sync pact (PACT's choice), else 0 (adaptive)
+    alpha: float = 1.5  # adaptive actor lambda_i = 1 - 1/(alpha * T_i); VAPO itself uses alpha = 0.05
     # actor
     lr: float = 1e-6  # actor learning rate
-    eps_low: float = 1.0  # CISPO lower bound, relative: weight >= 1 - eps_low (1.0 = no lower clip)
-    eps_high: float = 0.28  # CISPO upper bound, relative: weight <= 1 + eps_high
+    eps_low: float = -1.0  # lower clip, relative: ratio (ppo) or weight (cispo) >= 1 - eps_low; -1 = by actor
+    #                        loss: 1.0 for cispo (no lower clip), 0.2 for ppo
+    eps_high: float = 0.28  # upper clip, relative: ratio (ppo) or weight (cispo) <= 1 + eps_high
     actor_grad_clip: float = 1.0  # global grad-norm clip of the actor
     actor_epochs: int = 1  # passes over each rollout batch
-    # critic
+    # critic (s3ac and ppo only; the critic-free algorithms load no critic)
+    critic_loss: str = "mse"  # mse: clipped value loss | bce: sigmoid critic, soft BCE toward (target + 1) / 2
+    critic_sync: str = "s3ac"  # s3ac: critic then fits the rollout returns | pact: after the actor update it
+    #                            fits rho_t * R ([0, 1] scale), rho_t = pi_new / mu from one more actor
+    #                            forward pass (PACT)
+    rho_min: float = 0.0  # pact: tokens with rho_t outside [rho_min, rho_max] (absolute) leave the critic loss
+    rho_max: float = 6.0  # pact: upper bound of the kept rho_t
     critic_lr_ratio: float = 5.0  # critic learning rate = critic_lr_ratio * lr
     critic_grad_clip: float = 10.0  # global grad-norm clip of the critic
     critic_epochs: int = 2  # passes of the critic over each rollout batch
-    eps_v: float = 0.5  # value clip range, absolute, on the +-1 reward scale
+    eps_v: float = 0.5  # value clip range, absolute, on the +-1 reward scale (mse only)
     critic_seed: int = 1  # seed of the value-head initialisation
+    credit_eps: float = 0.05  # critic/credit_sparsity counts token credits |C_i| > credit_eps ([0, 1] scale)
+    # critic pretraining (before step 1; the actor is frozen)
+    critic_warmup_steps: int = 0  # on-policy: critic updates on this many fresh rollout batches
+    coverage_models: str = ""  # coverage: comma-separated checkpoints/names of other policies (same tokenizer)
+    coverage_temperatures: str = ""  # comma-separated; each temperature is one more policy (empty = temperature)
+    coverage_prompts: int = 256  # prompts each coverage policy answers (k responses each)
+    coverage_epochs: int = 2  # passes over the coverage trajectories
+    coverage_data: str = ""  # reuse a saved trajectory file instead of generating one
+    # prompt selection
+    prompt_selection: str = "uniform"  # uniform | daps (difficulty-aware, S3AC)
+    daps_start: int = 10  # steps of uniform selection before DAPS takes over
+    daps_n_c: float = 4.0  # weight of the critic's p_c, in pseudo-attempts
+    daps_a_min: float = 0.1  # acceptance floor for very easy and very hard prompts, in (0, 1]
+    daps_decay: float = 0.99  # per-step decay of the success and attempt counts
     # updates (actor and critic)
     minibatches: int = 1  # optimizer steps per pass over the rollout batch
     micro_batch_size: int = 8  # sequences per forward/backward; gradients accumulate over a mini-batch
@@ -128,14 +186,21 @@ class Args:
 
 
 def parse_args(argv=None) -> Args:
-    """Build argparse flags from the fields of Args (one --flag-name per field)."""
+    """Build argparse flags from the fields of Args (one --flag-name per field, its comment as the help)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    helps, name = {}, None
+    for line in inspect.getsource(Args).splitlines():  # "    name: type = default  # help", continued below
+        field = re.match(r"    (\w+): [^#]*#\s*(.*)$", line)
+        if field:
+            name, helps[field.group(1)] = field.group(1), field.group(2)
+        elif name and re.match(r"    #\s{2,}", line):  # a continuation, not a "    # section" line
+            helps[name] += " " + line.split("#", 1)[1].strip()
     for field in dataclasses.fields(Args):
-        flag = "--" + field.name.replace("_", "-")
+        flag, help = "--" + field.name.replace("_", "-"), helps.get(field.name, "").replace("%", "%%")
         if field.type is bool or field.type == "bool":
-            parser.add_argument(flag, type=_str2bool, nargs="?", const=True, default=field.default)
+            parser.add_argument(flag, type=_str2bool, nargs="?", const=True, default=field.default, help=help)
         else:
-            parser.add_argument(flag, type=type(field.default), default=field.default)
+            parser.add_argument(flag, type=type(field.default), default=field.default, help=help)
     args = Args(**vars(parser.parse_args(argv)))
     if args.rollout != "hf":
         parser.error(f"--rollout {args.rollout}: only hf is available")
@@ -144,6 +209,47 @@ def parse_args(argv=None) -> Args:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     return args
+
+
+CRITIC_ALGOS = ("s3ac", "ppo")  # the algorithms that train a critic; grpo, rloo and reinforce_pp do not
+
+
+def resolve_args(args: Args) -> Args:
+    """A copy of args with every "by algorithm" flag (-1 or empty) replaced by its value, after checking the
+    combination. The resolved values depend on --algo / --critic-sync / --actor-loss only, never silently:
+    train() prints them.
+
+        actor_loss  ppo for --algo ppo, else cispo      actor_lam   0.95 ppo, 1 pact, else 0 (length-adaptive)
+        critic_lam  0.95 for --algo ppo, else 1          eps_low     0.2 for the ppo loss, 1.0 for cispo
+
+    Raises ValueError for an unknown choice or a combination that cannot run (a critic feature on a critic-free
+    algorithm, a group baseline or dynamic sampling with K < 2).
+    """
+    choices = {"algo": ("s3ac", "ppo", "grpo", "rloo", "reinforce_pp"), "actor_loss": ("", "cispo", "ppo"),
+               "critic_loss": ("mse", "bce"), "critic_sync": ("s3ac", "pact"), "prompt_selection": ("uniform", "daps")}
+    for name, allowed in choices.items():
+        if getattr(args, name) not in allowed:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)!r}: expected one of {allowed}")
+    critic_free = args.algo not in CRITIC_ALGOS
+    needs_critic = {"--critic-sync pact": args.critic_sync == "pact", "--critic-loss bce": args.critic_loss == "bce",
+                    "--prompt-selection daps": args.prompt_selection == "daps",
+                    "--critic-warmup-steps": args.critic_warmup_steps > 0,
+                    "coverage pretraining": bool(args.coverage_models or args.coverage_temperatures or
+                                                 args.coverage_data)}
+    for flag, used in needs_critic.items():
+        if critic_free and used:
+            raise ValueError(f"{flag} needs a critic, but --algo {args.algo} trains none (use s3ac or ppo)")
+    if args.k < 2 and (args.algo in ("grpo", "rloo") or args.dynamic_sampling):
+        raise ValueError(f"--algo {args.algo} / --dynamic-sampling compare rollouts of one prompt: need --k >= 2")
+    if not 0 < args.daps_a_min <= 1:
+        raise ValueError(f"--daps-a-min {args.daps_a_min}: must lie in (0, 1]")
+    ppo, pact = args.algo == "ppo", args.critic_sync == "pact"
+    actor_loss = args.actor_loss or ("ppo" if ppo else "cispo")
+    return dataclasses.replace(
+        args, actor_loss=actor_loss,
+        actor_lam=args.actor_lam if args.actor_lam >= 0 else 0.95 if ppo else 1.0 if pact else 0.0,
+        critic_lam=args.critic_lam if args.critic_lam >= 0 else 0.95 if ppo else 1.0,
+        eps_low=args.eps_low if args.eps_low >= 0 else 0.2 if actor_loss == "ppo" else 1.0)
 
 
 def _str2bool(s: str) -> bool:
@@ -443,6 +549,22 @@ def _pad(seqs, value: int, left: bool):
     return out
 
 
+def cat_batches(batches: list, pad_id: int) -> Batch:
+    """One Batch of the rows of several (prompts re-padded on the left, responses on the right)."""
+    P = max(b.prompt_ids.shape[1] for b in batches)
+    T = max(b.response_ids.shape[1] for b in batches)
+
+    def widen(x, width, value, left):  # [b, w] -> [b, width]
+        pad = (width - x.shape[1], 0) if left else (0, width - x.shape[1])
+        return torch.nn.functional.pad(x, pad, value=value)
+
+    return Batch(torch.cat([widen(b.prompt_ids, P, pad_id, True) for b in batches]),  # [B, P]
+                 torch.cat([widen(b.prompt_mask, P, 0, True) for b in batches]),  # [B, P]
+                 torch.cat([widen(b.response_ids, T, pad_id, False) for b in batches]),  # [B, T]
+                 torch.cat([widen(b.response_mask, T, 0.0, False) for b in batches]),  # [B, T]
+                 torch.cat([b.truncated for b in batches]), torch.cat([b.prompt_index for b in batches]))  # [B]
+
+
 @torch.no_grad()
 def generate_hf(model, prompts: list, prompt_index: list, eos_ids, pad_id: int, max_new_tokens: int,
                 temperature: float, batch_size: int, greedy: bool = False) -> Batch:
@@ -584,6 +706,14 @@ def actor_logprobs(model, batch: Batch, temperature: float):
     return logprobs, entropy
 
 
+@torch.no_grad()
+def policy_logprobs(model, batch: Batch, temperature: float, micro_batch_size: int):
+    """No-grad log pi(a_t | s_t) [B, T] of the whole batch in eval mode, in micro-batches (0 on padding)."""
+    model.eval()
+    return torch.cat([actor_logprobs(model, batch.rows(mb), temperature)[0]
+                      for mb in micro_batches(batch.response_ids.shape[0], micro_batch_size)])  # [B, T]
+
+
 def critic_values(critic: Critic, batch: Batch):
     """V(s_t) for t = 0..T-1, [B, T] fp32: V(s_0) at the last prompt token (position P - 1), V(s_t) at the
     position whose logits score response token t. Padding positions hold whatever the head outputs there;
@@ -594,13 +724,38 @@ def critic_values(critic: Critic, batch: Batch):
     return critic(input_ids, attention_mask, position_ids)[:, P - 1: P + T - 1]  # [B, T]
 
 
+def value_from_raw(raw, critic_loss: str):
+    """The critic head's output [B, T] on the +-1 reward scale: itself (mse), or 2 * sigmoid(z) - 1 (bce)."""
+    return 2 * torch.sigmoid(raw) - 1 if critic_loss == "bce" else raw  # [B, T]
+
+
+@torch.no_grad()
+def value_pass(critic: Critic, batch: Batch, critic_loss: str, micro_batch_size: int):
+    """No-grad critic pass in micro-batches: (values [B, T] on the +-1 scale with 0 on padding, raw head outputs
+    [B, T]: the values themselves for mse, the logits z for bce)."""
+    critic.eval()
+    raw = torch.cat([critic_values(critic, batch.rows(mb))
+                     for mb in micro_batches(batch.response_ids.shape[0], micro_batch_size)])  # [B, T]
+    valid = batch.response_mask.to(raw.device).bool()  # [B, T]
+    return torch.where(valid, value_from_raw(raw, critic_loss), 0.0), raw  # [B, T], [B, T]
+
+
+def prompt_values(critic: Critic, prompts: list, pad_id: int, critic_loss: str, batch_size: int):
+    """V(s_0) of bare prompts (token-id lists), [n] on the +-1 scale, before any response exists (DAPS). A dummy
+    one-token response only places V(s_0) at the last prompt token; causal attention keeps it out of V(s_0)."""
+    n = len(prompts)
+    batch = Batch(_pad(prompts, pad_id, left=True), _pad([[1] * len(p) for p in prompts], 0, left=True),
+                  torch.full((n, 1), pad_id), torch.ones(n, 1), torch.zeros(n, dtype=torch.bool), torch.arange(n))
+    return value_pass(critic, batch, critic_loss, batch_size)[0][:, 0]  # [n]
+
+
 def micro_batches(n: int, size: int):
     """Index lists [0..size), [size..2 size), ... covering range(n)."""
     return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 6. Advantages: decoupled GAE
+# 6. Advantages (decoupled GAE or a critic-free baseline) and critic diagnostics
 # ---------------------------------------------------------------------------------------------------------------
 def outcome_rewards_to_tokens(rewards, response_mask):
     """Token rewards [B, T]: the outcome reward R [B] on the last valid token, 0 elsewhere."""
@@ -616,18 +771,94 @@ def adaptive_lambda(response_mask, alpha: float):
     return (1.0 - 1.0 / (alpha * lengths)).clamp(0.0, 1.0)  # [B]
 
 
-def decoupled_gae(rewards, values, response_mask, gamma: float, critic_lam: float, alpha: float):
-    """Actor advantages with per-sequence lambda_i and critic targets with lambda = critic_lam (VAPO/S3AC).
+def decoupled_gae(rewards, values, response_mask, gamma: float, critic_lam: float, actor_lam):
+    """Actor advantages with lambda = actor_lam and critic targets with lambda = critic_lam (VAPO/S3AC; PPO with
+    one lambda for both).
 
     rewards: [B] outcome rewards; values: [B, T] V(s_t) (padding may hold anything, it never reaches a valid
-    token); response_mask: [B, T]. Returns (advantages [B, T], returns [B, T], metrics). Advantages are raw:
-    any whitening belongs at the call site.
+    token); response_mask: [B, T]; actor_lam: a float or [B] per-sequence lambdas (see adaptive_lambda).
+    Returns (advantages [B, T], returns [B, T], metrics). Advantages are raw: any whitening belongs at the call
+    site.
     """
     token_rewards = outcome_rewards_to_tokens(rewards, response_mask)  # [B, T]
     _, returns = kernels.gae(token_rewards, values, response_mask, gamma, critic_lam)  # [B, T] critic targets
-    lam = adaptive_lambda(response_mask, alpha)  # [B]
-    advantages, _ = kernels.gae(token_rewards, values, response_mask, gamma, lam)  # [B, T]
-    return advantages, returns, {"adv/lambda_mean": lam.mean().item()}
+    advantages, _ = kernels.gae(token_rewards, values, response_mask, gamma, actor_lam)  # [B, T]
+    lam_mean = actor_lam.mean().item() if torch.is_tensor(actor_lam) else float(actor_lam)
+    return advantages, returns, {"adv/lambda_mean": lam_mean}
+
+
+# Critic-free baselines: one advantage per sequence from the outcome rewards alone, broadcast over its tokens.
+def group_stats(rewards, prompt_index):
+    """Per-sequence mean, population variance and size of its group (the sequences that share a prompt_index),
+    each [B] fp64. Groups are found from prompt_index, never from the batch layout."""
+    _, group = torch.unique(prompt_index, return_inverse=True)  # [B] group id 0..G-1
+    r = rewards.double()  # [B] fp64: equal rewards give a mean that is exactly that reward
+    count = torch.zeros(int(group.max()) + 1, dtype=torch.float64).index_add(0, group, torch.ones_like(r))  # [G]
+    mean = torch.zeros_like(count).index_add(0, group, r) / count  # [G]
+    var = torch.zeros_like(count).index_add(0, group, (r - mean[group]) ** 2) / count  # [G] population variance
+    return mean[group], var[group], count[group]  # [B] each
+
+
+def _require_groups(count, name: str):
+    if count.min() < 2:
+        raise ValueError(f"{name} needs at least 2 rollouts per prompt; a group has {int(count.min())} (use --k >= 2)")
+
+
+def grpo_advantages(rewards, prompt_index, response_mask, use_std: bool = True):
+    """GRPO (DeepSeekMath, Shao et al. 2024, eq. 3 outcome supervision): A_i = (R_i - mean_g) / std_g.
+
+    std_g is the POPULATION std of the group (divide by K, not K - 1); use_std=False gives A_i = R_i - mean_g.
+    A group whose rewards are all equal gets exactly 0 (fp64 statistics; std below 1e-6 counts as 0).
+    Example: rewards [1, 0, 1, 1], prompt_index [0, 0, 1, 1] -> [1, -1, 0, 0] on every token.
+    rewards: [B]; prompt_index: [B]; response_mask: [B, T]. Returns (advantages [B, T] fp32, metrics).
+    Raises ValueError when a group has fewer than 2 sequences.
+    """
+    mean, var, count = group_stats(rewards, prompt_index)  # [B] each
+    _require_groups(count, "grpo")
+    std = var.sqrt()  # [B]
+    centred = rewards.double() - mean  # [B]
+    adv = torch.where(std > 1e-6, centred / std, 0.0) if use_std else centred  # [B]
+    return adv.float()[:, None] * response_mask, {"adv/zero_groups": (std <= 1e-6).double().mean().item()}
+
+
+def rloo_advantages(rewards, prompt_index, response_mask):
+    """RLOO (Ahmadian et al. 2024): A_i = R_i - mean of the other K - 1 rewards of its group.
+
+    Example: K = 8 with 3 rewards 1 and 5 rewards 0 -> +0.7143 (= 1 - 2/7) and -0.4286 (= 0 - 3/7).
+    rewards: [B]; prompt_index: [B]; response_mask: [B, T]. Returns (advantages [B, T] fp32, metrics).
+    Raises ValueError when a group has fewer than 2 sequences.
+    """
+    mean, _, count = group_stats(rewards, prompt_index)  # [B] each
+    _require_groups(count, "rloo")
+    r = rewards.double()  # [B]
+    adv = r - (mean * count - r) / (count - 1)  # [B]  R_i - (sum_g - R_i) / (K - 1)
+    return adv.float()[:, None] * response_mask, {}
+
+
+def masked_whiten(x, response_mask):
+    """(x - mean) / std over the valid tokens of the whole batch (population variance, fp64), 0 on padding.
+
+    Example: x [[1, 2, 0, 0], [3, 0, 0, 0]], mask [[1, 1, 0, 0], [1, 0, 0, 0]] -> -1.2247, 0, 1.2247 on the
+    valid entries. All-equal valid entries give 0. Returns [B, T] fp32.
+    """
+    m = response_mask.double()  # [B, T]
+    n = m.sum().clamp(min=1)
+    mean = (x.double() * m).sum() / n
+    var = (((x.double() - mean) * m) ** 2).sum() / n
+    centred = (x.double() - mean) * m  # [B, T]
+    return (centred / var.sqrt() if var.sqrt() > 1e-6 else centred * 0).float()  # [B, T]
+
+
+def reinforce_pp_advantages(rewards, prompt_index, response_mask):
+    """REINFORCE++ (Hu 2025), outcome-only: R broadcast over the tokens, whitened over the valid tokens of the
+    whole batch (no per-prompt baseline: prompt_index is unused). Returns (advantages [B, T], metrics)."""
+    return masked_whiten(rewards[:, None] * response_mask, response_mask), {}  # [B, T]
+
+
+def mixed_groups(rewards, prompt_index):
+    """Dynamic sampling (DAPO): True [B] for the sequences of groups whose raw rewards are not all equal."""
+    _, var, _ = group_stats(rewards, prompt_index)  # [B]
+    return var > 0
 
 
 def masked_mean(x, mask):
@@ -645,28 +876,151 @@ def explained_variance(values, returns, mask) -> float:
     return float("nan") if var_r.item() < 1e-8 else (1 - (r - v).var(unbiased=False) / var_r).item()
 
 
+def value_separation(values, rewards, response_mask) -> float:
+    """PACT's Delta+-: token-mean V over correct responses (R > 0) minus token-mean V over wrong ones; nan when
+    either set is empty. values [B, T] on the +-1 scale, rewards [B], response_mask [B, T]."""
+    correct = (rewards > 0).float()[:, None] * response_mask  # [B, T]
+    wrong = (rewards <= 0).float()[:, None] * response_mask  # [B, T]
+    if correct.sum() == 0 or wrong.sum() == 0:
+        return float("nan")
+    return (masked_mean(values, correct) - masked_mean(values, wrong)).item()
+
+
+def credit_sparsity(values, rewards, response_mask, eps: float):
+    """PACT's token credits C_i = V_i - V_(i-1) and how many of them are large.
+
+    Per sequence the credits are the differences of consecutive values inside the response plus the last one,
+    R - V(s_(T_i - 1)), so they sum to R - V(s_0). They are counted on the [0, 1] reward scale (half the +-1
+    scale), where PACT bounds the expected count of |C_i| > eps by 1 / (4 eps^2).
+    values [B, T] (+-1 scale, padding ignored), rewards [B], response_mask [B, T].
+    Returns (counts [B] of credits with |C_i| > eps, metrics {"critic/credit_sparsity": mean count}).
+    Example: V = [0, 0.5], R = 1, eps 0.05 -> credits (0.5 - 0) / 2, (1 - 0.5) / 2 -> count 2.
+    """
+    v = torch.where(response_mask.bool(), values, 0.0)  # [B, T]
+    following = torch.cat([v[:, 1:], torch.zeros_like(v[:, :1])], 1)  # [B, T] V(s_(t+1)), 0 past the end
+    following = following + outcome_rewards_to_tokens(rewards, response_mask)  # [B, T] R after the last token
+    credits = (following - v) / 2 * response_mask  # [B, T] on the [0, 1] scale
+    counts = ((credits.abs() > eps) & response_mask.bool()).sum(1).float()  # [B]
+    return counts, {"critic/credit_sparsity": counts.mean().item()}
+
+
+def critic_efficiency(ev: float, c: float) -> float:
+    """Baseten's compute criterion for a critic: efficiency = 1 / ((1 - EV) * (1 + c)).
+
+    EV: share of the advantage (outcome) variance the critic removes; c: critic compute / actor compute. The
+    critic pays for itself (efficiency > 1) when EV > c / (1 + c). Published rows: c = 0.083, EV = 0.248 -> 1.23;
+    c = 0.75, EV = 0.354 -> 0.88. Returns nan when EV is nan or 1.
+    """
+    if not math.isfinite(ev) or ev >= 1:
+        return float("nan")
+    return 1.0 / ((1.0 - ev) * (1.0 + c))
+
+
+def critic_metrics(values, returns, rewards, response_mask, critic_s: float, actor_s: float, eps: float) -> dict:
+    """The critic diagnostics logged every step: token-level fit, the baseline's share of the outcome variance,
+    value separation, credit sparsity and Baseten's compute efficiency.
+
+    values / returns [B, T] (+-1 scale), rewards [B], response_mask [B, T]; critic_s and actor_s: seconds spent
+    on the critic (value pass, PACT pass, update) and on the actor update, so c = critic_s / actor_s.
+    """
+    ones = torch.ones_like(rewards)[:, None]  # [B, 1]
+    adv_ev = explained_variance(values[:, :1], rewards[:, None], ones)  # 1 - Var[R - V(s_0)] / Var[R], sequences
+    c = critic_s / max(actor_s, 1e-9)
+    _, m = credit_sparsity(values, rewards, response_mask, eps)
+    return {"critic/explained_var": explained_variance(values, returns, response_mask),
+            "critic/value_mean": masked_mean(values, response_mask).item(),
+            "critic/v0_mean": values[:, 0].mean().item(),
+            "critic/adv_explained_var": adv_ev, "critic/value_sep": value_separation(values, rewards, response_mask),
+            "critic/compute_ratio": c, "critic/efficiency": critic_efficiency(adv_ev, c), **m}
+
+
 # ---------------------------------------------------------------------------------------------------------------
-# 7. Updates: actor (CISPO) then critic (clipped value loss)
+# 7. Losses and updates: actor (CISPO or PPO) then critic (clipped value loss or soft BCE)
 # ---------------------------------------------------------------------------------------------------------------
-def optimize(module, optimizer, batch: Batch, loss_fn, epochs: int, minibatches: int, micro_batch_size: int,
-             grad_clip: float, generator, amp_dtype) -> dict:
+def ppo_clip_loss(logprobs, old_logprobs, advantages, response_mask, eps_low: float, eps_high: float,
+                  num_tokens=None):
+    """PPO clipped surrogate (Schulman et al. 2017, eq. 7), same contract as kernels.cispo_loss.
+
+        ratio = exp(logprobs - old_logprobs)
+        J_t   = min(ratio_t * A_t, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A_t)   (bounds relative to 1)
+        loss  = -sum_{valid t} J_t / num_tokens      (num_tokens default: valid tokens in this call)
+
+    logprobs [B, T] (requires grad), old_logprobs / advantages / response_mask [B, T]; padding may hold garbage.
+    Returns (pg_loss scalar fp32, metrics): "pg_clipfrac" share of tokens with the ratio outside the clip range,
+    "approx_kl" k3 estimate of KL(old || new), both summed over valid tokens / num_tokens.
+    Example: ratio 1 and per-token -A = [1, 1] and [3, 3, 3, 3] -> loss 14 / 6 = 2.3333 (token mean).
+    """
+    valid = response_mask != 0  # [B, T]
+    n = valid.sum().clamp(min=1).float() if num_tokens is None else num_tokens
+    log_ratio = torch.where(valid, logprobs.float() - old_logprobs.float(), 0.0)  # [B, T]
+    ratio = log_ratio.exp()  # [B, T]  pi / mu
+    adv = torch.where(valid, advantages.float(), 0.0)  # [B, T]
+    surrogate = torch.min(ratio * adv, ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv)  # [B, T]
+    pg_loss = -torch.where(valid, surrogate, 0.0).sum() / n
+    with torch.no_grad():
+        clipped = valid & ((ratio < 1.0 - eps_low) | (ratio > 1.0 + eps_high))  # [B, T]
+        approx_kl = torch.where(valid, (ratio - 1.0) - log_ratio, 0.0).sum() / n
+    return pg_loss, {"pg_clipfrac": clipped.sum() / n, "approx_kl": approx_kl}
+
+
+ACTOR_LOSSES = {"cispo": kernels.cispo_loss, "ppo": ppo_clip_loss}  # same signature, chosen by --actor-loss
+
+
+def pact_targets(returns, logprobs, old_logprobs, response_mask, rho_min: float, rho_max: float):
+    """PACT's importance-corrected critic targets and loss mask (PACT, "policy-aligned critic training").
+
+        rho_t    = pi_new(a_t | s_t) / mu(a_t | s_t)           detached, per token (not PACT's product I_t)
+        target_t = rho_t * (R_t + 1) / 2                      for V(s_t) on the [0, 1] scale (PACT's I_t R),
+                 = rho_t * (R_t + 1) - 1                      on the +-1 scale returned here
+        mask_t   = response_mask_t * [rho_min <= rho_t <= rho_max]
+
+    E_mu[target_t | s_t] = V^pi_new(s_t) when later tokens follow pi_new as well (exact for the last token).
+    A wrong answer (R = -1) keeps the target -1 whatever rho_t; a right one gets 2 rho_t - 1.
+    returns [B, T] (R_t on the +-1 scale, the Monte-Carlo return R with critic_lam = 1), logprobs [B, T] of the
+    updated actor, old_logprobs [B, T] of the behaviour policy mu, response_mask [B, T].
+    Returns (targets [B, T] on the +-1 scale, critic_mask [B, T] float, metrics).
+    """
+    valid = response_mask.bool()  # [B, T]
+    rho = torch.where(valid, logprobs.detach() - old_logprobs, 0.0).exp()  # [B, T]
+    critic_mask = (valid & (rho >= rho_min) & (rho <= rho_max)).float()  # [B, T]
+    n = valid.sum().clamp(min=1)
+    metrics = {"critic/rho_mean": (rho * valid).sum().item() / n.item(),
+               "critic/rho_masked_frac": 1.0 - critic_mask.sum().item() / n.item()}
+    return (rho * (returns + 1) - 1) * critic_mask, critic_mask, metrics  # [B, T], [B, T]
+
+
+def critic_loss_fn(raw, old_values, targets, response_mask, critic_loss: str, eps_v: float, num_tokens=None):
+    """Critic loss toward targets on the +-1 scale, token-mean (summed over valid tokens / num_tokens).
+
+    mse: L = 0.5 * max((V - R)^2, (V_old + clip(V - V_old, -eps_v, eps_v) - R)^2) with V = raw (PPO2 / VAPO).
+    bce: L = BCE(sigmoid(z), (R + 1) / 2) with z = raw (PACT's sigmoid critic); old_values unused.
+    Returns (v_loss, metrics) as kernels.value_loss / kernels.bce_value_loss.
+    """
+    if critic_loss == "bce":
+        return kernels.bce_value_loss(raw, (targets + 1) / 2, response_mask, num_tokens=num_tokens)
+    return kernels.value_loss(raw, old_values, targets, response_mask, eps_v, num_tokens=num_tokens)
+
+
+def optimize(module, optimizer, batch: Batch, loss_fn, token_mask, epochs: int, minibatches: int,
+             micro_batch_size: int, grad_clip: float, generator, amp_dtype) -> dict:
     """The update loop shared by actor and critic: `epochs` passes over the batch, each split into `minibatches`
     optimizer steps; a mini-batch runs in micro-batches of micro_batch_size sequences whose gradients accumulate.
 
     loss_fn(rows, mbatch, num_tokens) -> (loss, metrics): rows [b] indexes the batch, mbatch = batch.rows(rows),
-    num_tokens = valid tokens of the whole mini-batch; the loss must be a sum over tokens divided by num_tokens, so
-    the accumulated gradient is the token-mean over the mini-batch, and so must its per-token metrics. Returns the
-    metrics averaged over optimizer steps, with grad_norm (before clipping) and clipped (share of clipped steps).
+    num_tokens = the tokens of token_mask [B, T] in the whole mini-batch; the loss must be a sum over tokens
+    divided by num_tokens, so the accumulated gradient is the token-mean over the mini-batch, and so must its
+    per-token metrics. Returns the metrics averaged over optimizer steps, with grad_norm (before clipping) and
+    clipped (share of clipped steps).
     """
     device = next(module.parameters()).device
     sums, steps = {"grad_norm": 0.0, "clipped": 0.0}, 0
     for _ in range(epochs):
-        perm = torch.randperm(batch.response_mask.shape[0], generator=generator)  # [B]
+        perm = torch.randperm(token_mask.shape[0], generator=generator)  # [B]
         for mb in perm.chunk(minibatches):
-            num_tokens = batch.response_mask[mb].sum().to(device)  # loss normaliser: tokens of the mini-batch
+            num_tokens = token_mask[mb.to(token_mask.device)].sum().clamp(min=1).to(device)  # loss normaliser
             for rows in mb.split(micro_batch_size):
                 with autocast(device, amp_dtype):  # forward only; backward runs outside autocast
-                    loss, metrics = loss_fn(rows, batch.rows(rows), num_tokens)
+                    loss, metrics = loss_fn(rows.to(device), batch.rows(rows), num_tokens)
                 loss.backward()
                 for key, value in metrics.items():
                     sums[key] = sums.get(key, 0.0) + float(value)
@@ -679,52 +1033,176 @@ def optimize(module, optimizer, batch: Batch, loss_fn, epochs: int, minibatches:
     return {key: value / steps for key, value in sums.items()}
 
 
-def update_actor(model, optimizer, batch: Batch, advantages, old_logprobs, args: Args, generator) -> dict:
-    """CISPO on the batch: args.actor_epochs passes of args.minibatches steps, token-mean loss per mini-batch.
+def update_actor(model, optimizer, batch: Batch, advantages, old_logprobs, args: Args, generator):
+    """ACTOR_LOSSES[args.actor_loss] on the batch: args.actor_epochs passes of args.minibatches steps, token-mean
+    loss per mini-batch.
 
     advantages [B, T] (on the model's device); old_logprobs [B, T]: log mu, the behaviour policy, or None when the
     actor takes one optimizer step in all, so that mu is the current policy and its log-probs are the detached
     log-probs of the same forward pass (ratio exactly 1).
+    Returns (metrics, behaviour log-probs [B, T]: old_logprobs, or those detached log-probs when it was None).
     """
     device = advantages.device
+    behaviour = torch.zeros_like(advantages) if old_logprobs is None else old_logprobs  # [B, T]
+    pg_loss_fn = ACTOR_LOSSES[args.actor_loss]
 
     def loss_fn(rows, mbatch, num_tokens):
         logprobs, entropy = actor_logprobs(model, mbatch, args.temperature)  # [b, T]
         mask = mbatch.response_mask.to(device)  # [b, T]
-        old = logprobs.detach() if old_logprobs is None else old_logprobs[rows.to(device)]  # [b, T]
-        # CISPO: J = sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * log pi; loss = -(sum of J) / num_tokens
-        pg_loss, m = kernels.cispo_loss(logprobs, old, advantages[rows.to(device)], mask, args.eps_low,
-                                        args.eps_high, num_tokens=num_tokens)
+        if old_logprobs is None:
+            behaviour[rows] = logprobs.detach()  # one step in all: every row is visited exactly once
+        # CISPO: J = sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * log pi; PPO: J = min(r A, clip(r) A);
+        # loss = -(sum of J) / num_tokens
+        pg_loss, m = pg_loss_fn(logprobs, behaviour[rows], advantages[rows], mask, args.eps_low, args.eps_high,
+                                num_tokens=num_tokens)
         return pg_loss, dict(m, pg_loss=pg_loss.detach(), entropy=(entropy * mask).sum() / num_tokens)
 
-    metrics = optimize(model, optimizer, batch, loss_fn, args.actor_epochs, args.minibatches, args.micro_batch_size,
-                       args.actor_grad_clip, generator, compute_dtype(args.dtype, device))
-    return {f"actor/{k}": v for k, v in metrics.items()}
+    metrics = optimize(model, optimizer, batch, loss_fn, batch.response_mask, args.actor_epochs, args.minibatches,
+                       args.micro_batch_size, args.actor_grad_clip, generator, compute_dtype(args.dtype, device))
+    return {f"actor/{k}": v for k, v in metrics.items()}, behaviour
 
 
-def update_critic(critic, optimizer, batch: Batch, old_values, returns, args: Args, generator) -> dict:
-    """Clipped value regression toward `returns`: args.critic_epochs passes of args.minibatches steps.
-
-    old_values [B, T]: the values the advantages used (the clipping centre); returns [B, T]: the targets; both on
-    the critic's device.
-    """
-    device = returns.device
+def update_critic(critic, optimizer, batch: Batch, old_values, targets, critic_mask, args: Args, generator) -> dict:
+    """critic_loss_fn toward `targets` [B, T] (+-1 scale) on the tokens of critic_mask [B, T]: args.critic_epochs
+    passes of args.minibatches steps, token-mean over each mini-batch. old_values [B, T]: the values the
+    advantages used (the clip anchor of the mse loss). All on the critic's device."""
+    device = targets.device
 
     def loss_fn(rows, mbatch, num_tokens):
-        values = critic_values(critic, mbatch)  # [b, T]
-        r = rows.to(device)
-        # L_V = 0.5 * max((V - R)^2, (V_old + clip(V - V_old, -eps_v, eps_v) - R)^2); sum / num_tokens
-        v_loss, m = kernels.value_loss(values, old_values[r], returns[r], mbatch.response_mask.to(device),
-                                       args.eps_v, num_tokens=num_tokens)
+        raw = critic_values(critic, mbatch)  # [b, T] values (mse) or logits (bce)
+        v_loss, m = critic_loss_fn(raw, old_values[rows], targets[rows], critic_mask[rows], args.critic_loss,
+                                   args.eps_v, num_tokens)
         return v_loss, dict(m, v_loss=v_loss.detach())
 
-    metrics = optimize(critic, optimizer, batch, loss_fn, args.critic_epochs, args.minibatches,
+    metrics = optimize(critic, optimizer, batch, loss_fn, critic_mask, args.critic_epochs, args.minibatches,
                        args.micro_batch_size, args.critic_grad_clip, generator, compute_dtype(args.dtype, device))
     return {f"critic/{k}": v for k, v in metrics.items()}
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 8. Evaluation, checkpoints
+# 8. Prompt selection: DAPS (S3AC's difficulty-aware prompt selection)
+# ---------------------------------------------------------------------------------------------------------------
+def success_prob(v0):
+    """p_c = clip((V(s_0) + 1) / 2, 0, 1), [n]: the success probability a +-1-scale value implies (R = 2p - 1).
+    For a sigmoid critic V = 2 sigmoid(z) - 1, so p_c = sigmoid(z)."""
+    return ((v0 + 1) / 2).clamp(0.0, 1.0)  # [n]
+
+
+def daps_estimate(S, N, p_c, n_c: float):
+    """p_hat = (S + n_c * p_c) / (N + n_c), [n] (S3AC, DAPS): observed successes S and attempts N (decayed
+    counts) shrunk toward the critic's p_c with the weight of n_c attempts. A new prompt (S = N = 0) gets p_c.
+    Example: S 3, N 4, p_c 0.5, n_c 2 -> 4 / 6 = 0.6667."""
+    return (S + n_c * p_c) / (N + n_c)  # [n]
+
+
+def daps_accept_prob(p_hat, a_min: float):
+    """a = a_min + (1 - a_min) * 4 * p_hat * (1 - p_hat), [n] (S3AC, DAPS): 1 at p_hat = 0.5, a_min at 0 and 1.
+    Example: p_hat 2/3, a_min 0.1 -> 0.9."""
+    return a_min + (1 - a_min) * 4 * p_hat * (1 - p_hat)  # [n]
+
+
+def daps_select(sampler: PromptSampler, count: int, p_c_of, S, N, n_c: float, a_min: float, generator):
+    """Draw candidates from the sampler until `count` are accepted, each with probability daps_accept_prob.
+
+    p_c_of(candidates) -> [n] critic estimates for a list of prompt indices; S, N: [n_prompts] counts.
+    Returns (accepted prompt indices, {"drawn", "accepted", "p_hat_sum"} summed over the accepted).
+    Terminates since a >= a_min > 0.
+    """
+    chosen, drawn, p_hat_sum = [], 0, 0.0
+    while len(chosen) < count:
+        candidates = sampler.draw(count - len(chosen))
+        p_hat = daps_estimate(S[candidates], N[candidates], p_c_of(candidates).double(), n_c)  # [n]
+        a = daps_accept_prob(p_hat, a_min)  # [n]
+        accept = torch.rand(len(candidates), generator=generator, dtype=torch.float64) < a  # [n] bool
+        chosen += [i for i, ok in zip(candidates, accept.tolist()) if ok]
+        drawn, p_hat_sum = drawn + len(candidates), p_hat_sum + p_hat[accept].sum().item()
+    return chosen, {"drawn": drawn, "accepted": len(chosen), "p_hat_sum": p_hat_sum}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 9. Critic pretraining: coverage trajectories from several policies (S3AC), Monte-Carlo returns
+# ---------------------------------------------------------------------------------------------------------------
+def generate_coverage(actor, prompts: list, prompt_index: list, golds: list, tokenizer, verifier, eos_ids, pad_id,
+                      args: Args, amp_dtype, device) -> list:
+    """Trajectories of every coverage policy, K per prompt: rows {policy, prompt_index, prompt_ids,
+    response_ids (stop token included, no padding), reward (+-1)}. Models other than --model are loaded one at
+    a time and must share the actor's tokenizer. Policies: every --coverage-models entry (the actor when empty)
+    at every --coverage-temperatures entry (--temperature when empty)."""
+    models = [m for m in args.coverage_models.split(",") if m] or [args.model]
+    temperatures = [float(t) for t in args.coverage_temperatures.split(",") if t] or [args.temperature]
+    rows = []
+    for name, temperature in [(m, t) for m in models for t in temperatures]:
+        model = actor if name == args.model else load_actor(resolve_model(name, args.cache_dir), device)
+        model.eval()
+        idx = [j for j in range(len(prompts)) for _ in range(args.k)]
+        with autocast(device, amp_dtype):
+            batch = generate_hf(model, [prompts[j] for j in idx], [prompt_index[j] for j in idx], eos_ids, pad_id,
+                                args.max_new_tokens, temperature, args.gen_batch_size)
+        texts = tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
+        rewards, _ = verifier([golds[j] for j in idx], texts)
+        lengths = batch.response_mask.sum(1).long().tolist()
+        rows += [{"policy": f"{name}@{temperature}", "prompt_index": prompt_index[j], "prompt_ids": prompts[j],
+                  "response_ids": batch.response_ids[r, :lengths[r]].tolist(), "reward": rewards[r]}
+                 for r, j in enumerate(idx)]
+        del model
+    return rows
+
+
+def rows_to_batch(rows: list, pad_id: int):
+    """(Batch, rewards [B]) of trajectory rows."""
+    responses = [r["response_ids"] for r in rows]
+    batch = Batch(_pad([r["prompt_ids"] for r in rows], pad_id, left=True),
+                  _pad([[1] * len(r["prompt_ids"]) for r in rows], 0, left=True),
+                  _pad(responses, pad_id, left=False), _pad([[1] * len(s) for s in responses], 0, left=False).float(),
+                  torch.zeros(len(rows), dtype=torch.bool), torch.tensor([r["prompt_index"] for r in rows]))
+    return batch, torch.tensor([float(r["reward"]) for r in rows])  # [B]
+
+
+def mc_returns(rewards, response_mask, gamma: float):
+    """Monte-Carlo returns [B, T]: GAE with lambda = 1 (V is irrelevant then), R on every token when gamma = 1."""
+    token_rewards = outcome_rewards_to_tokens(rewards, response_mask)  # [B, T]
+    return kernels.gae(token_rewards, torch.zeros_like(token_rewards), response_mask, gamma, 1.0)[1]  # [B, T]
+
+
+def critic_fit(values, raw, returns, response_mask, critic_loss: str) -> dict:
+    """Explained variance and loss (unclipped, token mean) of values / raw head outputs [B, T] against returns
+    [B, T], as the pretraining metrics."""
+    v_loss, _ = critic_loss_fn(raw, values, returns, response_mask, critic_loss, eps_v=0.0)  # V_old = V: no clip
+    return {"pretrain/explained_var": explained_variance(values, returns, response_mask),
+            "pretrain/v_loss": v_loss.item()}
+
+
+def pretrain_critic(critic, optimizer, rows: list, args: Args, pad_id: int, generator) -> list:
+    """Coverage pretraining: args.coverage_epochs passes over the trajectories of 90% of the prompts, in batches of
+    batch_prompts * k rows, each with the online critic update toward Monte-Carlo returns; 10% of the prompts are
+    held out. Returns one metrics dict per epoch with the held-out explained variance and loss."""
+    prompts = sorted({r["prompt_index"] for r in rows})
+    random.Random(args.seed + 4242).shuffle(prompts)
+    held = set(prompts[: max(1, len(prompts) // 10)] if len(prompts) > 1 else [])
+    fit_rows = [r for r in rows if r["prompt_index"] not in held]
+    device = critic.value_head.weight.device
+    held_batch, held_rewards = rows_to_batch([r for r in rows if r["prompt_index"] in held] or rows, pad_id)
+    held_mask = held_batch.response_mask.to(device)  # [B_held, T]
+    held_returns = mc_returns(held_rewards.to(device), held_mask, args.gamma)  # [B_held, T]
+    size, out = args.batch_prompts * args.k, []
+    for epoch in range(args.coverage_epochs):
+        order = torch.randperm(len(fit_rows), generator=generator).tolist()
+        for start in range(0, len(order), size):
+            batch, rewards = rows_to_batch([fit_rows[i] for i in order[start: start + size]], pad_id)
+            values, _ = value_pass(critic, batch, args.critic_loss, args.micro_batch_size)  # [B, T]
+            critic.train()
+            mask = batch.response_mask.to(device)  # [B, T]
+            m = update_critic(critic, optimizer, batch, values, mc_returns(rewards.to(device), mask, args.gamma),
+                              mask, args, generator)
+        values, raw = value_pass(critic, held_batch, args.critic_loss, args.micro_batch_size)  # [B_held, T] each
+        out.append({"pretrain/epoch": epoch + 1, "pretrain/train_v_loss": m["critic/v_loss"],
+                    "pretrain/held_out_rows": len(rows) - len(fit_rows),
+                    **critic_fit(values, raw, held_returns, held_mask, args.critic_loss)})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 10. Evaluation, checkpoints
 # ---------------------------------------------------------------------------------------------------------------
 def evaluate(model, tokenizer, problems, prompts, verifier, eos_ids, pad_id, args: Args) -> dict:
     """Greedy pass@1 on held-out problems."""
@@ -738,24 +1216,28 @@ def evaluate(model, tokenizer, problems, prompts, verifier, eos_ids, pad_id, arg
 
 
 def save_checkpoint(out_dir: str, step: int, model, tokenizer, critic, actor_opt, critic_opt, sampler, update_gen,
-                    keep: int):
+                    keep: int, prompt_counts=None):
     """Write checkpoints/step_N atomically: everything goes to a temporary directory that is renamed when
-    complete, then the `latest` pointer is replaced. A kill at any moment leaves the previous checkpoint."""
+    complete, then the `latest` pointer is replaced. A kill at any moment leaves the previous checkpoint.
+    critic / critic_opt may be None (critic-free algorithms); prompt_counts: the per-prompt (S, N) of DAPS."""
     from safetensors.torch import save_file
     root = os.path.join(out_dir, "checkpoints")
     final, tmp = os.path.join(root, f"step_{step}"), os.path.join(root, f".tmp-step_{step}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(os.path.join(tmp, "actor"))
     tokenizer.save_pretrained(os.path.join(tmp, "actor"))
-    critic.backbone.save_pretrained(os.path.join(tmp, "critic"))
-    save_file({"weight": critic.value_head.weight.detach().cpu().contiguous()},
-              os.path.join(tmp, "critic", "value_head.safetensors"))
+    if critic is not None:
+        critic.backbone.save_pretrained(os.path.join(tmp, "critic"))
+        save_file({"weight": critic.value_head.weight.detach().cpu().contiguous()},
+                  os.path.join(tmp, "critic", "value_head.safetensors"))
     rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
     rng["update"] = update_gen.get_state()
-    torch.save({"step": step, "actor_opt": actor_opt.state_dict(), "critic_opt": critic_opt.state_dict(),
-                "sampler": (sampler.epoch, sampler.pos), "rng": rng}, os.path.join(tmp, "trainer_state.pt"))
+    torch.save({"step": step, "actor_opt": actor_opt.state_dict(),
+                "critic_opt": critic_opt.state_dict() if critic_opt is not None else None,
+                "sampler": (sampler.epoch, sampler.pos), "prompt_counts": prompt_counts, "rng": rng},
+               os.path.join(tmp, "trainer_state.pt"))
     if os.path.exists(final):
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -790,13 +1272,19 @@ def log_metrics(path: str, metrics: dict):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 9. Training loop
+# 11. Training loop
 # ---------------------------------------------------------------------------------------------------------------
 def train(args: Args):
     from tqdm import tqdm
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # one tqdm bar: the training steps
+    args = resolve_args(args)
+    use_critic = args.algo in CRITIC_ALGOS
+    print(f"s3ac: --algo {args.algo} --actor-loss {args.actor_loss} --eps-low {args.eps_low}" +
+          (f" --actor-lam {args.actor_lam} ({'adaptive' if args.actor_lam == 0 else 'fixed'}) --critic-lam "
+           f"{args.critic_lam} --critic-loss {args.critic_loss} --critic-sync {args.critic_sync}"
+           if use_critic else " (no critic)"), file=sys.stderr)
     kernels.set_backend(args.kernels)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -805,12 +1293,14 @@ def train(args: Args):
     amp_dtype = compute_dtype(args.dtype, device)
     os.makedirs(args.out_dir, exist_ok=True)
 
-    # data
+    # data; per-prompt decayed success and attempt counts (DAPS uses them, every run logs them)
     train_problems, eval_problems = split_problems(
         load_problems(args.data, args.prompt_key, args.answer_key, args.split, args.seed), args.eval_data, args)
     sampler = PromptSampler(len(train_problems), args.seed)
+    S = torch.zeros(len(train_problems), dtype=torch.float64)  # [n_prompts] successes (reward > 0)
+    N = torch.zeros(len(train_problems), dtype=torch.float64)  # [n_prompts] attempts
 
-    # models
+    # models (no critic for the critic-free algorithms)
     ckpt = latest_checkpoint(args.out_dir) if args.resume else None
     if args.resume and ckpt is None:
         print(f"--resume: no checkpoint in {args.out_dir}, starting from step 0", file=sys.stderr)
@@ -819,26 +1309,32 @@ def train(args: Args):
     actor_src = os.path.join(ckpt, "actor") if ckpt else model_path
     tokenizer = AutoTokenizer.from_pretrained(actor_src)
     model = load_actor(actor_src, device)
-    critic = load_critic(os.path.join(ckpt, "critic") if ckpt else critic_path, device, args.critic_seed,
-                         os.path.join(ckpt, "critic", "value_head.safetensors") if ckpt else "")
+    critic, critic_opt = None, None
+    if use_critic:
+        critic = load_critic(os.path.join(ckpt, "critic") if ckpt else critic_path, device, args.critic_seed,
+                             os.path.join(ckpt, "critic", "value_head.safetensors") if ckpt else "")
+        critic_opt = torch.optim.AdamW(critic.parameters(), lr=args.lr * args.critic_lr_ratio, weight_decay=0.0)
     random.seed(args.seed)  # after loading: a one-time .gguf conversion draws from the global RNG
     torch.manual_seed(args.seed)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-        critic.backbone.gradient_checkpointing_enable()
+        if critic is not None:
+            critic.backbone.gradient_checkpointing_enable()
     eos_ids = {tokenizer.eos_token_id, *_as_list(model.generation_config.eos_token_id), *chat_stop_ids(tokenizer)}
     eos_ids.discard(None)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
     actor_opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    critic_opt = torch.optim.AdamW(critic.parameters(), lr=args.lr * args.critic_lr_ratio, weight_decay=0.0)
     update_gen = torch.Generator().manual_seed(args.seed)  # mini-batch order in the updates
     start_step = 0
     metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
     if ckpt:
         state = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
         actor_opt.load_state_dict(state["actor_opt"])
-        critic_opt.load_state_dict(state["critic_opt"])
+        if critic_opt is not None:
+            critic_opt.load_state_dict(state["critic_opt"])
         sampler.epoch, sampler.pos = state["sampler"]
+        if state.get("prompt_counts") is not None:
+            S, N = state["prompt_counts"]
         random.setstate(state["rng"]["python"])
         torch.set_rng_state(state["rng"]["torch"])
         if "cuda" in state["rng"] and torch.cuda.is_available():
@@ -867,83 +1363,178 @@ def train(args: Args):
         tqdm.write(f"step {step:4d} | eval pass@1 {m['eval/pass@1']:.3f} on {m['eval/n']} held-out problems")
         return m
 
-    if start_step == 0:
-        with autocast(device, amp_dtype):
-            log_metrics(metrics_path, {"step": 0, **run_eval(0)})
-    bar = tqdm(range(start_step + 1, args.steps + 1), initial=start_step, total=args.steps, desc="s3ac",
-               file=sys.stderr)
-    for step in bar:
-        timer, metrics = time.time(), {"step": step}
-
-        # rollout: K samples for each of batch_prompts prompts
-        index = [i for i in sampler.draw(args.batch_prompts) for _ in range(args.k)]
+    def rollout(prompt_list, metrics):
+        """K responses per prompt, verified and counted in S, N: (batch, rewards [B], statuses)."""
+        t0 = time.time()
+        index = [i for i in prompt_list for _ in range(args.k)]
         model.eval()
         with autocast(device, amp_dtype):
             batch = generate_hf(model, [prompt_ids(i, train_problems, "train") for i in index], index, eos_ids,
                                 pad_id, args.max_new_tokens, args.temperature, args.gen_batch_size)
-        metrics["time/rollout"] = time.time() - timer
-
-        # verify
-        t0 = time.time()
+        t1 = time.time()
         texts = tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
         reward_list, statuses = verifier([train_problems[i].answer for i in index], texts)
-        rewards = torch.tensor(reward_list, device=device)  # [B]
-        metrics["time/verify"] = time.time() - t0
+        rewards = torch.tensor(reward_list)  # [B]
+        correct = (rewards > 0).double()  # [B] raw correctness, never a shaped reward
+        S.index_add_(0, batch.prompt_index, correct)
+        N.index_add_(0, batch.prompt_index, torch.ones_like(correct))
+        metrics["time/rollout"] = metrics.get("time/rollout", 0.0) + t1 - t0
+        metrics["time/verify"] = metrics.get("time/verify", 0.0) + time.time() - t1
+        return batch, rewards, statuses
 
-        # values V(s_t) from the critic; behaviour log-probs when the actor takes several steps
-        t0 = time.time()
+    def choose_prompts(count, step, selection, generator):
+        """Uniform draws, or DAPS after daps_start steps; DAPS counters are added to `selection`."""
+        if args.prompt_selection == "uniform" or step <= args.daps_start:
+            return sampler.draw(count)
+
+        def p_c_of(candidates):  # [n] the critic's success probability from the prompt alone
+            prompts = [prompt_ids(i, train_problems, "train") for i in candidates]
+            return success_prob(prompt_values(critic, prompts, pad_id, args.critic_loss, args.gen_batch_size))
+
+        index, stats = daps_select(sampler, count, p_c_of, S, N, args.daps_n_c, args.daps_a_min, generator)
+        for key, value in stats.items():
+            selection[key] = selection.get(key, 0) + value
+        return index
+
+    if start_step == 0:
+        with autocast(device, amp_dtype):
+            log_metrics(metrics_path, {"step": 0, **run_eval(0)})
+    # critic pretraining before step 1 (actor frozen): coverage trajectories, then on-policy warm-up batches
+    if start_step == 0 and critic is not None and (args.coverage_data or args.coverage_models or
+                                                   args.coverage_temperatures):
+        path = args.coverage_data or os.path.join(args.out_dir, "coverage.jsonl")
+        if not args.coverage_data:
+            chosen = random.Random(args.seed + 7).sample(range(len(train_problems)),
+                                                         min(args.coverage_prompts, len(train_problems)))
+            rows = generate_coverage(model, [prompt_ids(i, train_problems, "train") for i in chosen], chosen,
+                                     [train_problems[i].answer for i in chosen], tokenizer, verifier, eos_ids,
+                                     pad_id, args, amp_dtype, device)
+            _write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
+        with open(path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        for m in pretrain_critic(critic, critic_opt, rows, args, pad_id, update_gen):
+            log_metrics(metrics_path, {"step": 0, "pretrain/trajectories": len(rows), **m})
+            tqdm.write(f"coverage epoch {m['pretrain/epoch']} | held-out EV {m['pretrain/explained_var']:+.3f} "
+                       f"v_loss {m['pretrain/v_loss']:.4f}")
+    warmup_steps = args.critic_warmup_steps if start_step == 0 and critic is not None else 0
+    for i in range(warmup_steps):  # on-policy warm-up; its rollouts count toward S, N
+        m = {}
+        batch, rewards, _ = rollout(sampler.draw(args.batch_prompts), m)
+        with autocast(device, amp_dtype):
+            values, raw = value_pass(critic, batch, args.critic_loss, args.micro_batch_size)  # [B, T] each
         mask = batch.response_mask.to(device)  # [B, T]
-        with torch.no_grad(), autocast(device, amp_dtype):
-            critic.eval()
-            values = torch.cat([critic_values(critic, batch.rows(mb))
-                                for mb in micro_batches(len(index), args.micro_batch_size)])  # [B, T]
-            values = torch.where(mask.bool(), values, 0.0)  # [B, T]
-            old_logprobs = None
-            if args.actor_epochs * args.minibatches > 1:
-                old_logprobs = torch.cat([actor_logprobs(model, batch.rows(mb), args.temperature)[0]
-                                          for mb in micro_batches(len(index), args.micro_batch_size)])  # [B, T]
-        metrics["time/values"] = time.time() - t0
+        returns = mc_returns(rewards.to(device), mask, args.gamma)  # [B, T]
+        m.update(critic_fit(values, raw, returns, mask, args.critic_loss))  # fresh data: held out
+        critic.train()
+        m.update(update_critic(critic, critic_opt, batch, values, returns, mask, args, update_gen))
+        log_metrics(metrics_path, {"step": 0, "pretrain/warmup_step": i + 1, **m})
+        tqdm.write(f"critic warm-up {i + 1} | EV {m['pretrain/explained_var']:+.3f} v_loss {m['critic/v_loss']:.4f}")
 
-        # advantages (decoupled GAE), raw: no whitening
-        advantages, returns, m = decoupled_gae(rewards, values, mask, args.gamma, args.critic_lam, args.alpha)
+    outcome_baselines = {"grpo": functools.partial(grpo_advantages, use_std=args.grpo_std),
+                         "rloo": rloo_advantages, "reinforce_pp": reinforce_pp_advantages}  # critic-free algos
+    bar = tqdm(range(start_step + 1, args.steps + 1), initial=start_step, total=args.steps, desc=args.algo,
+               file=sys.stderr)
+    for step in bar:
+        timer, metrics, selection = time.time(), {"step": step}, {}
+        S.mul_(args.daps_decay)
+        N.mul_(args.daps_decay)
+        daps_gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)  # resume replays the same draws
+
+        # rollout: K samples for each of batch_prompts prompts; dynamic sampling drops the groups whose rewards
+        # are all equal and refills with new prompts, for at most max_refills extra rounds
+        parts, statuses, kept, dropped = [], [], 0, 0
+        for _ in range(1 + (args.max_refills if args.dynamic_sampling else 0)):
+            batch, rewards, s = rollout(choose_prompts(args.batch_prompts - kept, step, selection, daps_gen), metrics)
+            statuses += s
+            last = (batch, rewards)
+            if args.dynamic_sampling:
+                keep = mixed_groups(rewards, batch.prompt_index)  # [b]
+                dropped += int((~keep).sum()) // args.k
+                batch, rewards = batch.rows(keep), rewards[keep]
+            parts.append((batch, rewards))
+            kept += len(rewards) // args.k
+            if kept == args.batch_prompts:
+                break
+        parts = parts if kept else [last]  # every group dropped: train on the last round as it is
+        batch = cat_batches([b for b, _ in parts], pad_id)
+        rewards = torch.cat([r for _, r in parts]).to(device)  # [B]
+        mask = batch.response_mask.to(device)  # [B, T]
+
+        # values V(s_t) from the critic (+-1 scale, 0 on padding)
+        if critic is not None:
+            t0 = time.time()
+            with autocast(device, amp_dtype):
+                values, _ = value_pass(critic, batch, args.critic_loss, args.micro_batch_size)  # [B, T]
+            metrics["time/values"] = time.time() - t0
+
+        # advantages, raw (no whitening here): GAE with the critic, or an outcome baseline without one
+        if critic is None:
+            advantages, m = outcome_baselines[args.algo](rewards, batch.prompt_index, mask)  # [B, T]
+        else:
+            lam = adaptive_lambda(mask, args.alpha) if args.actor_lam == 0 else args.actor_lam  # [B] or float
+            advantages, returns, m = decoupled_gae(rewards, values, mask, args.gamma, args.critic_lam, lam)
         metrics.update(m)
 
-        # actor update, then critic update on the same batch
+        # actor update (behaviour log-probs first when the actor takes several steps)
         t0 = time.time()
+        old_logprobs = None
+        if args.actor_epochs * args.minibatches > 1:
+            with autocast(device, amp_dtype):
+                old_logprobs = policy_logprobs(model, batch, args.temperature, args.micro_batch_size)  # [B, T]
         model.train()
-        metrics.update(update_actor(model, actor_opt, batch, advantages, old_logprobs, args, update_gen))
+        m, behaviour_logprobs = update_actor(model, actor_opt, batch, advantages, old_logprobs, args, update_gen)
+        metrics.update(m)
         metrics["time/actor"] = time.time() - t0
-        t0 = time.time()
-        critic.train()
-        metrics.update(update_critic(critic, critic_opt, batch, values, returns, args, update_gen))
-        metrics["time/critic"] = time.time() - t0
+
+        # critic update on the same batch, toward the rollout returns (s3ac) or PACT's rho_t-weighted ones, where
+        # rho_t = pi_new / mu comes from one more forward pass of the UPDATED actor (no new generation)
+        if critic is not None:
+            t0 = time.time()
+            targets, critic_mask = returns, mask  # [B, T] each
+            if args.critic_sync == "pact":
+                with autocast(device, amp_dtype):
+                    new_logprobs = policy_logprobs(model, batch, args.temperature, args.micro_batch_size)  # [B,T]
+                targets, critic_mask, m = pact_targets(returns, new_logprobs, behaviour_logprobs, mask, args.rho_min,
+                                                       args.rho_max)
+                metrics.update(m)
+            critic.train()
+            metrics.update(update_critic(critic, critic_opt, batch, values, targets, critic_mask, args, update_gen))
+            metrics["time/critic"] = time.time() - t0
+            metrics.update(critic_metrics(values, returns, rewards, mask, metrics["time/values"] +
+                                          metrics["time/critic"], metrics["time/actor"], args.credit_eps))
 
         # log (before the checkpoint, so that a checkpointed step always has its record)
+        trained = batch.prompt_index.unique()  # prompts of this step's training batch
+        rate = S[trained] / N[trained].clamp(min=1e-12)  # running success rate S / N
         metrics.update({
             "rollout/reward": rewards.mean().item(),
             "rollout/acc": (rewards > 0).float().mean().item(),
             "rollout/response_len": mask.sum(1).mean().item(),
             "rollout/truncated": batch.truncated.float().mean().item(),
             **{f"verify/{s}": statuses.count(s) for s in Verifier.STATUSES[2:]},
-            "critic/explained_var": explained_variance(values, returns, mask),
-            "critic/value_mean": masked_mean(values, mask).item(),
-            "critic/v0_mean": values[:, 0].mean().item(),
             "adv/mean": masked_mean(advantages, mask).item(),
+            "prompts/share_mid": ((rate > 0.2) & (rate <= 0.8)).double().mean().item(),
             "perf/tokens_per_s": mask.sum().item() / metrics["time/rollout"],
         })
+        if args.dynamic_sampling:
+            metrics.update({"rollout/dropped_groups": dropped, "rollout/kept_groups": kept})
+        if selection:
+            metrics.update({"prompts/accept_rate": selection["accepted"] / selection["drawn"],
+                            "prompts/p_hat_mean": selection["p_hat_sum"] / selection["accepted"]})
         if step == args.steps or (args.eval_every and step % args.eval_every == 0):
             with autocast(device, amp_dtype):
                 metrics.update(run_eval(step))
         metrics["perf/step_s"] = time.time() - timer
         log_metrics(metrics_path, metrics)
+        critic_part = (f"v_loss {metrics['critic/v_loss']:.4f} EV {metrics['critic/explained_var']:+.3f} "
+                       f"V0 {metrics['critic/v0_mean']:+.3f} | " if critic is not None else "")
         tqdm.write(f"step {step:4d} | reward {metrics['rollout/reward']:+.3f} acc {metrics['rollout/acc']:.3f} "
                    f"len {metrics['rollout/response_len']:.0f} | pg_loss {metrics['actor/pg_loss']:+.4f} "
                    f"clipfrac {metrics['actor/pg_clipfrac']:.3f} entropy {metrics['actor/entropy']:.3f} | "
-                   f"v_loss {metrics['critic/v_loss']:.4f} EV {metrics['critic/explained_var']:+.3f} "
-                   f"V0 {metrics['critic/v0_mean']:+.3f} | {metrics['perf/step_s']:.0f}s")
+                   f"{critic_part}{metrics['perf/step_s']:.0f}s")
         if step == args.steps or (args.save_every and step % args.save_every == 0):
             save_checkpoint(args.out_dir, step, model, tokenizer, critic, actor_opt, critic_opt, sampler,
-                            update_gen, args.keep_checkpoints)
+                            update_gen, args.keep_checkpoints, prompt_counts=(S, N))
     verifier.close()
     return metrics_path
 

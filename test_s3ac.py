@@ -8,11 +8,10 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
 
 import json
+import math
 import subprocess
 import sys
 import threading
-
-import math
 
 import pytest
 import torch
@@ -94,7 +93,7 @@ def test_decoupled_gae_uses_monte_carlo_returns_and_adaptive_lambda():
     mask = torch.tensor([[1.0, 1, 1, 0], [1, 1, 0, 0]])
     values = torch.tensor([[0.2, -0.1, 0.4, 7.0], [0.3, 0.5, float("nan"), 1.0]])
     rewards = torch.tensor([1.0, -1.0])
-    adv, ret, _ = s3ac.decoupled_gae(rewards, values, mask, 1.0, 1.0, 1.5)
+    adv, ret, _ = s3ac.decoupled_gae(rewards, values, mask, 1.0, 1.0, s3ac.adaptive_lambda(mask, 1.5))
     assert torch.allclose(ret, torch.tensor([[1.0, 1, 1, 0], [-1, -1, 0, 0]]), atol=1e-6)  # critic: lambda = 1
     token_rewards = torch.tensor([[0.0, 0, 1, 0], [0, -1, 0, 0]])
     assert torch.equal(s3ac.outcome_rewards_to_tokens(rewards, mask), token_rewards)  # R on the last valid token
@@ -248,14 +247,14 @@ def test_updates_are_invariant_to_micro_batching(tiny, minibatches):
     critic = s3ac.Critic(copy.deepcopy(model.base_model), seed=0)
     results = []
     for micro in (1, B):
-        args = s3ac.Args(micro_batch_size=micro, minibatches=minibatches, actor_grad_clip=1e9, critic_grad_clip=1e9,
-                         eps_v=0.05, temperature=0.8)
+        args = s3ac.resolve_args(s3ac.Args(micro_batch_size=micro, minibatches=minibatches, actor_grad_clip=1e9,
+                                           critic_grad_clip=1e9, eps_v=0.05, temperature=0.8))
         actor, crit = copy.deepcopy(model), copy.deepcopy(critic)
         # SGD moves each weight in proportion to its gradient (Adam's first step would hide a scale error)
-        m = s3ac.update_actor(actor, torch.optim.SGD(actor.parameters(), lr=1e-3), batch, advantages, None, args,
-                              torch.Generator().manual_seed(0))
+        m, _ = s3ac.update_actor(actor, torch.optim.SGD(actor.parameters(), lr=1e-3), batch, advantages, None,
+                                 args, torch.Generator().manual_seed(0))
         m.update(s3ac.update_critic(crit, torch.optim.SGD(crit.parameters(), lr=1e-3), batch, old_values, returns,
-                                    args, torch.Generator().manual_seed(0)))
+                                    batch.response_mask, args, torch.Generator().manual_seed(0)))
         results.append((m, list(actor.parameters()) + list(crit.parameters())))
     (m1, p1), (m2, p2) = results
     for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "critic/v_loss", "critic/v_clipfrac",
@@ -388,9 +387,11 @@ def test_args_flags_generated_from_dataclass():
     args = s3ac.parse_args(["--k", "4", "--resume", "--eps-high", "0.3", "--model", "m"])
     assert (args.k, args.resume, args.eps_high, args.model) == (4, True, 0.3, "m")
     assert s3ac.parse_args([]).model == "Qwen/Qwen2.5-Math-1.5B"
-    d = s3ac.Args()
+    d = s3ac.resolve_args(s3ac.Args())
     assert (d.gamma, d.critic_lam, d.alpha, d.actor_grad_clip, d.critic_grad_clip, d.critic_lr_ratio,
             d.actor_epochs, d.critic_epochs, d.temperature) == (1.0, 1.0, 1.5, 1.0, 10.0, 5.0, 1, 2, 1.0)
+    assert (d.algo, d.actor_loss, d.actor_lam, d.eps_low, d.critic_sync, d.critic_loss) == (
+        "s3ac", "cispo", 0.0, 1.0, "s3ac", "mse")  # paper setting: adaptive actor lambda, no lower clip
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -485,6 +486,432 @@ def test_one_step_same_metrics_with_triton_forced(tiny, tmp_path):
     for key in ("rollout/reward", "rollout/response_len", "actor/pg_loss", "actor/entropy", "actor/grad_norm",
                 "critic/v_loss", "critic/grad_norm", "critic/value_mean", "adv/mean"):
         assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Flags resolved by algorithm
+# ---------------------------------------------------------------------------------------------------------------
+def test_resolve_args_per_algorithm_defaults_and_errors():
+    resolve = lambda *argv: s3ac.resolve_args(s3ac.parse_args(list(argv)))
+    ppo = resolve("--algo", "ppo")
+    assert (ppo.actor_loss, ppo.actor_lam, ppo.critic_lam, ppo.eps_low) == ("ppo", 0.95, 0.95, 0.2)
+    pact = resolve("--critic-sync", "pact")
+    assert (pact.actor_loss, pact.actor_lam, pact.critic_lam) == ("cispo", 1.0, 1.0)  # PACT: actor lambda 1
+    assert resolve("--critic-sync", "pact", "--actor-lam", "0").actor_lam == 0.0  # explicit flag wins
+    assert resolve("--algo", "grpo", "--k", "4").actor_loss == "cispo"
+    assert resolve("--algo", "ppo", "--actor-loss", "cispo").eps_low == 1.0
+    for argv, needle in [(["--algo", "grpo"], "k >= 2"), (["--algo", "rloo", "--k", "1"], "k >= 2"),
+                         (["--dynamic-sampling"], "k >= 2"), (["--algo", "grpo", "--k", "2", "--critic-sync", "pact"],
+                                                              "needs a critic"),
+                         (["--algo", "rloo", "--k", "2", "--prompt-selection", "daps"], "needs a critic"),
+                         (["--algo", "a2c"], "expected one of"), (["--daps-a-min", "0"], "daps-a-min")]:
+        with pytest.raises(ValueError, match=needle):
+            resolve(*argv)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Critic-free baselines and dynamic sampling
+# ---------------------------------------------------------------------------------------------------------------
+def test_grpo_worked_cases():
+    ones = torch.ones(4, 3)
+    adv, _ = s3ac.grpo_advantages(torch.tensor([1.0, 0, 1, 1]), torch.tensor([0, 0, 1, 1]), ones)
+    assert adv[:, 0].tolist() == [1.0, -1.0, 0.0, 0.0] and torch.equal(adv[:, 1], adv[:, 0])
+    # groups come from prompt_index, not the layout: the same rewards interleaved
+    adv, _ = s3ac.grpo_advantages(torch.tensor([1.0, 1, 0, 1]), torch.tensor([7, 3, 7, 3]), ones)
+    assert adv[:, 0].tolist() == [1.0, 0.0, -1.0, 0.0]
+    # k = 8, 3 correct: population std sqrt(0.375 * 0.625)
+    r = torch.tensor([1.0] * 3 + [0.0] * 5)
+    adv, _ = s3ac.grpo_advantages(r, torch.zeros(8, dtype=torch.long), torch.ones(8, 1))
+    assert adv[:3, 0].tolist() == pytest.approx([1.2910] * 3, abs=1e-4)
+    assert adv[3:, 0].tolist() == pytest.approx([-0.7746] * 5, abs=1e-4)
+    adv, _ = s3ac.grpo_advantages(r, torch.zeros(8, dtype=torch.long), torch.ones(8, 1), use_std=False)
+    assert adv[:3, 0].tolist() == pytest.approx([0.625] * 3) and adv[3, 0].item() == pytest.approx(-0.375)
+    # equal rewards give exactly 0, also for values whose fp32 mean is inexact; the near-equal group stays finite
+    for rewards in ([0.35] * 8, [-1.0] * 4, [0.1] * 7):
+        adv, m = s3ac.grpo_advantages(torch.tensor(rewards), torch.zeros(len(rewards), dtype=torch.long),
+                                      torch.ones(len(rewards), 2))
+        assert torch.equal(adv, torch.zeros(len(rewards), 2)) and m["adv/zero_groups"] == 1.0
+    r = torch.tensor([0.35] * 7 + [0.95])  # fp32
+    adv, _ = s3ac.grpo_advantages(r, torch.zeros(8, dtype=torch.long), torch.ones(8, 1))
+    r64 = torch.tensor([0.35] * 7 + [0.95], dtype=torch.float64)
+    ref = (r64 - r64.mean()) / r64.std(unbiased=False)
+    assert torch.isfinite(adv).all() and torch.allclose(adv[:, 0].double(), ref, atol=1e-5)
+    with pytest.raises(ValueError, match="at least 2"):
+        s3ac.grpo_advantages(torch.tensor([1.0, 0, 1]), torch.tensor([0, 0, 1]), torch.ones(3, 1))
+
+
+def test_rloo_worked_case_and_padding():
+    r = torch.tensor([1.0] * 3 + [0.0] * 5)
+    mask = torch.ones(8, 3)
+    mask[0, 2] = 0
+    adv, _ = s3ac.rloo_advantages(r, torch.full((8,), 5), mask)
+    assert adv[:3, 0].tolist() == pytest.approx([0.7143] * 3, abs=1e-4)
+    assert adv[3:, 0].tolist() == pytest.approx([-0.4286] * 5, abs=1e-4)
+    assert adv[0, 2] == 0  # padding gets no advantage
+    loop = [r[i].item() - (r.sum().item() - r[i].item()) / 7 for i in range(8)]  # plain Python reference
+    assert adv[:, 0].tolist() == pytest.approx(loop, abs=1e-6)
+    with pytest.raises(ValueError, match="at least 2"):
+        s3ac.rloo_advantages(torch.tensor([1.0]), torch.tensor([0]), torch.ones(1, 1))
+
+
+def test_masked_whiten_and_reinforce_pp():
+    x = torch.tensor([[1.0, 2, 0, 0], [3, 0, 0, 0]])
+    mask = torch.tensor([[1.0, 1, 0, 0], [1, 0, 0, 0]])
+    out = s3ac.masked_whiten(x, mask)
+    assert out[mask.bool()].tolist() == pytest.approx([-1.2247, 0.0, 1.2247], abs=1e-4)
+    assert out[~mask.bool()].abs().sum() == 0
+    garbage = torch.where(mask.bool(), x, 1e6)
+    assert torch.equal(s3ac.masked_whiten(garbage, mask), out)  # padding values never leak
+    # REINFORCE++: the outcome broadcast over tokens, whitened over tokens (long responses weigh more)
+    adv, _ = s3ac.reinforce_pp_advantages(torch.tensor([1.0, -1.0]), torch.tensor([0, 1]), mask)
+    tokens = torch.tensor([1.0, 1.0, -1.0], dtype=torch.float64)
+    ref = (tokens - tokens.mean()) / tokens.std(unbiased=False)
+    assert adv[mask.bool()].double().tolist() == pytest.approx(ref.tolist(), abs=1e-6)
+    same, _ = s3ac.reinforce_pp_advantages(torch.tensor([-1.0, -1.0]), torch.tensor([0, 1]), mask)
+    assert torch.equal(same, torch.zeros(2, 4))
+
+
+def test_mixed_groups_and_cat_batches():
+    keep = s3ac.mixed_groups(torch.tensor([1.0, -1, -1, -1, 1, 1]), torch.tensor([4, 4, 2, 2, 9, 9]))
+    assert keep.tolist() == [True, True, False, False, False, False]
+    a = s3ac.Batch(torch.tensor([[5, 6]]), torch.tensor([[1, 1]]), torch.tensor([[7]]), torch.ones(1, 1),
+                   torch.tensor([True]), torch.tensor([3]))
+    b = s3ac.Batch(torch.tensor([[0, 8, 9]]), torch.tensor([[0, 1, 1]]), torch.tensor([[1, 2, 0]]),
+                   torch.tensor([[1.0, 1, 0]]), torch.tensor([False]), torch.tensor([4]))
+    c = s3ac.cat_batches([a, b], pad_id=0)
+    assert c.prompt_ids.tolist() == [[0, 5, 6], [0, 8, 9]] and c.prompt_mask.tolist() == [[0, 1, 1], [0, 1, 1]]
+    assert c.response_ids.tolist() == [[7, 0, 0], [1, 2, 0]] and c.response_mask.tolist() == [[1, 0, 0], [1, 1, 0]]
+    assert c.truncated.tolist() == [True, False] and c.prompt_index.tolist() == [3, 4]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Actor losses
+# ---------------------------------------------------------------------------------------------------------------
+def ppo_loss_loop(logp, old, adv, mask, eps_low, eps_high):
+    """Plain Python PPO clipped surrogate, token mean over valid tokens (fp64 floats)."""
+    total, n = 0.0, 0
+    for i in range(len(logp)):
+        for t in range(len(logp[i])):
+            if mask[i][t]:
+                ratio = math.exp(logp[i][t] - old[i][t])
+                total += min(ratio * adv[i][t], min(max(ratio, 1 - eps_low), 1 + eps_high) * adv[i][t])
+                n += 1
+    return -total / n
+
+
+def test_ppo_clip_loss_matches_loop_and_gradient():
+    g = torch.Generator().manual_seed(1)
+    B, T = 3, 5
+    logp = (torch.randn(B, T, generator=g) * 0.3 - 1).double()
+    old = logp.detach() + torch.randn(B, T, generator=g).double() * 0.3
+    adv = torch.randn(B, T, generator=g).double()
+    mask = torch.tensor([[1.0, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 0, 0, 0, 0]])
+    logp_bad = torch.where(mask.bool(), logp, float("nan")).float().requires_grad_()
+    loss, m = s3ac.ppo_clip_loss(logp_bad, old.float(), adv.float(), mask, 0.2, 0.28)
+    ref = ppo_loss_loop(logp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), 0.2, 0.28)
+    assert loss.item() == pytest.approx(ref, abs=1e-5)
+    loss.backward()
+    x = logp.clone().requires_grad_()  # fp64 autograd gradient of the same objective, element by element
+    ratio = (x - old).exp()
+    surr = torch.min(ratio * adv, ratio.clamp(0.8, 1.28) * adv)
+    (-(surr * mask.double()).sum() / mask.sum()).backward()
+    assert torch.allclose(logp_bad.grad.double(), torch.where(mask.bool(), x.grad, 0.0), atol=1e-5)
+    ratio = (logp - old).exp()
+    clipped = ((ratio < 0.8) | (ratio > 1.28)) & mask.bool()
+    assert m["pg_clipfrac"].item() == pytest.approx(clipped.sum().item() / mask.sum().item())
+    assert m["approx_kl"].item() == pytest.approx((((ratio - 1) - (logp - old)) * mask).sum().item() / 8, abs=1e-5)
+
+
+@pytest.mark.parametrize("loss_fn,sign", [(s3ac.ppo_clip_loss, -1.0), (K.cispo_loss, 1.0)])
+def test_loss_aggregation_is_token_mean(loss_fn, sign):
+    # per-token losses [1, 1] and [3, 3, 3, 3]: with log pi = -1 and ratio 1, PPO's is -A and CISPO's is A
+    mask = torch.tensor([[1.0, 1, 0, 0], [1, 1, 1, 1]])
+    adv = sign * torch.tensor([[1.0, 1, 0, 0], [3, 3, 3, 3]])
+    logp = torch.full((2, 4), -1.0, requires_grad=True)
+    loss, _ = loss_fn(logp, logp.detach(), adv, mask, 0.2, 0.28)
+    assert loss.item() == pytest.approx(2.3333, abs=1e-4)  # token mean 14 / 6, not the mean of row means (2.0)
+    # the same total from micro-batches of one row each, normalised by the whole batch's token count
+    total = sum(loss_fn(logp[i:i + 1], logp[i:i + 1].detach(), adv[i:i + 1], mask[i:i + 1], 0.2, 0.28,
+                        num_tokens=mask.sum())[0] for i in range(2))
+    assert total.item() == pytest.approx(loss.item(), abs=1e-6)
+
+
+def test_update_actor_returns_behaviour_logprobs(tiny):
+    import copy
+    _, base, tok = tiny
+    model = copy.deepcopy(base)
+    prompts = [tok("1+1=")["input_ids"], tok("What is 3 * 4?")["input_ids"]]
+    batch = s3ac.generate_hf(model, prompts, [0, 1], {10**6}, tok.pad_token_id, 4, 1.0, 4)
+    before = s3ac.policy_logprobs(model, batch, 1.0, 8)  # [B, T] mu
+    args = s3ac.resolve_args(s3ac.Args(micro_batch_size=1))
+    model.train()
+    m, behaviour = s3ac.update_actor(model, torch.optim.SGD(model.parameters(), lr=1.0), batch,
+                                     torch.tensor([[1.0] * 4, [-1.0] * 4]) * batch.response_mask, None, args,
+                                     torch.Generator().manual_seed(0))
+    assert torch.allclose(behaviour, before, atol=1e-5)  # one step in all: mu from the same forward pass
+    after = s3ac.policy_logprobs(model, batch, 1.0, 8)
+    assert (after - before).abs().max() > 1e-3  # the actor moved, so PACT's rho differs from 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# PACT critic targets
+# ---------------------------------------------------------------------------------------------------------------
+def sample_two_token_tree(n, p_first, p_second, seed):
+    """n trajectories of a two-token tree: a0 ~ Bernoulli(p_first), a1 ~ Bernoulli(p_second[a0]). Returns a0, a1
+    as [n] long tensors."""
+    g = torch.Generator().manual_seed(seed)
+    a0 = (torch.rand(n, generator=g, dtype=torch.float64) < p_first).long()
+    p1 = torch.tensor(p_second, dtype=torch.float64)[a0]
+    return a0, (torch.rand(n, generator=g, dtype=torch.float64) < p1).long()
+
+
+def tree_logprobs(a0, a1, p_first, p_second):
+    """[n, 2] log-probs of the sampled tokens under a policy (p_first, p_second)."""
+    p0 = torch.where(a0 == 1, p_first, 1 - p_first)
+    q = torch.tensor(p_second, dtype=torch.float64)[a0]
+    p1 = torch.where(a1 == 1, q, 1 - q)
+    return torch.stack([p0.log(), p1.log()], 1).float()
+
+
+REWARD = [[-1.0, 1.0], [1.0, -1.0]]  # R(a0, a1)
+
+
+def exact_value(p_first, p_second, a0=None):
+    """V(s) of a policy by enumerating the tree (plain Python): the root, or the state after a0."""
+    def after(b):
+        return p_second[b] * REWARD[b][1] + (1 - p_second[b]) * REWARD[b][0]
+    return after(a0) if a0 is not None else p_first * after(1) + (1 - p_first) * after(0)
+
+
+@pytest.mark.parametrize("case", ["first_token", "last_token"])
+def test_pact_targets_recover_value_of_new_policy(case):
+    n = 200_000
+    if case == "first_token":  # pi differs from mu at the first token only: the per-token ratio is exact at s_0
+        mu, pi = (0.3, [0.2, 0.1]), (0.7, [0.2, 0.1])
+    else:  # pi differs at the last token: exact at every s_1
+        mu, pi = (0.5, [0.2, 0.5]), (0.5, [0.7, 0.9])
+    a0, a1 = sample_two_token_tree(n, *mu, seed=3)
+    R = torch.tensor(REWARD, dtype=torch.float64)[a0, a1].float()  # [n]
+    returns = R[:, None].expand(n, 2).clone()  # [n, 2] Monte-Carlo returns, gamma = 1
+    targets, critic_mask, m = s3ac.pact_targets(returns, tree_logprobs(a0, a1, *pi), tree_logprobs(a0, a1, *mu),
+                                                torch.ones(n, 2), 0.0, 6.0)
+    assert critic_mask.sum() == 2 * n  # every ratio lies inside [0, 6] here
+    if case == "first_token":
+        checks = [(targets[:, 0], returns[:, 0], exact_value(*pi), exact_value(*mu))]
+    else:
+        checks = [(targets[a0 == b, 1], returns[a0 == b, 1], exact_value(*pi, a0=b), exact_value(*mu, a0=b))
+                  for b in (0, 1)]
+    for corrected, plain, v_pi, v_mu in checks:
+        se = corrected.double().std().item() / math.sqrt(len(corrected))
+        assert abs(corrected.double().mean().item() - v_pi) < 4 * se
+        assert abs(plain.double().mean().item() - v_pi) > 20 * se  # without the correction: V of mu, not pi
+        assert abs(v_pi - v_mu) > 0.2
+
+
+def test_pact_targets_mask_ratios_outside_range_and_padding():
+    old = torch.zeros(1, 4)
+    new = torch.log(torch.tensor([[0.5, 7.0, 6.0, 3.0]]))
+    mask = torch.tensor([[1.0, 1, 1, 0]])
+    targets, critic_mask, m = s3ac.pact_targets(torch.tensor([[1.0, 1, -1, 1]]), new, old, mask, 0.0, 6.0)
+    assert critic_mask.tolist() == [[1, 0, 1, 0]]  # 7 > 6 masked, 6 kept (closed range), padding masked
+    # [0, 1] scale: rho * (R + 1) / 2 -> 0.5 * 1 and 6 * 0, i.e. 0.0 and -1.0 on the +-1 scale
+    assert targets[0, [0, 2]].tolist() == pytest.approx([0.0, -1.0])
+    assert m["critic/rho_masked_frac"] == pytest.approx(1 / 3)
+
+
+def test_bce_critic_maps_values_and_targets():
+    z = torch.tensor([[0.0, 2.0]])
+    assert s3ac.value_from_raw(z, "bce")[0].tolist() == pytest.approx([0.0, math.tanh(1.0)])  # 2 sigmoid(z) - 1
+    assert torch.equal(s3ac.value_from_raw(z, "mse"), z)
+    # target -1 on the +-1 scale is y = 0 for the BCE: loss = softplus(z) averaged over the two tokens
+    loss, _ = s3ac.critic_loss_fn(z, z, torch.full((1, 2), -1.0), torch.ones(1, 2), "bce", 0.5)
+    assert loss.item() == pytest.approx((math.log(2) + math.log1p(math.exp(2.0))) / 2, abs=1e-6)
+    assert s3ac.success_prob(s3ac.value_from_raw(z, "bce"))[0].tolist() == pytest.approx([0.5, 1 / (1 + math.exp(-2))])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# DAPS
+# ---------------------------------------------------------------------------------------------------------------
+def test_daps_estimate_and_acceptance_hand_values():
+    p_hat = s3ac.daps_estimate(torch.tensor([3.0, 0.0]), torch.tensor([4.0, 0.0]), torch.tensor([0.5, 0.9]), 2.0)
+    assert p_hat.tolist() == pytest.approx([4 / 6, 0.9])  # a new prompt (S = N = 0) takes p_c alone
+    a = s3ac.daps_accept_prob(torch.tensor([4 / 6, 0.5, 0.0, 1.0, 0.9]), 0.1)
+    assert a.tolist() == pytest.approx([0.9, 1.0, 0.1, 0.1, 0.1 + 0.9 * 0.36])
+    assert s3ac.success_prob(torch.tensor([-1.5, -1.0, 0.0, 0.6, 1.2])).tolist() == pytest.approx([0, 0, 0.5, 0.8, 1])
+
+
+class CountingSampler(s3ac.PromptSampler):
+    def __init__(self, n, seed):
+        super().__init__(n, seed)
+        self.counts = [0] * n
+
+    def draw(self, count):
+        out = super().draw(count)
+        for i in out:
+            self.counts[i] += 1
+        return out
+
+
+def test_daps_acceptance_frequency_matches_probability():
+    p_c = torch.tensor([0.05, 0.5, 0.9, 0.3])
+    S, N = torch.tensor([0.0, 0, 0, 6]), torch.tensor([0.0, 0, 0, 8])  # prompt 3: p_hat = (6 + 4 * 0.3) / 12 = 0.6
+    sampler = CountingSampler(4, seed=0)
+    chosen, stats = s3ac.daps_select(sampler, 6000, lambda c: p_c[c], S, N, 4.0, 0.1,
+                                     torch.Generator().manual_seed(0))
+    assert len(chosen) == 6000 and stats["accepted"] == 6000 and stats["drawn"] == sum(sampler.counts)
+    p_hat = torch.tensor([0.05, 0.5, 0.9, 0.6], dtype=torch.float64)
+    expect = 0.1 + 0.9 * 4 * p_hat * (1 - p_hat)  # independent of daps_accept_prob: written out here
+    for i in range(4):
+        freq = chosen.count(i) / sampler.counts[i]
+        se = math.sqrt(expect[i] * (1 - expect[i]) / sampler.counts[i]) + 1e-9
+        assert abs(freq - expect[i].item()) < 4 * se + 1e-12, (i, freq, expect[i])
+    assert stats["p_hat_sum"] / 6000 == pytest.approx(sum(chosen.count(i) * p_hat[i].item() for i in range(4)) / 6000)
+
+
+def test_prompt_values_equal_v_s0_of_critic_values(tiny):
+    path, _, tok = tiny
+    from transformers import AutoModel
+    critic = s3ac.Critic(AutoModel.from_pretrained(path), seed=2).eval()
+    p1, p2 = tok("1+1=")["input_ids"], tok("What is 33 - 4?")["input_ids"]
+    batch = s3ac.Batch(s3ac._pad([p1, p2], 2, True), s3ac._pad([[1] * len(p1), [1] * len(p2)], 0, True),
+                       torch.tensor([[5, 6], [7, 2]]), torch.ones(2, 2), torch.tensor([False, False]),
+                       torch.tensor([0, 1]))
+    with torch.no_grad():
+        v0 = s3ac.critic_values(critic, batch)[:, 0]
+    for kind in ("mse", "bce"):
+        got = s3ac.prompt_values(critic, [p1, p2], 2, kind, batch_size=1)
+        assert torch.allclose(got, s3ac.value_from_raw(v0, kind), atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Critic diagnostics
+# ---------------------------------------------------------------------------------------------------------------
+def test_critic_efficiency_published_rows():
+    assert s3ac.critic_efficiency(0.248, 0.083) == pytest.approx(1.23, abs=0.005)
+    assert s3ac.critic_efficiency(0.354, 0.75) == pytest.approx(0.88, abs=0.005)
+    c = 0.75  # break-even at EV = c / (1 + c)
+    assert s3ac.critic_efficiency(c / (1 + c), c) == pytest.approx(1.0)
+    assert math.isnan(s3ac.critic_efficiency(float("nan"), 0.1))
+
+
+def test_credit_sparsity_value_separation_and_adv_explained_variance():
+    values = torch.tensor([[0.0, 0.5, 0.58, 9.0], [-0.2, -0.2, 0.0, 0.0]])  # 0.08 on +-1 = 0.04 on [0, 1]
+    mask = torch.tensor([[1.0, 1, 1, 0], [1, 1, 0, 0]])
+    rewards = torch.tensor([1.0, -1.0])
+    counts, m = s3ac.credit_sparsity(values, rewards, mask, 0.05)
+    # plain loop over credits (V_next - V) / 2 on the [0, 1] scale, R after the last token
+    ref = []
+    for i in range(2):
+        L = int(mask[i].sum())
+        seq = values[i, :L].tolist() + [rewards[i].item()]
+        ref.append(sum(abs(seq[t + 1] - seq[t]) / 2 > 0.05 for t in range(L)))
+    assert counts.tolist() == ref == [2, 1] and m["critic/credit_sparsity"] == 1.5
+    assert s3ac.value_separation(values, rewards, mask) == pytest.approx((1.08 / 3) - (-0.2))
+    assert math.isnan(s3ac.value_separation(values, torch.tensor([1.0, 1.0]), mask))
+    m = s3ac.critic_metrics(torch.where(mask.bool(), values, 0.0), rewards[:, None] * mask, rewards, mask, 1.0, 4.0,
+                            0.05)
+    r, v0 = [1.0, -1.0], [0.0, -0.2]
+    var = lambda x: sum((a - sum(x) / len(x)) ** 2 for a in x) / len(x)
+    assert m["critic/adv_explained_var"] == pytest.approx(1 - var([a - b for a, b in zip(r, v0)]) / var(r))
+    assert m["critic/compute_ratio"] == 0.25
+    assert m["critic/efficiency"] == pytest.approx(1 / ((1 - m["critic/adv_explained_var"]) * 1.25))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# End to end: every algorithm and critic feature, two steps each on the tiny model
+# ---------------------------------------------------------------------------------------------------------------
+CRITIC_KEYS = ["critic/v_loss", "critic/explained_var", "critic/adv_explained_var", "critic/efficiency",
+               "critic/compute_ratio", "critic/credit_sparsity", "critic/value_sep", "time/values", "time/critic"]
+
+
+@pytest.mark.parametrize("algo,extra", [("ppo", []), ("grpo", ["--dynamic-sampling", "--grpo-std", "false"]),
+                                        ("rloo", []), ("reinforce_pp", ["--k", "1"])])
+def test_smoke_every_algorithm(tiny, tmp_path, algo, extra):
+    out = str(tmp_path / algo)
+    proc = run_s3ac(*smoke_flags(tiny[0], out, "--steps", "2", "--algo", algo, *extra))
+    records = read_jsonl(os.path.join(out, "metrics.jsonl"))
+    assert [r["step"] for r in records] == [0, 1, 2]
+    for r in records[1:]:
+        assert all(k in r for k in ["actor/pg_loss", "actor/pg_clipfrac", "actor/approx_kl", "rollout/reward",
+                                    "prompts/share_mid"])
+        has_critic = [k for k in r if k.startswith("critic/") or k == "time/values"]
+        if algo == "ppo":
+            assert all(k in r for k in CRITIC_KEYS) and r["adv/lambda_mean"] == pytest.approx(0.95)
+        else:
+            assert not has_critic, has_critic
+    assert ("--actor-loss ppo" in proc.stderr) == (algo == "ppo")
+    if algo == "grpo":  # the tiny model is never right: every group has equal rewards, is dropped, and refilled
+        assert records[1]["rollout/dropped_groups"] == 4 * (1 + 3) and records[1]["rollout/kept_groups"] == 0
+        assert records[1]["verify/no_answer"] + records[1]["verify/error"] <= 4 * 2 * 4
+    ckpt = s3ac.latest_checkpoint(out)
+    assert os.path.isdir(os.path.join(ckpt, "critic")) == (algo == "ppo")
+
+
+PACT_DAPS = ["--critic-sync", "pact", "--critic-loss", "bce", "--prompt-selection", "daps", "--daps-start", "1"]
+
+
+@pytest.fixture(scope="module")
+def pact_daps_run(tiny, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("pact_daps"))
+    run_s3ac(*smoke_flags(tiny[0], out, "--steps", "2", "--save-every", "1", *PACT_DAPS))
+    return out
+
+
+def test_smoke_pact_bce_daps(pact_daps_run):
+    records = read_jsonl(os.path.join(pact_daps_run, "metrics.jsonl"))
+    assert [r["step"] for r in records] == [0, 1, 2]
+    for r in records[1:]:
+        assert all(k in r for k in CRITIC_KEYS + ["critic/rho_mean", "critic/rho_masked_frac"])
+        assert r["adv/lambda_mean"] == 1.0  # PACT's actor lambda
+        assert r["critic/rho_mean"] > 0 and r["critic/grad_norm"] > 0
+    assert "prompts/accept_rate" not in records[1]  # step 1 is uniform (daps_start 1)
+    assert 0 < records[2]["prompts/accept_rate"] <= 1 and 0 <= records[2]["prompts/p_hat_mean"] <= 1
+    state = torch.load(os.path.join(s3ac.latest_checkpoint(pact_daps_run), "trainer_state.pt"), weights_only=False)
+    S, N = state["prompt_counts"]
+    assert N.sum().item() == pytest.approx(8 * 0.99 + 8) and S.sum().item() == 0  # 8 rollouts a step, decayed
+
+
+def test_resume_restores_daps_counts(tiny, pact_daps_run, tmp_path):
+    out = str(tmp_path / "killed")
+    run_s3ac(*smoke_flags(tiny[0], out, "--steps", "1", "--save-every", "1", *PACT_DAPS))
+    run_s3ac(*smoke_flags(tiny[0], out, "--steps", "2", "--save-every", "1", "--resume", *PACT_DAPS))
+    full, resumed = (read_jsonl(os.path.join(d, "metrics.jsonl"))[2] for d in (pact_daps_run, out))
+    for key in ("prompts/accept_rate", "prompts/p_hat_mean", "rollout/response_len", "critic/v_loss"):
+        assert resumed[key] == pytest.approx(full[key], rel=1e-5, abs=1e-6), key
+
+
+def test_smoke_coverage_pretraining_then_reuse_with_warmup(tiny, tmp_path):
+    out = str(tmp_path / "cov")
+    run_s3ac(*smoke_flags(tiny[0], out, "--steps", "1", "--coverage-temperatures", "0.7,1.3", "--coverage-prompts",
+                          "10", "--coverage-epochs", "2"))
+    rows = read_jsonl(os.path.join(out, "coverage.jsonl"))
+    assert len(rows) == 2 * 10 * 2  # temperatures x prompts x K
+    assert {r["policy"].rsplit("@", 1)[1] for r in rows} == {"0.7", "1.3"}
+    assert all(set(r) >= {"prompt_ids", "response_ids", "reward", "prompt_index"} and r["reward"] in (-1.0, 1.0)
+               for r in rows)
+    pre = [r for r in read_jsonl(os.path.join(out, "metrics.jsonl")) if "pretrain/epoch" in r]
+    assert [r["pretrain/epoch"] for r in pre] == [1, 2]
+    assert all("pretrain/explained_var" in r and r["pretrain/v_loss"] >= 0 for r in pre)
+    assert pre[0]["pretrain/held_out_rows"] == 1 * 2 * 2  # 10% of 10 prompts, both policies, K = 2
+    # reuse the trajectories, add one on-policy warm-up batch, with the sigmoid critic
+    again = str(tmp_path / "reuse")
+    run_s3ac(*smoke_flags(tiny[0], again, "--steps", "1", "--coverage-data", os.path.join(out, "coverage.jsonl"),
+                          "--critic-warmup-steps", "1", "--critic-loss", "bce"))
+    records = read_jsonl(os.path.join(again, "metrics.jsonl"))
+    assert not os.path.exists(os.path.join(again, "coverage.jsonl"))
+    assert [r.get("pretrain/epoch") for r in records if "pretrain/epoch" in r] == [1, 2]
+    warm = [r for r in records if "pretrain/warmup_step" in r]
+    assert len(warm) == 1 and warm[0]["critic/grad_norm"] > 0 and "pretrain/v_loss" in warm[0]
+    assert records[-1]["step"] == 1 and "critic/efficiency" in records[-1]
+
+
+def test_help_text_comes_from_field_comments(capsys):
+    with pytest.raises(SystemExit):
+        s3ac.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "1 with --critic-sync pact (PACT's choice)" in text  # a continued comment is kept whole
+    assert "ppo for --algo ppo, else cispo" in text and "rollouts per prompt" in text
 
 
 # ---------------------------------------------------------------------------------------------------------------
