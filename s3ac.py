@@ -95,6 +95,9 @@ import kernels
 # ---------------------------------------------------------------------------------------------------------------
 # 0. Arguments
 # ---------------------------------------------------------------------------------------------------------------
+INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."  # Qwen2.5-Math's prompt
+
+
 @dataclass
 class Args:
     # model
@@ -113,6 +116,7 @@ class Args:
     split: str = "train"  # dataset split (Hugging Face datasets only)
     eval_split: str = "test"  # split for --eval-data when it is a Hugging Face dataset
     prompt_template: str = ""  # overrides the chat template: a string with {question}
+    instruction: str = INSTRUCTION  # appended to the question in the chat (or plain) template
     # algorithm (the flags left at "by algorithm" are resolved once by resolve_args and printed)
     algo: str = "s3ac"  # advantages: s3ac | ppo (critic, GAE) | grpo | rloo | reinforce_pp (critic-free)
     actor_loss: str = ""  # cispo | ppo (clipped surrogate); empty = by algorithm: ppo for --algo ppo, else cispo
@@ -356,19 +360,16 @@ def split_problems(train: list, eval_spec: str, args: Args):
     return train, held_out
 
 
-INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
-
-
-def build_prompt(tokenizer, question: str, template: str = "") -> list:
+def build_prompt(tokenizer, question: str, template: str = "", instruction: str = INSTRUCTION) -> list:
     """Token ids of the prompt: `template` with {question} replaced if given, else the tokenizer's chat template
     asking for a \\boxed{} answer, else a plain 'Question: ... Answer:' text."""
     if template:
         return tokenizer(template.replace("{question}", question))["input_ids"]  # not str.format: \\boxed{}
     if tokenizer.chat_template:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": f"{question}\n{INSTRUCTION}"}],
+        text = tokenizer.apply_chat_template([{"role": "user", "content": f"{question}\n{instruction}"}],
                                              tokenize=False, add_generation_prompt=True)
         return tokenizer(text, add_special_tokens=False)["input_ids"]  # the template holds any BOS itself
-    return tokenizer(f"Question: {question}\n{INSTRUCTION}\nAnswer:")["input_ids"]
+    return tokenizer(f"Question: {question}\n{instruction}\nAnswer:")["input_ids"]
 
 
 def chat_stop_ids(tokenizer) -> set:
@@ -624,7 +625,8 @@ class Verifier:
 
     Checks run in one worker process: math-verify's own timeouts use signal.alarm, which works only in a main
     thread, so a hung check is instead killed from here after `timeout` seconds and counted as 'timeout'. Safe to
-    call from any thread. Statuses: correct, wrong, no_answer, bad_gold, error, timeout.
+    call from any thread. Statuses: correct, wrong, no_answer, bad_gold, error, timeout. The worker is started with
+    multiprocessing's "spawn", so a script that uses it must guard its entry point with `if __name__ == "__main__":`.
     """
 
     STATUSES = ("correct", "wrong", "no_answer", "bad_gold", "error", "timeout")
@@ -643,7 +645,7 @@ class Verifier:
         self._conn.recv()
 
     def _kill(self):
-        if self._proc is not None:
+        if self._proc is not None and self._proc.is_alive():
             self._proc.kill()
             self._proc.join()
         self._proc = None
@@ -1350,7 +1352,8 @@ def train(args: Args):
 
     def prompt_ids(i, problems, tag):
         if (tag, i) not in prompt_cache:
-            prompt_cache[(tag, i)] = build_prompt(tokenizer, problems[i].question, args.prompt_template)
+            prompt_cache[(tag, i)] = build_prompt(tokenizer, problems[i].question, args.prompt_template,
+                                                  args.instruction)
         return prompt_cache[(tag, i)]
 
     eval_prompts = [prompt_ids(i, eval_problems, "eval") for i in range(len(eval_problems))]

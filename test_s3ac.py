@@ -380,6 +380,7 @@ def test_prompt_uses_chat_template_and_boxed(tiny):
     assert text.startswith("<|im_start|>user\nWhat is 2 + 2?") and "\\boxed{}" in text
     assert text.endswith("<|im_start|>assistant\n")
     assert tok.decode(s3ac.build_prompt(tok, "Q", "Solve: {question} = \\boxed{}")) == "Solve: Q = \\boxed{}"
+    assert tok.decode(s3ac.build_prompt(tok, "Q", instruction="Box it.")).startswith("<|im_start|>user\nQ\nBox it.")
     assert s3ac.chat_stop_ids(tok) == {tok.convert_tokens_to_ids("<|im_end|>")}
 
 
