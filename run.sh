@@ -35,4 +35,4 @@ gguf=$(python -c 'import importlib.util, os; print(os.path.join(os.path.dirname(
 exec python s3ac.py --model "$gguf" --data builtin:arithmetic --out-dir runs/cpu-demo \
   --instruction 'Put the final answer in \boxed{}.' \
   --batch-prompts 16 --k 1 --max-new-tokens 64 --lr 1e-5 --micro-batch-size 16 \
-  --steps 20 --eval-every 10 --eval-size 50 --save-every 10 "$@"
+  --steps 30 --eval-every 10 --eval-size 50 --save-every 10 "$@"
