@@ -53,7 +53,8 @@ Where this code departs from the papers:
     7. PACT's ratio I_t is the product of per-token ratios from t to the end; this code uses the detached
        current-token ratio (PACT's practical choice), exact only for the last token. The ratio weights the
        [0, 1]-scale return (R + 1) / 2 for both critic losses, as in PACT: weighting the +-1 return instead
-       would hand a BCE critic negative targets (1 - rho) / 2 on wrong answers, where soft BCE has no minimum.
+       would hand a BCE critic negative targets (1 - rho) / 2 on wrong answers, where soft BCE has no minimum;
+       for the same reason the BCE critic's soft targets are clamped at 1 (rho_t > 1 on a right answer).
     8. REINFORCE++ is used without its per-token KL penalty (no reference model is kept).
     9. The DAPS constants (n_c, a_min, decay, daps_start) are this code's defaults; the paper's are not used.
     10. Coverage pretraining uses the online critic update (clipped value loss or BCE, critic_epochs per batch)
@@ -446,6 +447,13 @@ def compute_dtype(name: str, device) -> torch.dtype:
     if name not in table:
         raise ValueError(f"--dtype {name!r}: expected one of {sorted(table)}")
     return table[name]
+
+
+def synced_time(device) -> float:
+    """time.time() after the device's queued work has finished (CUDA runs asynchronously), for phase timers."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.time()
 
 
 def autocast(device, dtype):
@@ -995,11 +1003,12 @@ def critic_loss_fn(raw, old_values, targets, response_mask, critic_loss: str, ep
     """Critic loss toward targets on the +-1 scale, token-mean (summed over valid tokens / num_tokens).
 
     mse: L = 0.5 * max((V - R)^2, (V_old + clip(V - V_old, -eps_v, eps_v) - R)^2) with V = raw (PPO2 / VAPO).
-    bce: L = BCE(sigmoid(z), (R + 1) / 2) with z = raw (PACT's sigmoid critic); old_values unused.
+    bce: L = BCE(sigmoid(z), clamp((R + 1) / 2, 0, 1)) with z = raw (PACT's sigmoid critic); old_values unused.
     Returns (v_loss, metrics) as kernels.value_loss / kernels.bce_value_loss.
     """
     if critic_loss == "bce":
-        return kernels.bce_value_loss(raw, (targets + 1) / 2, response_mask, num_tokens=num_tokens)
+        # a soft target above 1 (PACT's rho_t > 1 on a right answer) has no minimum under BCE: clamp to [0, 1]
+        return kernels.bce_value_loss(raw, ((targets + 1) / 2).clamp(0.0, 1.0), response_mask, num_tokens=num_tokens)
     return kernels.value_loss(raw, old_values, targets, response_mask, eps_v, num_tokens=num_tokens)
 
 
@@ -1333,10 +1342,15 @@ def train(args: Args):
         state = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
         actor_opt.load_state_dict(state["actor_opt"])
         if critic_opt is not None:
+            if state["critic_opt"] is None:
+                raise ValueError(f"{ckpt}: a checkpoint of a critic-free run; resume it with the same --algo")
             critic_opt.load_state_dict(state["critic_opt"])
         sampler.epoch, sampler.pos = state["sampler"]
         if state.get("prompt_counts") is not None:
             S, N = state["prompt_counts"]
+            if len(S) != len(train_problems):
+                raise ValueError(f"{ckpt}: prompt counts for {len(S)} problems, the data now has "
+                                 f"{len(train_problems)}; resume with the same --data and --eval-size")
         random.setstate(state["rng"]["python"])
         torch.set_rng_state(state["rng"]["torch"])
         if "cuda" in state["rng"] and torch.cuda.is_available():
@@ -1392,7 +1406,9 @@ def train(args: Args):
 
         def p_c_of(candidates):  # [n] the critic's success probability from the prompt alone
             prompts = [prompt_ids(i, train_problems, "train") for i in candidates]
-            return success_prob(prompt_values(critic, prompts, pad_id, args.critic_loss, args.gen_batch_size))
+            with autocast(device, amp_dtype):
+                v0 = prompt_values(critic, prompts, pad_id, args.critic_loss, args.gen_batch_size)  # [n]
+            return success_prob(v0).cpu()  # S and N live on the CPU
 
         index, stats = daps_select(sampler, count, p_c_of, S, N, args.daps_n_c, args.daps_a_min, generator)
         for key, value in stats.items():
@@ -1415,7 +1431,7 @@ def train(args: Args):
             _write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
         with open(path) as f:
             rows = [json.loads(line) for line in f if line.strip()]
-        for m in pretrain_critic(critic, critic_opt, rows, args, pad_id, update_gen):
+        for m in pretrain_critic(critic, critic_opt, rows, args, pad_id, update_gen):  # fp32 forward passes
             log_metrics(metrics_path, {"step": 0, "pretrain/trajectories": len(rows), **m})
             tqdm.write(f"coverage epoch {m['pretrain/epoch']} | held-out EV {m['pretrain/explained_var']:+.3f} "
                        f"v_loss {m['pretrain/v_loss']:.4f}")
@@ -1468,11 +1484,12 @@ def train(args: Args):
             t0 = time.time()
             with autocast(device, amp_dtype):
                 values, _ = value_pass(critic, batch, args.critic_loss, args.micro_batch_size)  # [B, T]
-            metrics["time/values"] = time.time() - t0
+            metrics["time/values"] = synced_time(device) - t0
 
         # advantages, raw (no whitening here): GAE with the critic, or an outcome baseline without one
         if critic is None:
-            advantages, m = outcome_baselines[args.algo](rewards, batch.prompt_index, mask)  # [B, T]
+            advantages, m = outcome_baselines[args.algo](rewards.cpu(), batch.prompt_index, mask.cpu())  # [B, T]
+            advantages = advantages.to(device)
         else:
             lam = adaptive_lambda(mask, args.alpha) if args.actor_lam == 0 else args.actor_lam  # [B] or float
             advantages, returns, m = decoupled_gae(rewards, values, mask, args.gamma, args.critic_lam, lam)
@@ -1487,7 +1504,7 @@ def train(args: Args):
         model.train()
         m, behaviour_logprobs = update_actor(model, actor_opt, batch, advantages, old_logprobs, args, update_gen)
         metrics.update(m)
-        metrics["time/actor"] = time.time() - t0
+        metrics["time/actor"] = synced_time(device) - t0
 
         # critic update on the same batch, toward the rollout returns (s3ac) or PACT's rho_t-weighted ones, where
         # rho_t = pi_new / mu comes from one more forward pass of the UPDATED actor (no new generation)
@@ -1497,12 +1514,13 @@ def train(args: Args):
             if args.critic_sync == "pact":
                 with autocast(device, amp_dtype):
                     new_logprobs = policy_logprobs(model, batch, args.temperature, args.micro_batch_size)  # [B,T]
-                targets, critic_mask, m = pact_targets(returns, new_logprobs, behaviour_logprobs, mask, args.rho_min,
+                mc = mc_returns(rewards, mask, args.gamma)  # [B, T] PACT weights the Monte-Carlo return
+                targets, critic_mask, m = pact_targets(mc, new_logprobs, behaviour_logprobs, mask, args.rho_min,
                                                        args.rho_max)
                 metrics.update(m)
             critic.train()
             metrics.update(update_critic(critic, critic_opt, batch, values, targets, critic_mask, args, update_gen))
-            metrics["time/critic"] = time.time() - t0
+            metrics["time/critic"] = synced_time(device) - t0
             metrics.update(critic_metrics(values, returns, rewards, mask, metrics["time/values"] +
                                           metrics["time/critic"], metrics["time/actor"], args.credit_eps))
 

@@ -729,6 +729,12 @@ def test_bce_critic_maps_values_and_targets():
     loss, _ = s3ac.critic_loss_fn(z, z, torch.full((1, 2), -1.0), torch.ones(1, 2), "bce", 0.5)
     assert loss.item() == pytest.approx((math.log(2) + math.log1p(math.exp(2.0))) / 2, abs=1e-6)
     assert s3ac.success_prob(s3ac.value_from_raw(z, "bce"))[0].tolist() == pytest.approx([0.5, 1 / (1 + math.exp(-2))])
+    # a PACT target rho (R + 1)/2 = 3 on a right answer is clamped to y = 1: gradient sigmoid(z) - 1, a minimum at
+    # z -> inf only in the limit, never a push past it as y = 3 would give (gradient sigmoid(z) - 3 < 0 forever)
+    z = torch.tensor([[0.5]], requires_grad=True)
+    loss, _ = s3ac.critic_loss_fn(z, z.detach(), torch.full((1, 1), 5.0), torch.ones(1, 1), "bce", 0.5)
+    loss.backward()
+    assert z.grad.item() == pytest.approx(1 / (1 + math.exp(-0.5)) - 1.0, abs=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------------------------
