@@ -381,7 +381,8 @@ def chat_stop_ids(tokenizer) -> set:
     text = tokenizer.apply_chat_template([{"role": "user", "content": "1"}, {"role": "assistant", "content": "@@"}],
                                          tokenize=False)
     after = tokenizer(text.split("@@", 1)[-1], add_special_tokens=False)["input_ids"]
-    return {after[0]} if after and after[0] in tokenizer.all_special_ids + list(tokenizer.added_tokens_decoder) else set()
+    special = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
+    return {after[0]} if after and after[0] in special else set()
 
 
 class PromptSampler:
@@ -583,8 +584,8 @@ def generate_hf(model, prompts: list, prompt_index: list, eos_ids, pad_id: int, 
     sampling over the full vocabulary (the model's generation_config is not used), or greedy.
     """
     from transformers import GenerationConfig
-    config = GenerationConfig(do_sample=not greedy, temperature=None if greedy else temperature, top_k=None if greedy else 0,
-                              top_p=None if greedy else 1.0, max_new_tokens=max_new_tokens,
+    config = GenerationConfig(do_sample=not greedy, temperature=None if greedy else temperature,
+                              top_k=None if greedy else 0, top_p=None if greedy else 1.0, max_new_tokens=max_new_tokens,
                               eos_token_id=sorted(eos_ids), pad_token_id=pad_id)
     device = next(model.parameters()).device
     responses = []
@@ -1198,6 +1199,7 @@ def pretrain_critic(critic, optimizer, rows: list, args: Args, pad_id: int, gene
     size, out = args.batch_prompts * args.k, []
     for epoch in range(args.coverage_epochs):
         order = torch.randperm(len(fit_rows), generator=generator).tolist()
+        losses = []
         for start in range(0, len(order), size):
             batch, rewards = rows_to_batch([fit_rows[i] for i in order[start: start + size]], pad_id)
             values, _ = value_pass(critic, batch, args.critic_loss, args.micro_batch_size)  # [B, T]
@@ -1205,8 +1207,9 @@ def pretrain_critic(critic, optimizer, rows: list, args: Args, pad_id: int, gene
             mask = batch.response_mask.to(device)  # [B, T]
             m = update_critic(critic, optimizer, batch, values, mc_returns(rewards.to(device), mask, args.gamma),
                               mask, args, generator)
+            losses.append(m["critic/v_loss"])
         values, raw = value_pass(critic, held_batch, args.critic_loss, args.micro_batch_size)  # [B_held, T] each
-        out.append({"pretrain/epoch": epoch + 1, "pretrain/train_v_loss": m["critic/v_loss"],
+        out.append({"pretrain/epoch": epoch + 1, "pretrain/train_v_loss": sum(losses) / max(len(losses), 1),
                     "pretrain/held_out_rows": len(rows) - len(fit_rows),
                     **critic_fit(values, raw, held_returns, held_mask, args.critic_loss)})
     return out
@@ -1396,6 +1399,8 @@ def train(args: Args):
         S.index_add_(0, batch.prompt_index, correct)
         N.index_add_(0, batch.prompt_index, torch.ones_like(correct))
         metrics["time/rollout"] = metrics.get("time/rollout", 0.0) + t1 - t0
+        generated = int(batch.response_mask.sum())  # tokens of this round, kept or dropped by dynamic sampling
+        metrics["rollout/generated_tokens"] = metrics.get("rollout/generated_tokens", 0) + generated
         metrics["time/verify"] = metrics.get("time/verify", 0.0) + time.time() - t1
         return batch, rewards, statuses
 
@@ -1535,7 +1540,7 @@ def train(args: Args):
             **{f"verify/{s}": statuses.count(s) for s in Verifier.STATUSES[2:]},
             "adv/mean": masked_mean(advantages, mask).item(),
             "prompts/share_mid": ((rate > 0.2) & (rate <= 0.8)).double().mean().item(),
-            "perf/tokens_per_s": mask.sum().item() / metrics["time/rollout"],
+            "perf/tokens_per_s": metrics["rollout/generated_tokens"] / metrics["time/rollout"],  # every round
         })
         if args.dynamic_sampling:
             metrics.update({"rollout/dropped_groups": dropped, "rollout/kept_groups": kept})
