@@ -101,6 +101,7 @@ INSTRUCTION = "Please reason step by step, and put your final answer within \\bo
 
 @dataclass
 class Args:
+    """Every setting of a run; each field is a command-line flag (--field-name), its comment the help text."""
     # model
     model: str = "Qwen/Qwen2.5-Math-1.5B"  # actor: Hugging Face name, local directory, or a .gguf file
     critic_model: str = ""  # critic backbone; empty = the actor's checkpoint (must share the tokenizer)
@@ -270,6 +271,7 @@ def _str2bool(s: str) -> bool:
 # ---------------------------------------------------------------------------------------------------------------
 @dataclass
 class Problem:
+    """One math problem: the question text and its gold answer (text, compared by math-verify)."""
     question: str
     answer: str  # gold answer, as text for the verifier
 
@@ -518,6 +520,7 @@ def load_critic(path: str, device, seed: int, head_file: str = "") -> Critic:
 # ---------------------------------------------------------------------------------------------------------------
 @dataclass
 class Batch:
+    """A rollout batch of B sequences: left-padded prompts, right-padded responses, masks, problem indices."""
     prompt_ids: torch.Tensor  # [B, P] left-padded
     prompt_mask: torch.Tensor  # [B, P] 1 on prompt tokens
     response_ids: torch.Tensor  # [B, T] right-padded
@@ -679,6 +682,7 @@ class Verifier:
         return [1.0 if s == "correct" else -1.0 for s in statuses], statuses
 
     def close(self):
+        """Stop the worker process (a later call starts a new one)."""
         with self._lock:
             if self._proc is not None and self._proc.is_alive():
                 self._conn.send(None)
@@ -1289,6 +1293,10 @@ def log_metrics(path: str, metrics: dict):
 # 11. Training loop
 # ---------------------------------------------------------------------------------------------------------------
 def train(args: Args):
+    """Run S3AC (or the algorithm --algo names) as configured by args; returns the path of metrics.jsonl.
+
+    Raises ValueError for an invalid flag combination, a bad data row or a checkpoint that does not fit the run.
+    """
     from tqdm import tqdm
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
