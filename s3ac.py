@@ -40,7 +40,10 @@ Equations (shape letters: B sequences, T response tokens, P prompt tokens, H hid
 Where this code departs from the papers:
     1. Rollouts use plain temperature sampling over the full vocabulary: the model's generation_config is replaced
        by a neutral one (no top-p, top-k or repetition penalty), so the behaviour policy mu is exactly
-       softmax(logits / temperature), which the trainer recomputes (same temperature) for the importance ratio.
+       softmax(logits / temperature), which the trainer recomputes (same temperature) for the importance ratio,
+       whichever engine sampled (HF or vLLM); vLLM's own log-probs only feed the rollout/logprob_gap metrics.
+       With --top-p / --top-k the tokens come from mu_trunc = mu / Z (Z the kept mass) while the ratio keeps the
+       full-vocabulary mu, so it overstates pi / mu_trunc by 1 / Z; the gap metric shows log Z.
     2. When the actor takes one optimizer step per rollout batch (the default), mu is the pre-update policy, so
        old_logprobs are the detached log-probs of the same forward pass and the ratio is exactly 1.
     3. Learning rates are constant (no warm-up or decay); AdamW without weight decay; fp32 weights and optimizer
@@ -59,6 +62,8 @@ Where this code departs from the papers:
     9. The DAPS constants (n_c, a_min, decay, daps_start) are this code's defaults; the paper's are not used.
     10. Coverage pretraining uses the online critic update (clipped value loss or BCE, critic_epochs per batch)
        toward Monte-Carlo returns, and holds out 10% of the prompts to report its fit.
+    11. Under torchrun, metrics are averaged over ranks (explained variance is each rank's own), and
+       --dynamic-sampling and coverage pretraining run in a single process only.
 
 Run:
     python s3ac.py --model Qwen/Qwen2.5-Math-1.5B                                # paper setting, GPU
@@ -68,6 +73,8 @@ Run:
     python s3ac.py --algo grpo --k 8 --dynamic-sampling                # baselines: --algo ppo|grpo|rloo|reinforce_pp
     python s3ac.py --critic-sync pact --critic-loss bce                # PACT's critic (actor lambda 1)
     python s3ac.py --prompt-selection daps --coverage-temperatures 0.6,1.0,1.3 --critic-warmup-steps 5
+    torchrun --nproc_per_node=8 s3ac.py --batch-prompts 512            # data parallel, FSDP2, vLLM per rank
+    python s3ac.py gpu-check                                           # throughput and phase times (CUDA)
 """
 
 import argparse
