@@ -1098,6 +1098,23 @@ def test_vllm_rollouts_track_the_trainer_after_each_sync(vllm_python, tmp_path):
     assert gaps["false"][1] > 0.05 and gaps["false"][1] > 20 * gaps["true"][1], gaps  # a stale engine shows
 
 
+def test_torchrun_with_one_vllm_engine_per_rank(vllm_python, tmp_path):
+    """torchrun, 2 ranks (gloo), each with its own vLLM engine (external_launcher) fed from the FSDP2 shards."""
+    path = str(tmp_path / "tinyv")
+    make_tiny_model(path, head_dim=32)
+    out = str(tmp_path / "run")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", VLLM_CPU_KVCACHE_SPACE="1")
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([vllm_python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           os.path.join(HERE, "s3ac.py"), "--rollout", "vllm",
+                           *smoke_flags(path, out, "--steps", "2", "--lr", "1e-2")],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=HERE)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    records = read_jsonl(os.path.join(out, "metrics.jsonl"))
+    assert [r["step"] for r in records] == [0, 1, 2] and records[0]["eval/n"] == 4
+    assert all(r["rollout/logprob_gap_max"] < 1e-3 for r in records[1:])  # step 2: after the first sync
+    assert os.path.isfile(os.path.join(out, "checkpoints", "step_2", "trainer_state.pt"))
+
 @pytest.mark.parametrize("engine", ["hf", "vllm"])
 def test_gpu_check_runs_on_a_tiny_model(engine, request):
     """./run.sh gpu-check's code on a tiny model: the JSON lines it prints and their arithmetic."""
