@@ -775,12 +775,14 @@ class VLLMRollout:
     def sync(self, policy: nn.Module):
         """Wake the weights, copy the actor's in (sync_vllm_weights) and drop the prefix cache, whose KV blocks
         were computed with the old weights (vLLM clears it on sleep, but on CPU the engine never sleeps)."""
-        if self.asleep:
-            if self.sleeps:
-                torch.cuda.empty_cache()
-            self.llm.wake_up(tags=["weights"])  # the KV cache comes back after the sync: a lower peak
-        sync_vllm_weights(self.llm, policy, self.dtype)
-        if not self.sleeps:  # sleeping clears it
+        if self.asleep:  # the weights first, the KV cache after the sync: a lower peak
+            torch.cuda.empty_cache()
+            self.llm.wake_up(tags=["weights"])
+            sync_vllm_weights(self.llm, policy, self.dtype)
+            self.llm.wake_up(tags=["kv_cache"])  # sleeping has already dropped the prefix cache
+            self.asleep = False
+        else:
+            sync_vllm_weights(self.llm, policy, self.dtype)
             self.llm.reset_prefix_cache()
         self.stale = False
 
@@ -794,7 +796,7 @@ class VLLMRollout:
         if self.stale and policy is not None:
             self.sync(policy)
         if self.asleep:
-            self.llm.wake_up()  # whatever is still asleep (all of it, or the KV cache after a sync)
+            self.llm.wake_up()
             self.asleep = False
         params = SamplingParams(n=1, temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
                                 top_k=0 if greedy else top_k, max_tokens=max_new_tokens,
