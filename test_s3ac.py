@@ -1056,6 +1056,31 @@ def test_sync_vllm_weights_buckets_whole_blocks_with_lm_head_beside_embeddings(t
     assert len(llm.calls) == 1
 
 
+
+@pytest.mark.parametrize("sleeps", [True, False])
+def test_vllm_sync_order_wake_weights_then_kv_cache(tiny, sleeps):
+    """A sleeping engine (CUDA) wakes its weights, takes the sync, then wakes its KV cache; an engine that never
+    sleeps (CPU) drops its prefix cache after the sync, since cached blocks hold the old weights' keys/values."""
+    _, model, _ = tiny
+    calls = []
+
+    class FakeLLM:
+        def wake_up(self, tags=None):
+            calls.append(("wake_up", tuple(tags or ())))
+
+        def collective_rpc(self, method, kwargs):
+            calls.append((method,))
+
+        def reset_prefix_cache(self):
+            calls.append(("reset_prefix_cache",))
+
+    engine = object.__new__(s3ac.VLLMRollout)  # the engine's state machine without an engine
+    engine.llm, engine.sleeps, engine.asleep, engine.stale, engine.dtype = FakeLLM(), sleeps, sleeps, True, torch.float32
+    engine.sync(model)
+    expected = ([("wake_up", ("weights",)), ("reload_weights",), ("wake_up", ("kv_cache",))] if sleeps else
+                [("reload_weights",), ("reset_prefix_cache",)])
+    assert calls == expected and not engine.stale and not engine.asleep
+
 VLLM_PYTHON = os.path.join(HERE, ".venv-vllm", "bin", "python")
 
 
