@@ -206,7 +206,9 @@ class Args:
 
 def parse_args(argv=None) -> Args:
     """Build argparse flags from the fields of Args (one --flag-name per field, its comment as the help)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog="python s3ac.py gpu-check --help: "
+                                     "rollout throughput and per-phase step times on random weights",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     helps, name = {}, None
     for line in inspect.getsource(Args).splitlines():  # "    name: type = default  # help", continued below
         field = re.match(r"    (\w+): [^#]*#\s*(.*)$", line)
@@ -221,6 +223,10 @@ def parse_args(argv=None) -> Args:
         else:
             parser.add_argument(flag, type=type(field.default), default=field.default, help=help)
     args = Args(**vars(parser.parse_args(argv)))
+    try:
+        resolve_args(args)  # a bad choice or combination stops here, with a one-line message
+    except ValueError as e:
+        parser.error(str(e))
     for name in ("k", "batch_prompts", "max_new_tokens", "minibatches", "micro_batch_size", "actor_epochs",
                  "critic_epochs", "gen_batch_size"):
         if getattr(args, name) < 1:
@@ -516,7 +522,7 @@ class Critic(nn.Module):
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                use_cache=False).last_hidden_state  # [B, L, H]
         with torch.autocast(hidden.device.type, enabled=False):  # the head stays fp32 under bf16 autocast
-            return self.value_head(hidden.float()).squeeze(-1)  # [B, L]
+            return hidden.float() @ self.value_head.weight[0]  # [B, L] (a new tensor, not a view of one)
 
 
 def load_critic(path: str, device, seed: int, head_file: str = "") -> Critic:
@@ -1608,7 +1614,8 @@ def train(args: Args):
     tokenizer = AutoTokenizer.from_pretrained(actor_src)
     model = load_actor(actor_src, device)
     if args.rollout == "vllm" and not vllm_available():
-        raise ValueError("--rollout vllm: the vllm package is not installed (pip install vllm, on a CUDA machine)")
+        raise ValueError("--rollout vllm: the vllm package is not installed here (on a CUDA machine: pip install "
+                         "vllm; on CPU: run with .venv-vllm/bin/python, which ./run.sh test makes)")
     use_vllm = args.rollout == "vllm" or (args.rollout == "auto" and device.type == "cuda" and vllm_available())
     engine = VLLMRollout(actor_src, args, device, rank, world) if use_vllm else None  # before seeding: it seeds
     policy = Policy(model)  # the module the actor trains through (FSDP2's root under torchrun)
@@ -1944,6 +1951,8 @@ def gpu_check(argv=None):
     parser.add_argument("--rollout", default="auto", choices=("auto", "vllm", "hf"))
     parser.add_argument("--micro-batch-size", type=int, default=16)
     opts = parser.parse_args(argv)
+    if opts.size != "tiny" and not torch.cuda.is_available():
+        parser.error(f"--size {opts.size} needs a CUDA GPU (--size tiny runs the same code on CPU)")
     import tempfile
     from transformers import AutoModel, Qwen2Config, Qwen2ForCausalLM
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -521,13 +521,20 @@ def test_resolve_args_per_algorithm_defaults_and_errors():
     assert resolve("--critic-sync", "pact", "--actor-lam", "0").actor_lam == 0.0  # explicit flag wins
     assert resolve("--algo", "grpo", "--k", "4").actor_loss == "cispo"
     assert resolve("--algo", "ppo", "--actor-loss", "cispo").eps_low == 1.0
-    for argv, needle in [(["--algo", "grpo"], "k >= 2"), (["--algo", "rloo", "--k", "1"], "k >= 2"),
-                         (["--dynamic-sampling"], "k >= 2"), (["--algo", "grpo", "--k", "2", "--critic-sync", "pact"],
-                                                              "needs a critic"),
-                         (["--algo", "rloo", "--k", "2", "--prompt-selection", "daps"], "needs a critic"),
-                         (["--algo", "a2c"], "expected one of"), (["--daps-a-min", "0"], "daps-a-min")]:
+    for fields, needle in [({"algo": "grpo"}, "k >= 2"), ({"algo": "rloo", "k": 1}, "k >= 2"),
+                           ({"dynamic_sampling": True}, "k >= 2"),
+                           ({"algo": "grpo", "k": 2, "critic_sync": "pact"}, "needs a critic"),
+                           ({"algo": "rloo", "k": 2, "prompt_selection": "daps"}, "needs a critic"),
+                           ({"algo": "a2c"}, "expected one of"), ({"daps_a_min": 0.0}, "daps-a-min")]:
         with pytest.raises(ValueError, match=needle):
-            resolve(*argv)
+            s3ac.resolve_args(s3ac.Args(**fields))
+
+
+def test_parse_args_stops_a_bad_combination_with_one_line(capsys):
+    with pytest.raises(SystemExit):
+        s3ac.parse_args(["--algo", "grpo"])
+    assert "error: --algo grpo / --dynamic-sampling compare rollouts of one prompt: need --k >= 2" in \
+        capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------------------------
