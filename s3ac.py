@@ -62,7 +62,8 @@ Where this code departs from the papers:
     9. The DAPS constants (n_c, a_min, decay, daps_start) are this code's defaults; the paper's are not used.
     10. Coverage pretraining uses the online critic update (clipped value loss or BCE, critic_epochs per batch)
        toward Monte-Carlo returns, and holds out 10% of the prompts to report its fit.
-    11. Under torchrun, metrics are averaged over ranks (explained variance is each rank's own), and
+    11. Under torchrun, metrics are averaged over ranks (critic/explained_var is global; the other critic
+       diagnostics are each rank's own), and
        --dynamic-sampling and coverage pretraining run in a single process only.
 
 Run:
@@ -1132,11 +1133,15 @@ def masked_mean(x, mask):
 def explained_variance(values, returns, mask) -> float:
     """1 - Var[R - V] / Var[R] over all valid tokens of the batch (population variances), from global sums, never
     as the mean of per-micro-batch values. nan when the returns are constant up to rounding (Var[R] < 1e-8: every
-    answer right, or every answer wrong), where the ratio would only measure float error."""
-    m = mask.bool()
-    r, v = returns[m].double(), values[m].double()
-    var_r = r.var(unbiased=False) if r.numel() else torch.zeros((), dtype=torch.float64)
-    return float("nan") if var_r.item() < 1e-8 else (1 - (r - v).var(unbiased=False) / var_r).item()
+    answer right, or every answer wrong), where the ratio would only measure float error. Under torchrun the sums
+    cover the global batch."""
+    m = mask.double()  # [B, T]
+    r, d = returns.double() * m, (returns.double() - values.double()) * m  # [B, T] R and R - V on valid tokens
+    n, sum_r, sum_r2, sum_d, sum_d2 = all_reduce_sum(torch.stack([m.sum(), r.sum(), (r * r).sum(), d.sum(),
+                                                                  (d * d).sum()]))
+    n = n.clamp(min=1)
+    var_r, var_d = sum_r2 / n - (sum_r / n) ** 2, sum_d2 / n - (sum_d / n) ** 2  # population variances, fp64
+    return float("nan") if var_r.item() < 1e-8 else (1 - var_d / var_r).item()
 
 
 def value_separation(values, rewards, response_mask) -> float:

@@ -977,6 +977,7 @@ m, _ = s3ac.update_actor(policy, torch.optim.SGD(policy.parameters(), lr=1.0), b
                          None, args, torch.Generator().manual_seed(0))
 m.update(s3ac.update_critic(critic, torch.optim.SGD(critic.parameters(), lr=1.0), batch, data["values"][rows],
                             data["returns"][rows], batch.response_mask, args, torch.Generator().manual_seed(0)))
+m["explained_var"] = s3ac.explained_variance(data["advantages"][rows], data["returns"][rows], batch.response_mask)
 whole = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
          for k, v in [*policy.state_dict().items(), *critic.state_dict().items()]}
 actor, crit = s3ac.full_state_dict(policy), s3ac.full_state_dict(critic)
@@ -1012,8 +1013,10 @@ def test_data_parallel_fsdp2_update_equals_single_process(tiny, tmp_path):
         assert one[part].keys() == r0[part].keys()
         for key in one[part]:
             assert torch.allclose(one[part][key], r0[part][key], atol=2e-6, rtol=1e-5), (part, key)
-    for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "critic/v_loss", "critic/grad_norm"):
+    for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "critic/v_loss", "critic/grad_norm",
+                "explained_var"):  # explained variance from global sums, not a mean of the ranks' own
         assert r0["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-5), key
+    assert r1["metrics"]["explained_var"] == r0["metrics"]["explained_var"]
     assert one["metrics"]["actor/clipped"] == 1.0  # the clip was active: its global norm is compared too
 
 
