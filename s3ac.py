@@ -62,8 +62,8 @@ Where this code departs from the papers:
     9. The DAPS constants (n_c, a_min, decay, daps_start) are this code's defaults; the paper's are not used.
     10. Coverage pretraining uses the online critic update (clipped value loss or BCE, critic_epochs per batch)
        toward Monte-Carlo returns, and holds out 10% of the prompts to report its fit.
-    11. Under torchrun, metrics are averaged over ranks (critic/explained_var is global; the other critic
-       diagnostics are each rank's own), and
+    11. Under torchrun, metrics are averaged over ranks, counts and throughput summed (critic/explained_var and
+       critic/adv_explained_var come from global sums; the other critic diagnostics are rank means), and
        --dynamic-sampling and coverage pretraining run in a single process only.
 
 Run:
@@ -79,6 +79,7 @@ Run:
 """
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -228,10 +229,6 @@ def parse_args(argv=None) -> Args:
         resolve_args(args)  # a bad choice or combination stops here, with a one-line message
     except ValueError as e:
         parser.error(str(e))
-    for name in ("k", "batch_prompts", "max_new_tokens", "minibatches", "micro_batch_size", "actor_epochs",
-                 "critic_epochs", "gen_batch_size"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
     return args
 
 
@@ -255,12 +252,15 @@ def resolve_args(args: Args) -> Args:
     for name, allowed in choices.items():
         if getattr(args, name) not in allowed:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)!r}: expected one of {allowed}")
+    for name in ("k", "batch_prompts", "max_new_tokens", "minibatches", "micro_batch_size", "actor_epochs",
+                 "critic_epochs", "gen_batch_size"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
     critic_free = args.algo not in CRITIC_ALGOS
     needs_critic = {"--critic-sync pact": args.critic_sync == "pact", "--critic-loss bce": args.critic_loss == "bce",
                     "--prompt-selection daps": args.prompt_selection == "daps",
                     "--critic-warmup-steps": args.critic_warmup_steps > 0,
-                    "coverage pretraining": bool(args.coverage_models or args.coverage_temperatures or
-                                                 args.coverage_data)}
+                    "coverage pretraining": uses_coverage(args)}
     for flag, used in needs_critic.items():
         if critic_free and used:
             raise ValueError(f"{flag} needs a critic, but --algo {args.algo} trains none (use s3ac or ppo)")
@@ -277,6 +277,11 @@ def resolve_args(args: Args) -> Args:
         actor_lam=args.actor_lam if args.actor_lam >= 0 else 0.95 if ppo else 1.0 if pact else 0.0,
         critic_lam=args.critic_lam if args.critic_lam >= 0 else 0.95 if ppo else 1.0,
         eps_low=args.eps_low if args.eps_low >= 0 else 0.2 if actor_loss == "ppo" else 1.0)
+
+
+def uses_coverage(args: Args) -> bool:
+    """Whether the run pretrains its critic on coverage trajectories (generated or from a file)."""
+    return bool(args.coverage_models or args.coverage_temperatures or args.coverage_data)
 
 
 def _str2bool(s: str) -> bool:
@@ -576,11 +581,12 @@ def init_distributed(device_name: str):
 
 
 def distributed() -> bool:
+    """True under torchrun with more than one process (an initialised process group of world size > 1)."""
     import torch.distributed as dist
     return dist.is_initialized() and dist.get_world_size() > 1
 
 
-def all_reduce_sum(x, op: str = "sum"):
+def all_reduce(x, op: str = "sum"):
     """The sum (or op="max": the maximum) of tensor x over all processes, on x's device (x in one process)."""
     if not distributed():
         return x
@@ -594,7 +600,8 @@ def all_reduce_sum(x, op: str = "sum"):
 def shard(module: nn.Module, lm: nn.Module):
     """FSDP2 (torch.distributed.fsdp.fully_shard) on every transformer block of the Hugging Face model lm (its
     _no_split_modules), then on module (lm itself or a wrapper of it). Gradients are summed over ranks, not
-    averaged: every loss here is already divided by the global token count (see optimize)."""
+    averaged: every loss here is already divided by the global token count (see optimize). Returns module.
+    Raises ValueError when lm names no transformer block class (_no_split_modules)."""
     from torch.distributed.fsdp import fully_shard
     blocks = [m for m in lm.modules() if type(m).__name__ in (lm._no_split_modules or [])]
     if not blocks:
@@ -608,21 +615,18 @@ def shard(module: nn.Module, lm: nn.Module):
     return module
 
 
+@contextlib.contextmanager
 def gathered(module: nn.Module):
     """Context in which an FSDP2 module's own parameters are whole (for generate(), which calls the inner
     model's forward and never the root's); a no-op without FSDP."""
-    import contextlib
-    if not hasattr(module, "unshard"):
-        return contextlib.nullcontext()
-
-    @contextlib.contextmanager
-    def ctx():
+    sharded = hasattr(module, "unshard")
+    if sharded:
         module.unshard()
-        try:
-            yield
-        finally:
+    try:
+        yield
+    finally:
+        if sharded:
             module.reshard()
-    return ctx()
 
 
 def full_state_dict(module: nn.Module) -> dict:
@@ -682,15 +686,15 @@ def response_mask_from_ids(response_ids, eos_ids):
     return (positions[None, :] <= first_stop[:, None]).float(), truncated  # [B, T], [B]
 
 
-def _pad(seqs, value: int, left: bool):
-    """[len(seqs), longest] long tensor of the token lists, padded with `value` on the left or the right."""
+def _pad(seqs, value, left: bool, dtype=torch.long):
+    """[len(seqs), longest] tensor of the lists (token ids by default), padded with `value` on the left or right."""
     width = max((len(s) for s in seqs), default=0)
-    out = torch.full((len(seqs), width), value, dtype=torch.long)
+    out = torch.full((len(seqs), width), value, dtype=dtype)
     for i, s in enumerate(seqs):
         if left and len(s):
-            out[i, width - len(s):] = torch.as_tensor(s)
+            out[i, width - len(s):] = torch.as_tensor(s, dtype=dtype)
         elif len(s):
-            out[i, :len(s)] = torch.as_tensor(s)
+            out[i, :len(s)] = torch.as_tensor(s, dtype=dtype)
     return out
 
 
@@ -755,6 +759,8 @@ class VLLMRollout:
     """
 
     def __init__(self, path: str, args: Args, device, rank: int, world: int, **engine_kwargs):
+        """Start the engine on the Hugging Face checkpoint `path`, in the trainer's compute dtype, seeded
+        args.seed + rank; engine_kwargs go to vllm.LLM as they are. Raises ImportError without vllm."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process: sync by reference
         from vllm import LLM
         cuda = device.type == "cuda"
@@ -775,6 +781,7 @@ class VLLMRollout:
         self.sleep()
 
     def sleep(self):
+        """Offload the weights and free the KV cache (level 1) where the engine can sleep (CUDA)."""
         if self.sleeps and not self.asleep:
             self.llm.sleep(level=1)
             self.asleep = True
@@ -813,12 +820,8 @@ class VLLMRollout:
         samples = [o.outputs[0] for o in outputs]
         response_ids = _pad([list(c.token_ids) for c in samples], pad_id, left=False)  # [B, T]
         response_mask, _ = response_mask_from_ids(response_ids, eos_ids)  # from positions, as generate_hf
-        logprobs = None
-        if not greedy:
-            rows = [[lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)] for c in samples]
-            logprobs = torch.zeros(response_ids.shape)  # [B, T]
-            for i, row in enumerate(rows):
-                logprobs[i, :len(row)] = torch.tensor(row)
+        logprobs = None if greedy else _pad([[lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]
+                                             for c in samples], 0.0, left=False, dtype=torch.float32)  # [B, T]
         return Batch(_pad(prompts, pad_id, left=True), _pad([[1] * len(p) for p in prompts], 0, left=True),
                      response_ids, response_mask, torch.tensor([c.finish_reason == "length" for c in samples]),
                      torch.as_tensor(prompt_index), logprobs)
@@ -856,6 +859,7 @@ def sync_vllm_weights(llm, policy: nn.Module, dtype, bucket_mb: float = 512.0):
 
 
 def vllm_available() -> bool:
+    """Whether the vllm package is importable in this environment (without importing it)."""
     import importlib.util
     return importlib.util.find_spec("vllm") is not None
 
@@ -972,7 +976,8 @@ def actor_logprobs(model, batch: Batch, temperature: float):
 
 @torch.no_grad()
 def policy_logprobs(model, batch: Batch, temperature: float, micro_batch_size: int):
-    """No-grad log pi(a_t | s_t) [B, T] of the whole batch in eval mode, in micro-batches (0 on padding)."""
+    """No-grad log pi(a_t | s_t) [B, T] of the whole batch in eval mode, in micro-batches (0 on padding).
+    Leaves model in eval mode: call model.train() before a training forward."""
     model.eval()
     return torch.cat([actor_logprobs(model, batch.rows(mb), temperature)[0]
                       for mb in micro_batches(batch.response_ids.shape[0], micro_batch_size)])  # [B, T]
@@ -996,7 +1001,7 @@ def value_from_raw(raw, critic_loss: str):
 @torch.no_grad()
 def value_pass(critic: Critic, batch: Batch, critic_loss: str, micro_batch_size: int):
     """No-grad critic pass in micro-batches: (values [B, T] on the +-1 scale with 0 on padding, raw head outputs
-    [B, T]: the values themselves for mse, the logits z for bce)."""
+    [B, T]: the values themselves for mse, the logits z for bce). Leaves critic in eval mode."""
     critic.eval()
     raw = torch.cat([critic_values(critic, batch.rows(mb))
                      for mb in micro_batches(batch.response_ids.shape[0], micro_batch_size)])  # [B, T]
@@ -1041,8 +1046,8 @@ def decoupled_gae(rewards, values, response_mask, gamma: float, critic_lam: floa
 
     rewards: [B] outcome rewards; values: [B, T] V(s_t) (padding may hold anything, it never reaches a valid
     token); response_mask: [B, T]; actor_lam: a float or [B] per-sequence lambdas (see adaptive_lambda).
-    Returns (advantages [B, T], returns [B, T], metrics). Advantages are raw: any whitening belongs at the call
-    site.
+    Returns (advantages [B, T], returns [B, T], metrics {adv/lambda_mean}). Advantages are raw: any whitening
+    belongs at the call site. Source: GAE, Schulman et al. 2016 eq. 16; decoupled lambdas, VAPO (Yue et al. 2025).
     """
     token_rewards = outcome_rewards_to_tokens(rewards, response_mask)  # [B, T]
     _, returns = kernels.gae(token_rewards, values, response_mask, gamma, critic_lam)  # [B, T] critic targets
@@ -1057,7 +1062,9 @@ def group_stats(rewards, prompt_index):
     each [B] fp64. Groups are found from prompt_index, never from the batch layout."""
     _, group = torch.unique(prompt_index, return_inverse=True)  # [B] group id 0..G-1
     r = rewards.double()  # [B] fp64: equal rewards give a mean that is exactly that reward
-    count = torch.zeros(int(group.max()) + 1, dtype=torch.float64).index_add(0, group, torch.ones_like(r))  # [G]
+    count = torch.zeros(int(group.max()) + 1, dtype=torch.float64, device=r.device).index_add(
+        0, group.to(r.device), torch.ones_like(r))  # [G]
+    group = group.to(r.device)
     mean = torch.zeros_like(count).index_add(0, group, r) / count  # [G]
     var = torch.zeros_like(count).index_add(0, group, (r - mean[group]) ** 2) / count  # [G] population variance
     return mean[group], var[group], count[group]  # [B] each
@@ -1106,9 +1113,9 @@ def masked_whiten(x, response_mask):
     valid entries. All-equal valid entries give 0. Returns [B, T] fp32.
     """
     m = response_mask.double()  # [B, T]
-    n = all_reduce_sum(m.sum()).clamp(min=1)  # under torchrun: statistics of the global batch
-    mean = all_reduce_sum((x.double() * m).sum()) / n
-    var = all_reduce_sum((((x.double() - mean) * m) ** 2).sum()) / n
+    n = all_reduce(m.sum()).clamp(min=1)  # under torchrun: statistics of the global batch
+    mean = all_reduce((x.double() * m).sum()) / n
+    var = all_reduce((((x.double() - mean) * m) ** 2).sum()) / n
     centred = (x.double() - mean) * m  # [B, T]
     return (centred / var.sqrt() if var.sqrt() > 1e-6 else centred * 0).float()  # [B, T]
 
@@ -1131,13 +1138,14 @@ def masked_mean(x, mask):
 
 
 def explained_variance(values, returns, mask) -> float:
-    """1 - Var[R - V] / Var[R] over all valid tokens of the batch (population variances), from global sums, never
+    """1 - Var[R - V] / Var[R] of values, returns [B, T] over the valid tokens of mask [B, T] (population
+    variances; the critic metric of CleanRL / PPO implementations), from global sums, never
     as the mean of per-micro-batch values. nan when the returns are constant up to rounding (Var[R] < 1e-8: every
     answer right, or every answer wrong), where the ratio would only measure float error. Under torchrun the sums
     cover the global batch."""
     m = mask.double()  # [B, T]
     r, d = returns.double() * m, (returns.double() - values.double()) * m  # [B, T] R and R - V on valid tokens
-    n, sum_r, sum_r2, sum_d, sum_d2 = all_reduce_sum(torch.stack([m.sum(), r.sum(), (r * r).sum(), d.sum(),
+    n, sum_r, sum_r2, sum_d, sum_d2 = all_reduce(torch.stack([m.sum(), r.sum(), (r * r).sum(), d.sum(),
                                                                   (d * d).sum()]))
     n = n.clamp(min=1)
     var_r, var_d = sum_r2 / n - (sum_r / n) ** 2, sum_d2 / n - (sum_d / n) ** 2  # population variances, fp64
@@ -1287,7 +1295,7 @@ def optimize(module, optimizer, batch: Batch, loss_fn, token_mask, epochs: int, 
     for _ in range(epochs):
         perm = torch.randperm(token_mask.shape[0], generator=generator)  # [B]
         for mb in perm.chunk(minibatches):
-            num_tokens = all_reduce_sum(token_mask[mb.to(token_mask.device)].sum().to(device)).clamp(min=1)
+            num_tokens = all_reduce(token_mask[mb.to(token_mask.device)].sum().to(device)).clamp(min=1)
             for rows in mb.split(micro_batch_size):
                 with autocast(device, amp_dtype):  # forward only; backward runs outside autocast
                     loss, metrics = loss_fn(rows.to(device), batch.rows(rows), num_tokens)
@@ -1302,8 +1310,9 @@ def optimize(module, optimizer, batch: Batch, loss_fn, token_mask, epochs: int, 
             optimizer.zero_grad(set_to_none=True)
             steps += 1
     keys = [k for k in sums if k not in ("grad_norm", "clipped")]  # per-rank shares of global token means
-    totals = all_reduce_sum(torch.tensor([sums[k] for k in keys], dtype=torch.float64)).tolist()
-    return {**{key: value / steps for key, value in sums.items()}, **{k: t / steps for k, t in zip(keys, totals)}}
+    totals = all_reduce(torch.tensor([sums[k] for k in keys], dtype=torch.float64)).tolist()
+    return {"grad_norm": sums["grad_norm"] / steps, "clipped": sums["clipped"] / steps,
+            **{k: t / steps for k, t in zip(keys, totals)}}
 
 
 def update_actor(model, optimizer, batch: Batch, advantages, old_logprobs, args: Args, generator):
@@ -1489,7 +1498,7 @@ def evaluate(generate, tokenizer, problems, prompts, verifier, rank: int = 0, wo
     batch = generate([prompts[i] for i in index], index, greedy=True)
     texts = tokenizer.batch_decode(batch.response_ids[:len(mine)], skip_special_tokens=True)
     rewards, _ = verifier([problems[i].answer for i in mine], texts)
-    totals = all_reduce_sum(torch.tensor([sum(r > 0 for r in rewards), len(mine),
+    totals = all_reduce(torch.tensor([sum(r > 0 for r in rewards), len(mine),
                                           batch.response_mask[:len(mine)].sum().item()], dtype=torch.float64))
     return {"eval/pass@1": totals[0].item() / totals[1].item(), "eval/response_len": totals[2].item() /
             totals[1].item(), "eval/n": int(totals[1].item())}
@@ -1522,11 +1531,11 @@ def save_checkpoint(out_dir: str, step: int, model, tokenizer, critic, actor_opt
     root = os.path.join(out_dir, "checkpoints")
     final, tmp = os.path.join(root, f"step_{step}"), os.path.join(root, f".tmp-step_{step}")
     shutil.rmtree(tmp, ignore_errors=True)
-    policy.lm.save_pretrained(os.path.join(tmp, "actor"), state_dict={k[3:]: v for k, v in actor_weights.items()})
+    policy.lm.save_pretrained(os.path.join(tmp, "actor"), state_dict={k.removeprefix("lm."): v for k, v in actor_weights.items()})
     tokenizer.save_pretrained(os.path.join(tmp, "actor"))
     if critic is not None:
         critic.backbone.save_pretrained(os.path.join(tmp, "critic"), state_dict={
-            k[9:]: v for k, v in critic_weights.items() if k.startswith("backbone.")})
+            k.removeprefix("backbone."): v for k, v in critic_weights.items() if k.startswith("backbone.")})
         save_file({"weight": critic_weights["value_head.weight"].contiguous()},
                   os.path.join(tmp, "critic", "value_head.safetensors"))
     torch.save({"step": step, "actor_opt": actor_state, "critic_opt": critic_state,
@@ -1585,8 +1594,7 @@ def train(args: Args):
     rank, world, device = init_distributed(args.device)
     main = rank == 0  # rank 0 prints, logs and writes checkpoints
     say = tqdm.write if main else (lambda *a, **k: None)
-    if world > 1 and (args.dynamic_sampling or args.coverage_models or args.coverage_temperatures or
-                      args.coverage_data):
+    if world > 1 and (args.dynamic_sampling or uses_coverage(args)):
         raise ValueError("--dynamic-sampling and coverage pretraining run in a single process in this version")
     if args.batch_prompts % world:
         raise ValueError(f"--batch-prompts {args.batch_prompts}: must be a multiple of the {world} ranks")
@@ -1640,8 +1648,8 @@ def train(args: Args):
     if world > 1:  # FSDP2: every rank holds 1/world of each block's parameters, gathered per forward
         shard(policy, model)
         with torch.no_grad():  # FSDP2 initialises at the root's first forward, which must come before generate()
-            actor_logprobs(policy, Batch(torch.full((1, 1), pad_id), torch.ones(1, 1), torch.full((1, 1), pad_id),
-                                         torch.ones(1, 1), torch.zeros(1, dtype=torch.bool), torch.zeros(1)), 1.0)
+            one_token = [{"prompt_ids": [pad_id], "response_ids": [pad_id], "prompt_index": 0, "reward": 0.0}]
+            actor_logprobs(policy, rows_to_batch(one_token, pad_id)[0], 1.0)
         if critic is not None:
             shard(critic, critic.backbone)
     actor_opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
@@ -1669,7 +1677,8 @@ def train(args: Args):
         start_step = state["step"]
         rng = state["rng"][rank] if len(state["rng"]) == world else None  # one state per rank
         if rng is None:  # resumed on another number of ranks: fresh sampling seeds, same data order
-            rng = dict(state["rng"][0], torch=torch.manual_seed(args.seed + rank + world * start_step).get_state())
+            rng = dict(state["rng"][0],
+                       torch=torch.Generator().manual_seed(args.seed + rank + world * start_step).get_state())
             rng.pop("cuda", None)
         random.setstate(rng["python"])
         torch.set_rng_state(rng["torch"])
@@ -1722,8 +1731,12 @@ def train(args: Args):
         reward_list, statuses = verifier([train_problems[i].answer for i in index], texts)
         rewards = torch.tensor(reward_list)  # [B]
         correct = (rewards > 0).double()  # [B] raw correctness, never a shaped reward
-        S.add_(all_reduce_sum(torch.zeros_like(S).index_add_(0, batch.prompt_index, correct)))
-        N.add_(all_reduce_sum(torch.zeros_like(N).index_add_(0, batch.prompt_index, torch.ones_like(correct))))
+        counts = torch.zeros(2, len(S), dtype=torch.float64)  # [2, n_prompts] this round's successes, attempts
+        counts[0].index_add_(0, batch.prompt_index, correct)
+        counts[1].index_add_(0, batch.prompt_index, torch.ones_like(correct))
+        counts = all_reduce(counts)  # every rank's rollouts
+        S.add_(counts[0])
+        N.add_(counts[1])
         metrics["time/rollout"] = metrics.get("time/rollout", 0.0) + t1 - t0
         generated = int(batch.response_mask.sum())  # tokens of this round, kept or dropped by dynamic sampling
         metrics["rollout/generated_tokens"] = metrics.get("rollout/generated_tokens", 0) + generated
@@ -1740,7 +1753,7 @@ def train(args: Args):
             with autocast(device, amp_dtype):
                 v0 = prompt_values(critic, prompts, pad_id, args.critic_loss, args.gen_batch_size)  # [n]
             # every rank must take the same accept/reject decisions (each draw is a sharded critic forward)
-            return (all_reduce_sum(success_prob(v0).double()) / world).cpu()  # S and N live on the CPU
+            return (all_reduce(success_prob(v0).double()) / world).cpu()  # S and N live on the CPU
 
         index, stats = daps_select(sampler, count, p_c_of, S, N, args.daps_n_c, args.daps_a_min, generator)
         for key, value in stats.items():
@@ -1752,8 +1765,7 @@ def train(args: Args):
         if main:
             log_metrics(metrics_path, {"step": 0, **m})
     # critic pretraining before step 1 (actor frozen): coverage trajectories, then on-policy warm-up batches
-    if start_step == 0 and critic is not None and (args.coverage_data or args.coverage_models or
-                                                   args.coverage_temperatures):
+    if start_step == 0 and critic is not None and uses_coverage(args):
         path = args.coverage_data or os.path.join(args.out_dir, "coverage.jsonl")
         if not args.coverage_data:
             chosen = random.Random(args.seed + 7).sample(range(len(train_problems)),
@@ -1817,22 +1829,21 @@ def train(args: Args):
 
         # values V(s_t) from the critic (+-1 scale, 0 on padding)
         if critic is not None:
-            t0 = time.time()
+            t0 = synced_time(device)
             with autocast(device, amp_dtype):
                 values, _ = value_pass(critic, batch, args.critic_loss, args.micro_batch_size)  # [B, T]
             metrics["time/values"] = synced_time(device) - t0
 
         # advantages, raw (no whitening here): GAE with the critic, or an outcome baseline without one
         if critic is None:
-            advantages, m = outcome_baselines[args.algo](rewards.cpu(), batch.prompt_index, mask.cpu())  # [B, T]
-            advantages = advantages.to(device)
+            advantages, m = outcome_baselines[args.algo](rewards, batch.prompt_index.to(device), mask)  # [B, T]
         else:
             lam = adaptive_lambda(mask, args.alpha) if args.actor_lam == 0 else args.actor_lam  # [B] or float
             advantages, returns, m = decoupled_gae(rewards, values, mask, args.gamma, args.critic_lam, lam)
         metrics.update(m)
 
         # actor update (behaviour log-probs first when the actor takes several steps)
-        t0 = time.time()
+        t0 = synced_time(device)
         old_logprobs = None
         if args.actor_epochs * args.minibatches > 1:
             with autocast(device, amp_dtype):
@@ -1851,7 +1862,7 @@ def train(args: Args):
         # critic update on the same batch, toward the rollout returns (s3ac) or PACT's rho_t-weighted ones, where
         # rho_t = pi_new / mu comes from one more forward pass of the UPDATED actor (no new generation)
         if critic is not None:
-            t0 = time.time()
+            t0 = synced_time(device)
             targets, critic_mask = returns, mask  # [B, T] each
             if args.critic_sync == "pact":
                 with autocast(device, amp_dtype):
@@ -1914,11 +1925,18 @@ def mean_over_ranks(metrics: dict) -> dict:
     keys = sorted(metrics)
     x = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
     finite = torch.isfinite(x)
-    total = all_reduce_sum(torch.stack([torch.where(finite, x, 0.0), finite.double()]))  # [2, n]
-    peak = all_reduce_sum(torch.where(finite, x, -math.inf), op="max")  # [n]
-    out = {k: peak[j].item() if k.endswith("_max") else total[0, j].item() if k.startswith(SUMMED_METRICS) else
-           (total[0, j] / total[1, j]).item() if total[1, j] else math.nan for j, k in enumerate(keys)}
-    return {k: int(v) if isinstance(metrics[k], int) and float(v).is_integer() else v for k, v in out.items()}
+    total = all_reduce(torch.stack([torch.where(finite, x, 0.0), finite.double()]))  # [2, n]
+    peak = all_reduce(torch.where(finite, x, -math.inf), op="max")  # [n]
+    out = {}
+    for j, k in enumerate(keys):
+        if k.endswith("_max"):
+            value = peak[j].item()
+        elif k.startswith(SUMMED_METRICS):
+            value = total[0, j].item()
+        else:
+            value = (total[0, j] / total[1, j]).item() if total[1, j] else math.nan
+        out[k] = int(value) if isinstance(metrics[k], int) and value.is_integer() else value
+    return out
 
 
 def _as_list(x):
@@ -1961,7 +1979,10 @@ def gpu_check(argv=None):
     import tempfile
     from transformers import AutoModel, Qwen2Config, Qwen2ForCausalLM
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    report = lambda row: print(json.dumps(row), flush=True)  # noqa: E731
+
+    def report(row: dict):
+        print(json.dumps(row), flush=True)
+
     config = Qwen2Config(**MODEL_SIZES[opts.size], tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
     args = resolve_args(Args(model="random", micro_batch_size=opts.micro_batch_size, max_new_tokens=opts.tokens,
                              k=4, lr=1e-6))
@@ -1976,7 +1997,7 @@ def gpu_check(argv=None):
         torch.manual_seed(0)
         model = Qwen2ForCausalLM(config).float().to(device)
         model.generation_config.eos_token_id = None
-        policy, critic = Policy(model), Critic(AutoModel.from_config(config).float(), seed=1).to(device)
+        policy, critic = Policy(model), Critic(AutoModel.from_config(config).float(), args.critic_seed).to(device)
         actor_opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
         critic_opt = torch.optim.AdamW(critic.parameters(), lr=args.lr * args.critic_lr_ratio, weight_decay=0.0)
         report({"check": "setup", "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
@@ -2012,13 +2033,14 @@ def gpu_check(argv=None):
 
         rewards = torch.where(torch.rand(opts.prompts, generator=g) < 0.5, 1.0, -1.0).to(device)  # [B]
 
-        def phases(algo, batch, rewards):  # seconds of each phase of one step of `algo` on `batch`
+        def phases(algo):  # seconds of each phase of one step of `algo` on the rollout batch
             times, t, mask = {}, synced_time(device), batch.response_mask.to(device)  # mask [B, T]
             if algo == "s3ac":
                 with autocast(device, amp):
                     values, _ = value_pass(critic, batch, "mse", args.micro_batch_size)  # [B, T]
                 times["values"], t = synced_time(device) - t, synced_time(device)
-                advantages, returns, _ = decoupled_gae(rewards, values, mask, 1.0, 1.0, adaptive_lambda(mask, 1.5))
+                advantages, returns, _ = decoupled_gae(rewards, values, mask, args.gamma, args.critic_lam,
+                                                       adaptive_lambda(mask, args.alpha))
             else:
                 advantages, _ = grpo_advantages(rewards, batch.prompt_index.to(device), mask)
             times["advantages"], t = synced_time(device) - t, synced_time(device)
@@ -2031,12 +2053,12 @@ def gpu_check(argv=None):
                 times["critic"] = synced_time(device) - t
             return times
 
-        phases("s3ac", batch, rewards)  # warm-up on the full batch: first allocations, optimizer states, kernels
-        times = {algo: phases(algo, batch, rewards) for algo in ("grpo", "s3ac")}
-        for algo, t in times.items():
+        phases("s3ac")  # warm-up on the full batch: first allocations, optimizer states, kernels
+        times = {algo: phases(algo) for algo in ("grpo", "s3ac")}
+        for algo, seconds in times.items():
             report({"check": "step", "algo": algo, "sequences": opts.prompts, "tokens": generated,
-                    **{f"{k}_s": v for k, v in t.items()}, "rollout_s": rollout_s, "train_s": sum(t.values()),
-                    "step_s": sum(t.values()) + rollout_s})
+                    **{f"{k}_s": v for k, v in seconds.items()}, "rollout_s": rollout_s,
+                    "train_s": sum(seconds.values()), "step_s": sum(seconds.values()) + rollout_s})
         s3ac_s, grpo_s = (sum(times[a].values()) for a in ("s3ac", "grpo"))
         report({"check": "critic_overhead", "extra_wall_time": (s3ac_s - grpo_s) / (grpo_s + rollout_s),
                 "extra_train_time": (s3ac_s - grpo_s) / grpo_s, "target": "extra_wall_time < 0.27",
