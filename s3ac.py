@@ -52,7 +52,10 @@ Where this code departs from the papers:
        tokenizer.
     5. Log-probs come from the last hidden state and the output embedding in chunks (kernels.logprobs_from_hidden),
        so models that rescale their logits after the output layer (Gemma-2, Granite, Cohere) are refused.
-    6. A verifier check that hangs is killed after --verify-timeout seconds and counts as a wrong answer.
+    6. The reward reads one final answer by a stated policy (section 4: the last \boxed{}, else the number of the
+       final statement; truncated responses -1; exact comparison) instead of math-verify's default extraction, and
+       dropout is disabled in the actor and the critic when they are loaded. A verifier check that hangs is
+       killed after --verify-timeout seconds and counts as a wrong answer.
     7. PACT's ratio I_t is the product of per-token ratios from t to the end; this code uses the detached
        current-token ratio (PACT's practical choice), exact only for the last token. The ratio weights the
        [0, 1]-scale return (R + 1) / 2 for both critic losses, as in PACT: weighting the +-1 return instead
@@ -147,8 +150,13 @@ class Args:
     vllm_sync: bool = True  # vllm: copy the actor's weights into the engine after each update (false only
     #                         to measure a stale engine)
     gen_batch_size: int = 64  # sequences per generate call
-    # verifier
+    # verifier (the answer policy: section 4)
     verify_timeout: float = 10.0  # seconds per answer before the check is killed and counted as a timeout
+    answer_fallback: str = "final_number"  # without a \boxed{}: final_number (the number of the final statement,
+    #                                         plain-number golds only) | none (a box is required)
+    overlong_filter: bool = False  # DAPO: responses cut off at max_new_tokens are left out of the actor loss
+    #                                (not trained on as -1); the critic still fits their -1
+    log_samples: int = 4  # rollouts per step appended to <out_dir>/samples.jsonl (every evaluation writes all)
     # GAE
     gamma: float = 1.0  # discount
     critic_lam: float = -1.0  # lambda of the critic's targets; -1 = by algorithm: 0.95 for ppo, else 1 (MC returns)
@@ -248,10 +256,13 @@ def resolve_args(args: Args) -> Args:
     """
     choices = {"algo": ("s3ac", "ppo", "grpo", "rloo", "reinforce_pp"), "actor_loss": ("", "cispo", "ppo"),
                "rollout": ("auto", "vllm", "hf"),
-               "critic_loss": ("mse", "bce"), "critic_sync": ("s3ac", "pact"), "prompt_selection": ("uniform", "daps")}
+               "critic_loss": ("mse", "bce"), "critic_sync": ("s3ac", "pact"), "prompt_selection": ("uniform", "daps"),
+               "answer_fallback": ANSWER_FALLBACKS}
     for name, allowed in choices.items():
         if getattr(args, name) not in allowed:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)!r}: expected one of {allowed}")
+    if args.log_samples < 0:
+        raise ValueError(f"--log-samples {args.log_samples}: must be at least 0")
     for name in ("k", "batch_prompts", "max_new_tokens", "minibatches", "micro_batch_size", "actor_epochs",
                  "critic_epochs", "gen_batch_size"):
         if getattr(args, name) < 1:
@@ -490,13 +501,35 @@ def autocast(device, dtype):
     return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
 
+def config_without_dropout(path: str):
+    """The model config at `path` with every dropout probability set to 0 (attention_dropout, hidden_dropout,
+    resid_pdrop, ...). With dropout on, the training forward pass (train mode) would not compute the policy whose
+    log-probs were taken for the ratio (eval mode), so ratio != 1 and approx_kl != 0 even at lr 0."""
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(path)
+    for sub in [config, *(getattr(config, k) for k in ("text_config", "decoder") if hasattr(config, k))]:
+        for key, value in vars(sub).items():
+            if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+                setattr(sub, key, 0.0)
+    return config
+
+
+def no_dropout(model: nn.Module) -> nn.Module:
+    """Every nn.Dropout of model set to p = 0 (those built from constants rather than the config)."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    return model
+
+
 def load_actor(path: str, device):
-    """The policy as an fp32 causal LM on `device`, with a neutral generation_config (transformers fills every
-    sampling field a caller leaves unset from it, so a checkpoint's top-p or repetition penalty would otherwise
-    change the behaviour policy). Raises ValueError for models whose logits are rescaled after the output
-    embedding, which log-probs computed from hidden states would miss."""
+    """The policy as an fp32 causal LM on `device`, with dropout off (config_without_dropout) and a neutral
+    generation_config (transformers fills every sampling field a caller leaves unset from it, so a checkpoint's
+    top-p or repetition penalty would otherwise change the behaviour policy). Raises ValueError for models whose
+    logits are rescaled after the output embedding, which log-probs computed from hidden states would miss."""
     from transformers import AutoModelForCausalLM, GenerationConfig
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    model = AutoModelForCausalLM.from_pretrained(path, config=config_without_dropout(path), dtype=torch.float32)
+    model = no_dropout(model).to(device)
     for field in ("final_logit_softcapping", "logits_scaling", "logit_scale"):
         if getattr(model.config, field, None) not in (None, 1.0):
             raise ValueError(f"{path}: config.{field} rescales logits; log-probs from hidden states would skip it")
@@ -532,9 +565,11 @@ class Critic(nn.Module):
 
 
 def load_critic(path: str, device, seed: int, head_file: str = "") -> Critic:
-    """fp32 critic from a backbone checkpoint; the value head comes from head_file when resuming, else fresh."""
+    """fp32 critic from a backbone checkpoint, dropout off (config_without_dropout); the value head comes from
+    head_file when resuming, else fresh."""
     from transformers import AutoModel
-    critic = Critic(AutoModel.from_pretrained(path, dtype=torch.float32), seed)
+    backbone = AutoModel.from_pretrained(path, config=config_without_dropout(path), dtype=torch.float32)
+    critic = Critic(no_dropout(backbone), seed)
     if head_file:
         from safetensors.torch import load_file
         critic.value_head.load_state_dict(load_file(head_file))
@@ -864,52 +899,218 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 # ---------------------------------------------------------------------------------------------------------------
-# 4. Verify: math-verify in a worker process, with a hard deadline
+# 4. Verify: the reward. An answer policy picks the final answer; math-verify and exact arithmetic compare it
 # ---------------------------------------------------------------------------------------------------------------
-def _verify_one(gold: str, completion: str) -> str:
-    """'correct' | 'wrong' | 'no_answer' | 'bad_gold' | 'error' (math-verify: verify(gold, prediction))."""
-    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+# The reward convention, stated once: R = +1 when the response is finished and its final answer equals the gold,
+# R = -1 otherwise (wrong, no answer, an expression where a number is due, cut off at the length limit, a check
+# that failed or hung). Every algorithm here assumes +-1 (PACT's [0, 1] scale is (R + 1) / 2).
+#
+# Answer policy (what counts as the answer), applied before any comparison:
+#   1. A response cut off at --max-new-tokens (no stop token) has no final answer: status "truncated".
+#   2. The answer is the content of the LAST \boxed{...} (or \fbox{...}), braces balanced; earlier boxes do not
+#      count. An unclosed last box is "no_answer"; an empty one (an echo of the instruction) is ignored.
+#   3. Without a box, and only when the gold is a plain number, --answer-fallback final_number reads the number
+#      of the response's final statement (after its last "=" when it has one); never a number from mid-text.
+#   4. A plain-number gold needs a plain-number answer (integer, decimal or reduced fraction, with a sign,
+#      thousands separators, LaTeX spacing or a unit): "23 + 19" or "6 \times 7" are "not_a_number".
+#   5. Exact values compare exactly (Fraction / sympy); a relative tolerance of REL_TOL applies only where a side
+#      is a decimal approximation of a value without a finite decimal expansion. Other golds (expressions,
+#      intervals, tuples, text) go to math-verify's verify.
+REL_TOL = 1e-4  # relative tolerance for a decimal answer against an exact value with no finite decimal expansion
+ANSWER_FALLBACKS = ("final_number", "none")
+_BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_NUMBER = r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+"  # 2,500 | 2500 | 2500.5 | .5 (after normalisation)
+_PLAIN_NUMBER = re.compile(  # a whole answer: sign, then a number or a fraction, then at most a unit word
+    rf"(?P<sign>[-+]?)\s*(?:\\frac\{{\s*(?P<fn>[-+]?\d+)\s*\}}\{{\s*(?P<fd>\d+)\s*\}}|(?P<sn>\d+)\s*/\s*(?P<sd>\d+)"
+    rf"|(?P<num>{_NUMBER}))\s*(?:[A-Za-z][A-Za-z ]*)?")
+_NUMBER_IN_TEXT = re.compile(rf"\\frac\{{\s*-?\d+\s*\}}\{{\s*\d+\s*\}}|(?<![A-Za-z_\d.,])(?:{_NUMBER})")
+_OPERATOR_BEFORE = re.compile(r"(?:[\d)}]\s*[-+*/×÷^x·]|\\times|\\cdot|\\div|\b(?:plus|minus|times|by|over))\s*$")
+_OPERATOR_AFTER = re.compile(r"^\s*(?:[-+*/×÷^x·]|\\times|\\cdot|\\div|plus|minus|times)\s*[\d(\\]")
+
+
+def last_boxed(text: str):
+    """Content of the last \\boxed{...} or \\fbox{...} in text, braces balanced, or None when text has no box or
+    its last box never closes. Example: 'so \\boxed{3}. No: \\boxed{\\frac{1}{2}}' -> '\\frac{1}{2}'."""
+    starts = [m.end() for m in _BOX.finditer(text)]
+    if not starts:
+        return None
+    depth = 1
+    for j in range(starts[-1], len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[starts[-1]: j]
+    return None
+
+
+def _normalise(s: str) -> str:
+    """LaTeX and markdown noise out of an answer: math delimiters, spacing commands, \\text{}, units, bold."""
+    s = s.replace("{,}", ",").replace("\\!", "").replace("\\,", "").replace("\\;", "").replace("\\:", "")
+    s = re.sub(r"\\(?:text|textbf|mbox|mathrm|mathbf)\{([^{}]*)\}", r" \1 ", s)
+    s = re.sub(r"\\[dt]frac", r"\\frac", s)
+    s = re.sub(r"\^\s*\{?\\circ\}?|\\%|%|\\\$|\$|\\left|\\right|\\\(|\\\)|\\\[|\\\]|\*\*|\\ |~", " ", s)
+    return s.strip().rstrip(".,;:!").strip()
+
+
+def parse_number(text: str):
+    """The exact value of a plain number, as a fractions.Fraction, or None when text is anything else.
+
+    A plain number: an integer or decimal (thousands separators 2,500 / 2{,}500 / 2\\,500 / 2\\!500), or a
+    fraction a/b or \\frac{a}{b} in lowest terms, with an optional sign, $...$, a unit (\\text{cm}, %, ^\\circ,
+    \\$) and a final period. An expression ('23 + 19', '6 \\times 7', '\\frac{12}{4}', '2^{10}') is not one.
+    Example: parse_number('\\$2\\,500.50') -> Fraction(5001, 2); parse_number('6 \\times 7') -> None.
+    """
+    import fractions
+    m = _PLAIN_NUMBER.fullmatch(_normalise(text))
+    if m is None:
+        return None
+    sign = -1 if m["sign"] == "-" else 1
+    if m["num"] is not None:
+        return sign * fractions.Fraction(m["num"].replace(",", ""))
+    num, den = (int(m["fn"]), int(m["fd"])) if m["fn"] is not None else (int(m["sn"]), int(m["sd"]))
+    if den <= 1 or math.gcd(num, den) != 1:  # \frac{12}{4}: a division left to do, not a final answer
+        return None
+    return sign * fractions.Fraction(num, den)
+
+
+def final_statement_number(text: str):
+    """The answer of a response without a box: the last number of its final statement, or None.
+
+    The final statement is the text after the last sentence break (newline, or . ! ? followed by a space);
+    closing sentences without a digit ('Hope this helps!') are passed over. Within it, only what follows the
+    last '=' counts. Returns (answer, ok): ok is False when that last number is an operand of an expression
+    ('you simply multiply 6 * 7.', 'thus, 25 + 0 ='), and (None, True) when there is no number at all.
+    Example: 'First 5 + 3 = 8.\\nSo the final answer is 58 - 9 = 49.' -> ('49', True).
+    """
+    sentences = [s for s in re.split(r"\n+|(?<=[.!?])\s+", _normalise(text)) if s.strip()]
+    while sentences and not re.search(r"\d", sentences[-1]):
+        sentences.pop()
+    if not sentences:
+        return None, True
+    statement = sentences[-1].rsplit("=", 1)[1] if "=" in sentences[-1] else sentences[-1]
+    found = list(_NUMBER_IN_TEXT.finditer(statement))
+    if not found:
+        return None, True
+    last = found[-1]
+    before, after = statement[: last.start()], statement[last.end():]
+    if _OPERATOR_BEFORE.search(before) or _OPERATOR_AFTER.match(after):
+        return last.group(), False
+    sign = "-" if re.search(r"-\s*$", before) else ""  # 'is -5'; '3 - 5' was caught as an expression above
+    return sign + last.group(), True
+
+
+def extract_answer(completion: str, numeric_gold: bool, fallback: str = "final_number"):
+    """(answer text or None, where it came from: 'boxed' | 'final_statement' | 'expression' | 'none').
+
+    The last \\boxed{} when there is one; else, for a plain-number gold with fallback 'final_number', the number
+    of the final statement ('expression' when that number is an operand). See the answer policy above.
+    """
+    completion = re.sub(r"\\(?:boxed|fbox)\s*\{\s*\}", " ", completion)  # an empty box echoes the instruction
+    if _BOX.search(completion):
+        boxed = last_boxed(completion)
+        return (boxed, "boxed") if boxed is not None and boxed.strip() else (None, "none")
+    if not numeric_gold or fallback != "final_number":
+        return None, "none"
+    answer, ok = final_statement_number(completion)
+    return (answer, "final_statement" if ok else "expression") if answer is not None else (None, "none")
+
+
+def _equal_numbers(gold, answer, answer_text: str) -> bool:
+    """Fractions compared exactly, unless the answer is a decimal and the gold has no finite decimal expansion
+    (1/3 against 0.3333): then |a - g| <= REL_TOL * |g|."""
+    den = gold.denominator
+    while den % 2 == 0:
+        den //= 2
+    while den % 5 == 0:
+        den //= 5
+    if "." in answer_text and den != 1:
+        return abs(answer - gold) <= REL_TOL * abs(gold)
+    return answer == gold
+
+
+def _equal_exact_or_verify(gold_parsed, pred_parsed) -> bool:
+    """sympy numbers compared exactly (a relative tolerance only when one holds a Float); anything else through
+    math-verify's verify (sets, intervals, tuples, expressions with symbols, text)."""
+    import sympy
+    from math_verify import verify
+    g, p = gold_parsed[0], pred_parsed[0]
+    if isinstance(g, sympy.Expr) and isinstance(p, sympy.Expr) and g.is_number and p.is_number:
+        if g.has(sympy.Float) or p.has(sympy.Float):
+            gv, pv = complex(sympy.N(g, 30)), complex(sympy.N(p, 30))
+            return abs(gv - pv) <= REL_TOL * max(abs(gv), abs(pv))
+        return sympy.simplify(g - p) == 0
+    return verify(gold_parsed, pred_parsed)
+
+
+def grade(gold: str, completion: str, truncated: bool = False, fallback: str = "final_number") -> str:
+    """Status of one response under the answer policy (section 4's header): 'correct' | 'wrong' |
+    'not_a_number' | 'no_answer' | 'truncated' | 'bad_gold' | 'error'. Reward +1 for 'correct' only.
+
+    Examples (gold 42): '\\boxed{42}.' correct; '\\boxed{6 \\times 7}' not_a_number; 'Thus 50 - 8 = 42.' correct
+    (with the fallback); 'It is \\boxed{42}. Let me che' cut at the limit: truncated.
+    """
+    if truncated:
+        return "truncated"
     try:
-        gold_parsed = parse(gold, extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()])
+        gold_number = parse_number(gold)
+        answer, source = extract_answer(completion, gold_number is not None, fallback)
+        if source == "expression":
+            return "not_a_number"
+        if answer is None:
+            return "no_answer"
+        if gold_number is not None:
+            after_eq = answer.rsplit("=", 1)[-1]  # '\\boxed{6 \\times 7 = 42}': the value after the last '='
+            value = parse_number(after_eq)
+            if value is None:
+                return "not_a_number"
+            return "correct" if _equal_numbers(gold_number, value, _normalise(after_eq)) else "wrong"
+        from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
+        configs = [LatexExtractionConfig(), ExprExtractionConfig()]
+        gold_parsed = parse(gold if "$" in gold or "\\boxed" in gold else f"${gold}$", extraction_config=configs)
         if not gold_parsed:
             return "bad_gold"
-        pred_parsed = parse(completion)
+        pred_parsed = parse(f"${answer}$", extraction_config=configs)
         if not pred_parsed:
             return "no_answer"
-        return "correct" if verify(gold_parsed, pred_parsed) else "wrong"
+        return "correct" if _equal_exact_or_verify(gold_parsed, pred_parsed) else "wrong"
     except Exception:  # sympy and latex2sympy raise many kinds on odd model output
         return "error"
 
 
 def _verify_worker(conn):
-    """Worker process loop: (gold, completion) in, status out, until None."""
+    """Worker process loop: (gold, completion, truncated, fallback) in, status out, until None."""
     while True:
         item = conn.recv()
         if item is None:
             return
-        conn.send(_verify_one(*item))
+        conn.send(grade(*item))
 
 
 class Verifier:
-    """Reward R = +1 if math-verify finds the gold answer in the completion, else -1.
+    """The reward function: R = +1 when `grade` says 'correct', else -1 (the convention at the top of section 4).
 
+    Contract (any replacement for it must keep it): __call__(golds, completions, truncated) -> (rewards, statuses),
+    rewards a list of +-1 floats and statuses a list of strings, one per completion.
     Checks run in one worker process: math-verify's own timeouts use signal.alarm, which works only in a main
     thread, so a hung check is instead killed from here after `timeout` seconds and counted as 'timeout'. Safe to
-    call from any thread. Statuses: correct, wrong, no_answer, bad_gold, error, timeout. The worker is started with
-    multiprocessing's "spawn", so a script that uses it must guard its entry point with `if __name__ == "__main__":`.
+    call from any thread. The worker is started with multiprocessing's "spawn", so a script that uses it must
+    guard its entry point with `if __name__ == "__main__":`.
     """
 
-    STATUSES = ("correct", "wrong", "no_answer", "bad_gold", "error", "timeout")
+    STATUSES = ("correct", "wrong", "not_a_number", "no_answer", "truncated", "bad_gold", "error", "timeout")
 
-    def __init__(self, timeout: float = 10.0):
-        self.timeout, self._proc, self._conn, self._lock = timeout, None, None, threading.Lock()
+    def __init__(self, timeout: float = 10.0, answer_fallback: str = "final_number"):
+        if answer_fallback not in ANSWER_FALLBACKS:
+            raise ValueError(f"answer_fallback {answer_fallback!r}: expected one of {ANSWER_FALLBACKS}")
+        self.timeout, self.answer_fallback = timeout, answer_fallback
+        self._proc, self._conn, self._lock = None, None, threading.Lock()
 
     def _start(self):
         ctx = multiprocessing.get_context("spawn")  # fork would copy the trainer's threads and locks
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_verify_worker, args=(child,), daemon=True)
         self._proc.start()
-        self._conn.send(("0", "0"))  # warm-up: the worker imports math-verify before the first deadline
+        # warm-up: the worker imports math-verify and sympy before the first deadline
+        self._conn.send(("\\frac{1}{2}", "\\boxed{\\sqrt{2}/2}", False, self.answer_fallback))
         if not self._conn.poll(120):
             raise RuntimeError("the verifier worker did not start within 120 s")
         self._conn.recv()
@@ -920,11 +1121,11 @@ class Verifier:
             self._proc.join()
         self._proc = None
 
-    def _check(self, gold: str, completion: str) -> str:
+    def _check(self, gold: str, completion: str, truncated: bool) -> str:
         try:
             if self._proc is None or not self._proc.is_alive():
                 self._start()
-            self._conn.send((gold, completion))
+            self._conn.send((gold, completion, truncated, self.answer_fallback))
             if self._conn.poll(self.timeout):
                 return self._conn.recv()
         except (EOFError, OSError, RuntimeError):  # the worker died or did not start; the next check retries
@@ -933,10 +1134,15 @@ class Verifier:
         self._kill()  # hung past the deadline: a fresh worker takes the next check
         return "timeout"
 
-    def __call__(self, golds: list, completions: list):
-        """Returns (rewards list[float] of +-1, statuses list[str]), one per completion."""
+    def __call__(self, golds: list, completions: list, truncated=None):
+        """(rewards list[float] of +-1, statuses list[str]), one per completion. truncated: one bool per completion
+        (True: cut off at the length limit, status 'truncated'), or None for all finished. Raises ValueError when
+        the lengths differ."""
+        truncated = [False] * len(completions) if truncated is None else [bool(t) for t in truncated]
+        if not len(golds) == len(completions) == len(truncated):
+            raise ValueError(f"{len(golds)} golds, {len(completions)} completions, {len(truncated)} truncated flags")
         with self._lock:
-            statuses = [self._check(str(g), c) for g, c in zip(golds, completions)]
+            statuses = [self._check(str(g), c, t) for g, c, t in zip(golds, completions, truncated)]
         return [1.0 if s == "correct" else -1.0 for s in statuses], statuses
 
     def close(self):
@@ -1315,9 +1521,10 @@ def optimize(module, optimizer, batch: Batch, loss_fn, token_mask, epochs: int, 
             **{k: t / steps for k, t in zip(keys, totals)}}
 
 
-def update_actor(model, optimizer, batch: Batch, advantages, old_logprobs, args: Args, generator):
+def update_actor(model, optimizer, batch: Batch, advantages, old_logprobs, args: Args, generator, actor_mask=None):
     """ACTOR_LOSSES[args.actor_loss] on the batch: args.actor_epochs passes of args.minibatches steps, token-mean
-    loss per mini-batch.
+    loss per mini-batch over the tokens of actor_mask [B, T] (default: batch.response_mask; --overlong-filter
+    zeroes the rows of truncated responses).
 
     advantages [B, T] (on the model's device); old_logprobs [B, T]: log mu, the behaviour policy, or None when the
     actor takes one optimizer step in all, so that mu is the current policy and its log-probs are the detached
@@ -1327,10 +1534,11 @@ def update_actor(model, optimizer, batch: Batch, advantages, old_logprobs, args:
     device = advantages.device
     behaviour = torch.zeros_like(advantages) if old_logprobs is None else old_logprobs  # [B, T]
     pg_loss_fn = ACTOR_LOSSES[args.actor_loss]
+    actor_mask = batch.response_mask.to(device) if actor_mask is None else actor_mask  # [B, T]
 
     def loss_fn(rows, mbatch, num_tokens):
         logprobs, entropy = actor_logprobs(model, mbatch, args.temperature)  # [b, T]
-        mask = mbatch.response_mask.to(device)  # [b, T]
+        mask = actor_mask[rows]  # [b, T]
         if old_logprobs is None:
             behaviour[rows] = logprobs.detach()  # one step in all: every row is visited exactly once
         # CISPO: J = sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * log pi; PPO: J = min(r A, clip(r) A);
@@ -1339,7 +1547,7 @@ def update_actor(model, optimizer, batch: Batch, advantages, old_logprobs, args:
                                 num_tokens=num_tokens)
         return pg_loss, dict(m, pg_loss=pg_loss.detach(), entropy=(entropy * mask).sum() / num_tokens)
 
-    metrics = optimize(model, optimizer, batch, loss_fn, batch.response_mask, args.actor_epochs, args.minibatches,
+    metrics = optimize(model, optimizer, batch, loss_fn, actor_mask, args.actor_epochs, args.minibatches,
                        args.micro_batch_size, args.actor_grad_clip, generator, compute_dtype(args.dtype, device))
     return {f"actor/{k}": v for k, v in metrics.items()}, behaviour
 
@@ -1421,7 +1629,7 @@ def generate_coverage(actor, prompts: list, prompt_index: list, golds: list, tok
             batch = generate_hf(model, [prompts[j] for j in idx], [prompt_index[j] for j in idx], eos_ids, pad_id,
                                 args.max_new_tokens, temperature, args.gen_batch_size)
         texts = tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
-        rewards, _ = verifier([golds[j] for j in idx], texts)
+        rewards, _ = verifier([golds[j] for j in idx], texts, batch.truncated.tolist())
         lengths = batch.response_mask.sum(1).long().tolist()
         rows += [{"policy": f"{name}@{temperature}", "prompt_index": prompt_index[j], "prompt_ids": prompts[j],
                   "response_ids": batch.response_ids[r, :lengths[r]].tolist(), "reward": rewards[r]}
@@ -1488,20 +1696,34 @@ def pretrain_critic(critic, optimizer, rows: list, args: Args, pad_id: int, gene
 # ---------------------------------------------------------------------------------------------------------------
 # 10. Evaluation, checkpoints
 # ---------------------------------------------------------------------------------------------------------------
-def evaluate(generate, tokenizer, problems, prompts, verifier, rank: int = 0, world: int = 1) -> dict:
+def evaluate(generate, tokenizer, problems, prompts, verifier, rank: int = 0, world: int = 1,
+             samples: list = None) -> dict:
     """Greedy pass@1 on held-out problems. generate(prompts, prompt_index, greedy=True) -> Batch. Under torchrun
     each rank answers every world-th problem (padded to equal counts, the padding not scored) and the counts are
-    summed over ranks."""
+    summed over ranks. samples: a list that receives one sample_record per answered problem (this rank's)."""
     mine = list(range(rank, len(prompts), world))
     share = -(-len(prompts) // world)  # ceil: every rank generates the same number of sequences
     index = mine + [mine[0] if mine else 0] * (share - len(mine))
     batch = generate([prompts[i] for i in index], index, greedy=True)
     texts = tokenizer.batch_decode(batch.response_ids[:len(mine)], skip_special_tokens=True)
-    rewards, _ = verifier([problems[i].answer for i in mine], texts)
+    golds, truncated = [problems[i].answer for i in mine], batch.truncated[:len(mine)].tolist()
+    rewards, statuses = verifier(golds, texts, truncated)
+    if samples is not None:
+        samples += [sample_record(problems[i].question, t, g, s, r, verifier.answer_fallback)
+                    for i, t, g, s, r in zip(mine, texts, golds, statuses, rewards)]
     totals = all_reduce(torch.tensor([sum(r > 0 for r in rewards), len(mine),
-                                          batch.response_mask[:len(mine)].sum().item()], dtype=torch.float64))
+                                          batch.response_mask[:len(mine)].sum().item(), sum(truncated)],
+                                     dtype=torch.float64))
     return {"eval/pass@1": totals[0].item() / totals[1].item(), "eval/response_len": totals[2].item() /
-            totals[1].item(), "eval/n": int(totals[1].item())}
+            totals[1].item(), "eval/truncated": totals[3].item() / totals[1].item(), "eval/n": int(totals[1].item())}
+
+
+def sample_record(question: str, completion: str, gold: str, status: str, reward: float, fallback: str) -> dict:
+    """One line of samples.jsonl: the prompt's question, the completion, the gold, the answer the policy of
+    section 4 read from it (extract_answer), the status and the reward."""
+    answer, source = extract_answer(completion, parse_number(gold) is not None, fallback)
+    return {"prompt": question, "completion": completion, "gold": gold, "answer": answer, "answer_from": source,
+            "status": status, "reward": reward}
 
 
 def save_checkpoint(out_dir: str, step: int, model, tokenizer, critic, actor_opt, critic_opt, sampler, update_gen,
@@ -1658,6 +1880,7 @@ def train(args: Args):
     update_gen = torch.Generator().manual_seed(args.seed)  # mini-batch order in the updates
     start_step = 0
     metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
+    samples_path = os.path.join(args.out_dir, "samples.jsonl")  # rollouts and eval completions, with statuses
     if ckpt:
         state = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False, map_location="cpu")
         if isinstance(state["rng"], dict) or any(isinstance(k, int) for k in state["actor_opt"]["state"]):
@@ -1687,10 +1910,13 @@ def train(args: Args):
         update_gen.set_state(rng["update"])
         if main:
             _drop_records_after(metrics_path, start_step)  # records of steps that the kill threw away
+            _drop_records_after(samples_path, start_step)
             print(f"resumed from {ckpt} at step {start_step}" + (" (RNG states of another number of ranks: "
                   "sampling reseeded)" if len(state["rng"]) != world else ""), file=sys.stderr)
-    elif main and os.path.exists(metrics_path):
-        os.remove(metrics_path)  # a fresh run starts a fresh log
+    elif main:
+        for path in (metrics_path, samples_path):  # a fresh run starts fresh logs
+            if os.path.exists(path):
+                os.remove(path)
 
     prompt_cache = {}
 
@@ -1701,7 +1927,7 @@ def train(args: Args):
         return prompt_cache[(tag, i)]
 
     eval_prompts = [prompt_ids(i, eval_problems, "eval") for i in range(len(eval_problems))]
-    verifier = Verifier(args.verify_timeout)
+    verifier = Verifier(args.verify_timeout, args.answer_fallback)
 
     def generate(prompts, index, temperature=args.temperature, greedy=False, max_new_tokens=args.max_new_tokens):
         """Responses to token-id prompts (one each) from the current policy, as a Batch."""
@@ -1714,11 +1940,16 @@ def train(args: Args):
                                args.gen_batch_size, greedy, args.top_p, args.top_k)
 
     def run_eval(step):
-        t0 = time.time()
+        t0, samples = time.time(), []
         m = evaluate(functools.partial(generate, max_new_tokens=args.eval_max_new_tokens or args.max_new_tokens),
-                     tokenizer, eval_problems, eval_prompts, verifier, rank, world)
+                     tokenizer, eval_problems, eval_prompts, verifier, rank, world, samples)
         m["time/eval"] = time.time() - t0
-        say(f"step {step:4d} | eval pass@1 {m['eval/pass@1']:.3f} on {m['eval/n']} held-out problems")
+        samples = gather_records(samples)  # every rank's completions, on rank 0
+        if main:
+            for record in samples:
+                log_metrics(samples_path, {"step": step, "split": "eval", **record})
+            say(f"step {step:4d} | eval pass@1 {m['eval/pass@1']:.3f} on {m['eval/n']} held-out problems | "
+                f"sample: {shorten(samples[0])}")
         return m
 
     def rollout(prompt_list, metrics):
@@ -1728,7 +1959,7 @@ def train(args: Args):
         batch = generate([prompt_ids(i, train_problems, "train") for i in index], index)
         t1 = time.time()
         texts = tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
-        reward_list, statuses = verifier([train_problems[i].answer for i in index], texts)
+        reward_list, statuses = verifier([train_problems[i].answer for i in index], texts, batch.truncated.tolist())
         rewards = torch.tensor(reward_list)  # [B]
         correct = (rewards > 0).double()  # [B] raw correctness, never a shaped reward
         counts = torch.zeros(2, len(S), dtype=torch.float64)  # [2, n_prompts] this round's successes, attempts
@@ -1741,7 +1972,7 @@ def train(args: Args):
         generated = int(batch.response_mask.sum())  # tokens of this round, kept or dropped by dynamic sampling
         metrics["rollout/generated_tokens"] = metrics.get("rollout/generated_tokens", 0) + generated
         metrics["time/verify"] = metrics.get("time/verify", 0.0) + time.time() - t1
-        return batch, rewards, statuses
+        return batch, rewards, statuses, texts
 
     def choose_prompts(count, step, selection, generator):
         """Uniform draws, or DAPS after daps_start steps; DAPS counters are added to `selection`."""
@@ -1783,7 +2014,7 @@ def train(args: Args):
     warmup_steps = args.critic_warmup_steps if start_step == 0 and critic is not None else 0
     for i in range(warmup_steps):  # on-policy warm-up; its rollouts count toward S, N
         m = {}
-        batch, rewards, _ = rollout(sampler.draw(args.batch_prompts)[rank::world], m)
+        batch, rewards, _, _ = rollout(sampler.draw(args.batch_prompts)[rank::world], m)
         with autocast(device, amp_dtype):
             values, raw = value_pass(critic, batch, args.critic_loss, args.micro_batch_size)  # [B, T] each
         mask = batch.response_mask.to(device)  # [B, T]
@@ -1811,7 +2042,12 @@ def train(args: Args):
         parts, statuses, kept, dropped = [], [], 0, 0
         for _ in range(1 + (args.max_refills if args.dynamic_sampling else 0)):
             chosen = choose_prompts(args.batch_prompts - kept, step, selection, daps_gen)  # same on every rank
-            batch, rewards, s = rollout(chosen[rank::world], metrics)  # this rank's share
+            batch, rewards, s, texts = rollout(chosen[rank::world], metrics)  # this rank's share
+            if main and not statuses:  # a few of the first round's rollouts, to read what is rewarded
+                for j in range(min(args.log_samples, len(texts))):
+                    problem = train_problems[int(batch.prompt_index[j])]
+                    log_metrics(samples_path, {"step": step, "split": "train", **sample_record(
+                        problem.question, texts[j], problem.answer, s[j], rewards[j].item(), args.answer_fallback)})
             statuses += s
             last = (batch, rewards)
             if args.dynamic_sampling:
@@ -1848,8 +2084,12 @@ def train(args: Args):
         if args.actor_epochs * args.minibatches > 1:
             with autocast(device, amp_dtype):
                 old_logprobs = policy_logprobs(policy, batch, args.temperature, args.micro_batch_size)  # [B, T]
+        actor_mask = mask  # [B, T] the tokens the actor loss averages over
+        if args.overlong_filter:  # DAPO's overlong filtering: a response cut off at the limit is not trained on
+            actor_mask = mask * (~batch.truncated).to(device)[:, None].float()  # [B, T]
         policy.train()
-        m, behaviour_logprobs = update_actor(policy, actor_opt, batch, advantages, old_logprobs, args, update_gen)
+        m, behaviour_logprobs = update_actor(policy, actor_opt, batch, advantages, old_logprobs, args, update_gen,
+                                             actor_mask)
         metrics.update(m)
         if engine is not None:
             engine.stale = True  # synced before the next generation
@@ -1941,6 +2181,23 @@ def mean_over_ranks(metrics: dict) -> dict:
 
 def _as_list(x):
     return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def gather_records(records: list) -> list:
+    """Every rank's list of JSON-able records, concatenated in rank order (the list itself in one process)."""
+    if not distributed():
+        return records
+    import torch.distributed as dist
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, records)
+    return [r for part in parts for r in part]
+
+
+def shorten(record: dict, width: int = 160) -> str:
+    """One sample_record on one line: status, gold, the answer read, and the end of the completion."""
+    text = " ".join(record["completion"].split())
+    text = text if len(text) <= width else "..." + text[-width:]
+    return f"[{record['status']}] gold {record['gold']} answer {record['answer']} | {text}"
 
 
 def _drop_records_after(path: str, step: int):

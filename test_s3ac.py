@@ -307,10 +307,11 @@ def test_verifier_deadline_kills_and_recovers():
     v = s3ac.Verifier(timeout=1e-4)  # no check can finish in 0.1 ms
     try:
         v._start()
-        rewards, statuses = v(["5"], ["\\boxed{5}"])
+        gold, answer = "\\frac{\\sqrt{2}}{2}", "\\boxed{\\sqrt{2}/2}"  # a sympy check: milliseconds at least
+        rewards, statuses = v([gold], [answer])
         assert statuses == ["timeout"] and rewards == [-1.0] and v._proc is None
         v.timeout = 20
-        assert v(["5"], ["\\boxed{5}"]) == ([1.0], ["correct"])
+        assert v([gold], [answer]) == ([1.0], ["correct"])
     finally:
         v.close()
 
@@ -432,6 +433,19 @@ def test_smoke_run_logs_metrics_and_moves_critic(smoke_run):
     head0 = s3ac.Critic(AutoModel.from_pretrained(path), seed=1).value_head.weight
     head2 = load_file(os.path.join(out, "checkpoints", "step_2", "critic", "value_head.safetensors"))["weight"]
     assert not torch.equal(head0, head2)
+
+
+def test_smoke_run_writes_samples(smoke_run):
+    """samples.jsonl: --log-samples (4) rollouts per step and every completion of each evaluation, each with the
+    answer the policy read and a reward that agrees with its status."""
+    _, out = smoke_run
+    samples = read_jsonl(os.path.join(out, "samples.jsonl"))
+    count = lambda step, split: sum(r["step"] == step and r["split"] == split for r in samples)
+    assert [count(0, "eval"), count(1, "train"), count(2, "train"), count(2, "eval")] == [4, 4, 4, 4]
+    for r in samples:
+        assert {"prompt", "completion", "gold", "answer", "answer_from", "status", "reward"} <= set(r)
+        assert r["status"] in s3ac.Verifier.STATUSES and r["reward"] == (1.0 if r["status"] == "correct" else -1.0)
+        assert r["prompt"].startswith("What is ")
 
 
 def test_checkpoint_round_trip(smoke_run, tmp_path):
@@ -679,6 +693,40 @@ def test_update_actor_returns_behaviour_logprobs(tiny):
     assert torch.allclose(behaviour, before, atol=1e-5)  # one step in all: mu from the same forward pass
     after = s3ac.policy_logprobs(model, batch, 1.0, 8)
     assert (after - before).abs().max() > 1e-3  # the actor moved, so PACT's rho differs from 1
+
+
+def test_dropout_is_off_so_lr_0_gives_ratio_1(tmp_path):
+    """A checkpoint whose config sets dropout 0.1: with lr 0 and two actor epochs the training passes (train mode)
+    must reproduce the behaviour log-probs (eval mode) exactly: approx_kl 0, no clipped token. Loaded as the
+    config says (dropout on), the same update shows a KL, so the check can fail."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaConfig
+    path = str(tmp_path / "dropout")
+    model, tok = make_tiny_model(path)
+    config = LlamaConfig.from_pretrained(path)
+    config.attention_dropout = 0.1
+    config.save_pretrained(path)
+    prompts = [tok(q)["input_ids"] for q in ("1+1=", "What is 3 * 4?", "7-2")]
+    args = s3ac.resolve_args(s3ac.Args(micro_batch_size=8, actor_epochs=2, lr=0.0, temperature=1.0))
+
+    def kl_after_update(actor):
+        torch.manual_seed(0)
+        batch = s3ac.generate_hf(actor.eval(), prompts, [0, 1, 2], {10**6}, tok.pad_token_id, 6, 1.0, 4)
+        old = s3ac.policy_logprobs(actor, batch, 1.0, 8)  # [B, T] log mu, eval mode
+        actor.train()
+        adv = torch.ones_like(batch.response_mask) * batch.response_mask  # [B, T]
+        m, _ = s3ac.update_actor(actor, torch.optim.AdamW(actor.parameters(), lr=0.0), batch, adv, old, args,
+                                 torch.Generator().manual_seed(0))
+        return m
+
+    loaded = s3ac.load_actor(path, torch.device("cpu"))
+    assert loaded.config.attention_dropout == 0.0
+    m = kl_after_update(loaded)
+    assert m["actor/approx_kl"] == 0.0 and m["actor/pg_clipfrac"] == 0.0
+    with_dropout = AutoModelForCausalLM.from_pretrained(path)  # as the config says: dropout 0.1
+    assert kl_after_update(with_dropout)["actor/approx_kl"] > 1e-6
+    critic = s3ac.load_critic(path, torch.device("cpu"), seed=1)
+    assert critic.backbone.config.attention_dropout == 0.0
 
 
 # ---------------------------------------------------------------------------------------------------------------
