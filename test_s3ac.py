@@ -303,6 +303,78 @@ def test_verifier_from_worker_thread_and_odd_output(verifier):
     assert rewards == [-1.0] * len(odd)
 
 
+# Gold 42 unless stated: the answer policy's cases (section 4 of s3ac.py), each with the status it must get.
+ANSWER_POLICY_CASES = [
+    ("6", "The answer is \\boxed{6}. Hmm, let me double check: \\boxed{9", True, "truncated"),  # cut at the limit
+    ("6", "The answer is \\boxed{6}.", True, "truncated"),  # a box does not rescue a cut-off response
+    ("8", "So the answer is \\boxed{3}. Checking again, I made an error; the answer is \\boxed{8}.", False, "correct"),
+    ("3", "So the answer is \\boxed{3}. Checking again, I made an error; the answer is \\boxed{8}.", False, "wrong"),
+    ("42", "\\boxed{42}", False, "correct"), ("42", "\\boxed{42.0}", False, "correct"),
+    ("42", "\\boxed{42}.", False, "correct"), ("42", "So it is \\boxed{6 \\times 7 = 42}.", False, "correct"),
+    ("42", "\\boxed{23 + 19}", False, "not_a_number"), ("42", "\\boxed{6 \\times 7}", False, "not_a_number"),
+    ("42", "We add the two numbers:\n23 + 19", False, "not_a_number"),
+    ("42", "To solve this problem, you simply multiply 6 * 7.", False, "not_a_number"),
+    ("42", "To solve this problem, you simply multiply 6 by 7.", False, "not_a_number"),
+    ("49", "Thus, the final answer is 58 - 9 = 47.", False, "wrong"),
+    ("49", "Thus, the final answer is 58 - 9 = 49.", False, "correct"),
+    ("25", "First, 25 + 0 is 25... thus, 25 + 0 =", False, "no_answer"),  # unfinished
+    ("25", "I think 25.\nThen we add 3 and get 28.\nHope this helps!", False, "wrong"),  # the last result counts
+    ("17", "Adding 17 and 3 gives 20.", False, "wrong"),  # the gold mid-text does not count
+    ("\\frac{1}{2^{60}}", "\\boxed{\\frac{1}{2^{61}}}", False, "wrong"),  # exact, no float tolerance
+    ("\\frac{1}{2^{60}}", "\\boxed{2^{-60}}", False, "correct"),
+    ("2500", "\\boxed{2\\,500}", False, "correct"), ("2500", "\\boxed{2{,}500}", False, "correct"),
+    ("2500", "\\boxed{2,500}", False, "correct"), ("2500", "\\boxed{2\\!500}", False, "correct"),
+    ("1,000", "So the total is 1,000 dollars.", False, "correct"), ("18", "She earns \\boxed{\\$18}.", False, "correct"),
+    ("-5", "The answer is -5.", False, "correct"), ("-5", "3 - 8 = -5", False, "correct"),
+    ("12", "7 + 5 = 12  (\\boxed{})", False, "correct"),  # an empty box echoes the instruction
+    ("15", "9 + 6 equals 15.\nBut what if we want other numbers?", False, "correct"),  # closing words skipped
+    ("\\frac{1}{3}", "\\boxed{0.3333}", False, "correct"), ("\\frac{1}{3}", "\\boxed{0.33}", False, "wrong"),
+    ("3", "\\boxed{\\frac{12}{4}}", False, "not_a_number"), ("0.5", "\\boxed{\\frac{1}{2}}", False, "correct"),
+    ("5\\sqrt{2}", "\\boxed{\\sqrt{50}}", False, "correct"), ("\\text{Evelyn}", "\\boxed{\\text{Evelyn}}", False, "correct"),
+    ("\\left( 3, \\frac{\\pi}{2} \\right)", "so \\boxed{(3, \\frac{\\pi}{2})}", False, "correct"),
+    ("x^2 + 1", "The result is x^2 + 1.", False, "no_answer"),  # no fallback for a non-number gold
+]
+
+
+def test_answer_policy_cases():
+    for gold, completion, truncated, status in ANSWER_POLICY_CASES:
+        assert s3ac.grade(gold, completion, truncated) == status, (gold, completion)
+    assert s3ac.grade("42", "The answer is 42.", fallback="none") == "no_answer"  # --answer-fallback none
+
+
+def test_parse_number_and_last_boxed():
+    from fractions import Fraction
+    assert s3ac.parse_number("\\$2\\,500.50") == Fraction(5001, 2)
+    assert s3ac.parse_number("-\\dfrac{3}{4}") == Fraction(-3, 4) and s3ac.parse_number("3/4") == Fraction(3, 4)
+    assert s3ac.parse_number("90^\\circ") == 90 and s3ac.parse_number("50\\%") == 50
+    for expression in ("6 \\times 7", "2^{10}", "1,2", "\\frac{4}{2}", "x", ""):
+        assert s3ac.parse_number(expression) is None, expression
+    assert s3ac.last_boxed("a \\boxed{1} b \\boxed{\\frac{1}{2}} c") == "\\frac{1}{2}"
+    assert s3ac.last_boxed("\\boxed{1} then \\boxed{2") is None and s3ac.last_boxed("no box") is None
+
+
+def test_verifier_on_hand_labelled_rollouts(verifier):
+    """Real rollouts of the CPU demo's model (SmolLM2-135M-Instruct, builtin arithmetic and GSM8K, greedy and
+    sampled, with and without the boxed instruction), each labelled by hand, blind to any verifier, with the reward
+    a strict grader would give. Every verdict must match the label, except the rows marked known_miss (misses
+    of the final-statement fallback, listed with their reason); no false positive at all. The lenient reading
+    (math-verify's default extraction) rewards many of the -1 rows, so the set can tell the two apart."""
+    from math_verify import parse, verify
+    rows = read_jsonl(os.path.join(HERE, "testdata", "verifier_labels.jsonl"))
+    rewards, statuses = verifier([r["gold"] for r in rows], [r["completion"] for r in rows],
+                                 [r["truncated"] for r in rows])
+    mismatched = [(r["id"], r["label"], s) for r, rw, s in zip(rows, rewards, statuses) if rw != r["label"]]
+    false_pos = [m for m in mismatched if m[1] < 0]
+    assert not false_pos
+    assert sorted(m[0] for m in mismatched) == sorted(r["id"] for r in rows if r.get("known_miss"))
+    lenient_fp = sum(r["label"] < 0 and bool(verify(parse(r["gold"]), parse(r["completion"]))) for r in rows)
+    positives = sum(r["label"] > 0 for r in rows)
+    print(f"{len(rows)} labelled rollouts, {positives} +1: false positives {len(false_pos)}, false negatives "
+          f"{len(mismatched)} ({len(mismatched) / positives:.1%} of +1); math-verify's default extraction: "
+          f"{lenient_fp} false positives")
+    assert lenient_fp > 0
+
+
 def test_verifier_deadline_kills_and_recovers():
     v = s3ac.Verifier(timeout=1e-4)  # no check can finish in 0.1 ms
     try:
