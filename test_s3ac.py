@@ -1179,25 +1179,59 @@ def test_gpu_check_runs_on_a_tiny_model(engine, request):
 # ---------------------------------------------------------------------------------------------------------------
 # kernels.py: every op on both backends against independent golds
 # ---------------------------------------------------------------------------------------------------------------
-_K_BACKENDS = ["torch"]
+_K_BACKENDS = ["torch"]  # the backends that run on CPU tensors here
 if K.HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1":
     _K_BACKENDS.append("triton")
+# (backend, device) cases of the kernel tests: CPU always; on a CUDA machine the same tests again on the GPU, Triton
+# through the real compiler, which needs TRITON_INTERPRET=0 (`./run.sh gpu-check` sets it; the default here is 1)
+_K_CASES = [(b, "cpu") for b in _K_BACKENDS]
+if torch.cuda.is_available():
+    _K_CASES.append(("torch", "cuda"))
+    if K.HAS_TRITON and os.environ.get("TRITON_INTERPRET") != "1":
+        _K_CASES.append(("triton", "cuda"))
+_K_OPS = ("gae", "gae_ref", "cispo_loss", "value_loss", "bce_value_loss", "logprobs_from_hidden",
+          "logprobs_from_hidden_ref")  # the kernels.py functions the tests call
 
 
-@pytest.fixture(params=_K_BACKENDS)
-def kbackend(request):
-    """Runs the test once per available backend and restores "auto" afterwards."""
-    K.set_backend(request.param)
-    yield request.param
+def _k_on_device(fn, device):
+    """fn with its tensor arguments moved to `device` and its tensor results (in tuples and dicts too) moved back
+    to the CPU. Both moves are differentiable, so gradients still reach the CPU tensors a test made."""
+    def move(x, to):
+        if isinstance(x, torch.Tensor):
+            return x.to(to)
+        if isinstance(x, (tuple, list)):
+            return type(x)(move(v, to) for v in x)
+        if isinstance(x, dict):
+            return {k: move(v, to) for k, v in x.items()}
+        return x
+
+    def on_device(*args, **kwargs):
+        return move(fn(*move(args, device), **move(kwargs, device)), "cpu")
+    return on_device
+
+
+def _k_case(backend, device, monkeypatch):
+    """Select `backend`; for a device other than the CPU, route the kernels.py functions through it."""
+    if device != "cpu":
+        for name in _K_OPS:
+            monkeypatch.setattr(K, name, _k_on_device(getattr(K, name), device))
+    K.set_backend(backend)
+
+
+@pytest.fixture(params=_K_CASES, ids=[b if d == "cpu" else f"{b}-{d}" for b, d in _K_CASES])
+def kbackend(request, monkeypatch):
+    """Runs the test once per (backend, device) case and restores "auto" afterwards; yields the backend name."""
+    _k_case(*request.param, monkeypatch)
+    yield request.param[0]
     K.set_backend("auto")
 
 
-@pytest.fixture
-def ktriton():
-    """Forces the Triton backend (skips where it cannot run) and restores "auto" afterwards."""
-    if "triton" not in _K_BACKENDS:
-        pytest.skip("triton with TRITON_INTERPRET=1 not available")
-    K.set_backend("triton")
+@pytest.fixture(params=[d for b, d in _K_CASES if b == "triton"] or ["none"])
+def ktriton(request, monkeypatch):
+    """Forces the Triton backend, once per device it runs on (skips where it runs on none), and restores "auto"."""
+    if request.param == "none":
+        pytest.skip("triton runs here neither under TRITON_INTERPRET=1 nor on a CUDA device")
+    _k_case("triton", request.param, monkeypatch)
     yield
     K.set_backend("auto")
 
@@ -1367,6 +1401,28 @@ def test_kernels_gae_huge_early_values_do_not_change_late_advantages(kbackend, g
     assert torch.allclose(adv.double(), gold, atol=1e-5, rtol=1e-5)
 
 
+def test_kernels_gae_long_rows_with_gamma_lambda_one(kbackend):
+    # T = 8192 (32 chunks of the Triton kernel) and gamma * lambda = 1, PACT's setting: every advantage is an
+    # undiscounted sum over up to 8192 tokens, so a chunk carry dropped or applied twice shows at O(1). Row 0 is
+    # valid end to end, row 1 has an interior masked span and right padding holding garbage.
+    B, T = 2, 8192
+    rewards, values, mask = _k_rl_batch(B, T, seed=11)
+    g = torch.Generator().manual_seed(1)
+    mask[0] = 1.0
+    rewards[0] = 0.01 * torch.randn(T, generator=g)  # [T] dense shaping reward
+    rewards[0, -1] += 1.0  # and the outcome on the last token
+    values[0] = torch.rand(T, generator=g) * 2 - 1  # [T]
+    adv, ret = K.gae(rewards, values, mask, 1.0, 1.0)
+    gold_adv, gold_ret = _k_gae_loop(rewards, values, mask, 1.0, 1.0)
+    ref_adv, _ = K.gae_ref(rewards, values, mask, 1.0, 1.0)
+    # fp32 sums of up to 8192 terms against fp64: about 2e-6 measured on CPU (both backends)
+    assert torch.allclose(adv.double(), gold_adv, atol=5e-5, rtol=1e-5)
+    assert torch.allclose(ret.double(), gold_ret, atol=5e-5, rtol=1e-5)
+    assert torch.allclose(adv, ref_adv, atol=5e-5, rtol=1e-5)
+    assert (adv[mask == 0] == 0).all() and torch.isfinite(adv).all()
+    assert gold_adv[0, 0].abs() > 0.1  # the first token's advantage sums the whole row
+
+
 # ------------------------------------------------------------------------------------------------- losses
 
 
@@ -1396,7 +1452,7 @@ def test_kernels_cispo_hand_case(kbackend):
     assert math.isclose(metrics["approx_kl"].item(), 0.5 - math.log(1.5), rel_tol=1e-5)
 
 
-@pytest.mark.parametrize("B,T", [(3, 1), (4, 63), (2, 1000)])
+@pytest.mark.parametrize("B,T", [(3, 1), (4, 63), (2, 1000), (2, 8192)])
 def test_kernels_cispo_matches_fp64_gold(kbackend, B, T):
     g, mask, field = _k_loss_batch(B, T, seed=T)
     old = -torch.rand(B, T, generator=g) * 3
@@ -1451,7 +1507,7 @@ def test_kernels_value_loss_hand_cases(kbackend):
         assert metrics["v_clipfrac"].item() == want_clip
 
 
-@pytest.mark.parametrize("B,T", [(3, 1), (4, 63), (2, 1000)])
+@pytest.mark.parametrize("B,T", [(3, 1), (4, 63), (2, 1000), (2, 8192)])
 def test_kernels_value_loss_matches_fp64_gold(kbackend, B, T):
     g, mask, field = _k_loss_batch(B, T, seed=T + 1)
     old_v = torch.randn(B, T, generator=g)
@@ -1478,7 +1534,7 @@ def test_kernels_value_loss_matches_fp64_gold(kbackend, B, T):
     assert math.isclose(metrics["v_clipfrac"].item(), gold_clipfrac, rel_tol=1e-6, abs_tol=1e-9)
 
 
-@pytest.mark.parametrize("B,T", [(3, 1), (4, 63), (2, 1000)])
+@pytest.mark.parametrize("B,T", [(3, 1), (4, 63), (2, 1000), (2, 8192)])
 def test_kernels_bce_value_loss_matches_fp64_gold(kbackend, B, T):
     g, mask, field = _k_loss_batch(B, T, seed=T + 2)
     z = 4 * torch.randn(B, T, generator=g)
