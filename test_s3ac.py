@@ -1150,21 +1150,9 @@ def test_torchrun_with_one_vllm_engine_per_rank(vllm_python, tmp_path):
     assert all(r["rollout/logprob_gap_max"] < 1e-3 for r in records[1:])  # step 2: after the first sync
     assert os.path.isfile(os.path.join(out, "checkpoints", "step_2", "trainer_state.pt"))
 
-@pytest.mark.parametrize("engine", ["hf", "vllm"])
-def test_gpu_check_runs_on_a_tiny_model(engine, request):
-    """./run.sh gpu-check's code on a tiny model: the JSON lines it prints and their arithmetic."""
-    python = request.getfixturevalue("vllm_python") if engine == "vllm" else sys.executable
-    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1")
-    env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run([python, os.path.join(HERE, "s3ac.py"), "gpu-check", "--size", "tiny", "--prompts", "8",
-                           "--tokens", "16", "--micro-batch-size", "4", "--rollout", engine],
-                          capture_output=True, text=True, env=env, timeout=600, cwd=HERE)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    rows = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            row = json.loads(line)
-            rows[row["check"] + row.get("algo", "")] = row
+def check_gpu_check_rows(rows: list, engine: str):
+    """The JSON lines of `s3ac.py gpu-check` on the tiny model: which rows there are, and their arithmetic."""
+    rows = {row["check"] + row.get("algo", ""): row for row in rows}
     assert rows["rollout"]["engine"] == engine and 0 < rows["rollout"]["generated_tokens"] <= 8 * 16
     assert ("weight_sync" in rows) == (engine == "vllm")
     grpo, s3 = rows["stepgrpo"], rows["steps3ac"]
@@ -1173,7 +1161,70 @@ def test_gpu_check_runs_on_a_tiny_model(engine, request):
                                               ("rollout_s", "train_s", "step_s")), rel=1e-9)
     extra = (s3["train_s"] - grpo["train_s"]) / (grpo["train_s"] + grpo["rollout_s"])
     assert rows["critic_overhead"]["extra_wall_time"] == pytest.approx(extra, rel=1e-9)
+    assert rows["critic_overhead"]["rollout"] == engine
     assert all(s3[k] > 0 for k in ("values_s", "actor_s", "critic_s", "rollout_s"))
+    assert "peak_memory_gib" in s3 and "peak_memory_gib" in grpo  # None on the CPU
+
+
+def test_gpu_check_runs_on_a_tiny_model_with_vllm(vllm_python):
+    """./run.sh gpu-check's step check with a vLLM engine (vllm-cpu here) on a tiny model."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1")
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([vllm_python, os.path.join(HERE, "s3ac.py"), "gpu-check", "--size", "tiny", "--prompts", "8",
+                           "--tokens", "16", "--micro-batch-size", "4", "--rollout", "vllm"],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=HERE)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    check_gpu_check_rows([json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")], "vllm")
+
+
+def test_gpu_check_script_tiny_path(tmp_path):
+    """gpu_check.py --tiny, the CPU path of ./run.sh gpu-check: part 3 (one S3AC and one GRPO step, HF rollouts) and
+    part 4 (PACT + BCE + DAPS training steps, a checkpoint, --resume), their JSON lines and files."""
+    out = tmp_path / "out"
+    env = dict(os.environ, OMP_NUM_THREADS="1", S3AC_GPU_CHECK_DIR=str(out))
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "gpu_check.py"), "--tiny", "--parts", "step,train",
+                           "--rollout", "hf"], capture_output=True, text=True, env=env, timeout=600, cwd=HERE)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    results = read_jsonl(out / "results.jsonl")
+    assert results == [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    summaries = {r["part"]: r for r in results if "status" in r}
+    assert [summaries[p]["status"] for p in ("step", "train", "all")] == ["ok", "ok", "ok"]
+    check_gpu_check_rows([r for r in results if r["part"] == "step" and "check" in r], "hf")
+    (train,) = [r for r in results if r.get("check") == "train"]
+    assert train["ok"] and train["problems"] == [] and train["steps_logged"] == [0, 1, 2, 3, 4, 5]
+    assert train["accept_rate"][0] is None and all(0 < a <= 1 for a in train["accept_rate"][1:])  # DAPS from step 2
+    assert sorted(os.listdir(out)) == ["results.jsonl", "step.log", "train.log", "train_metrics.jsonl"]
+    assert "resumed from" in (out / "train.log").read_text()
+
+
+def test_gpu_check_script_keeps_going_after_a_failed_part(tmp_path):
+    """A part that fails, prints an error row or runs out of time is reported as such, with the JSON lines it
+    printed before; the train check accepts NaN only where s3ac.py defines it."""
+    import gpu_check
+
+    def part(name, row, then="", timeout=30):  # a part that prints one JSON line, then does `then`
+        code = f"import json, time; print(json.dumps({row!r}), flush=True); print('not json'); {then}"
+        return gpu_check.run_part(name, [sys.executable, "-c", code], timeout, str(tmp_path))
+
+    ok, rows = part("a", {"x": 1})
+    assert ok["status"] == "ok" and ok["rc"] == 0 and rows == [{"part": "a", "x": 1}]
+    failed, rows = part("b", {"x": 2}, "raise SystemExit(3)")
+    assert failed["status"] == "failed" and failed["rc"] == 3 and rows == [{"part": "b", "x": 2}]
+    errored, _ = part("c", {"error": "compile failed"})
+    assert errored["status"] == "failed" and errored["rc"] == 0
+    slow, rows = part("d", {"x": 4}, "time.sleep(60)", timeout=2)
+    assert slow["status"] == "timeout" and slow["seconds"] < 30 and rows == [{"part": "d", "x": 4}]
+    assert (tmp_path / "d.log").read_text().startswith("$ ")
+    records = [{"step": 0, "eval/pass@1": 0.0},
+               {"step": 1, "rollout/acc": 0.0, "critic/explained_var": None, "critic/rho_mean": 1.0,
+                "critic/v_loss": 0.5, "actor/pg_loss": 0.1, "actor/grad_norm": 1.0},
+               {"step": 2, "rollout/acc": 0.5, "critic/explained_var": None, "critic/rho_mean": 1.0,
+                "critic/v_loss": None, "actor/pg_loss": 0.1, "actor/grad_norm": 1.0}]
+    found = gpu_check.check_records(records, 2, daps_start=1, rollouts_per_step=4)
+    assert found["nan_where_undefined"] == 1  # step 1: every reward equal, explained variance undefined
+    assert found["problems"] == ["step 2: critic/explained_var = None", "step 2: critic/v_loss = None",
+                                 "missing step 2: prompts/accept_rate"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
