@@ -1,12 +1,24 @@
 #!/usr/bin/env bash
 # ./run.sh              train: the CPU demo without a CUDA GPU, the paper setting with one (extra args go to s3ac.py)
 # ./run.sh test [ARGS]  run the test suite (extra args go to pytest); on CPU it also makes .venv-vllm for the vLLM test
-# ./run.sh gpu-check    on a CUDA GPU: rollout tokens/s, per-phase step times (S3AC vs GRPO), kernel benchmarks
+# ./run.sh gpu-check    on a CUDA GPU: kernel tests and benchmarks, S3AC vs GRPO step times, training steps and
+#                       --resume (gpu_check.py; extra args go to it); uses $PYTHON, else .venv's python if it
+#                       exists, else python3, and makes no .venv
 set -euo pipefail
 cd "$(dirname "$0")"
 
 has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
 PY="${PYTHON:-python3}"
+
+if [ "${1:-}" = "gpu-check" ]; then
+  shift
+  [ -n "${PYTHON:-}" ] || [ ! -x .venv/bin/python ] || PY=.venv/bin/python
+  if compgen -G ".whl/*.whl" >/dev/null; then   # wheels carried to a machine without network (see README)
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+  fi
+  exec "$PY" gpu_check.py "$@"
+fi
 
 # --- environment: .venv, made and filled once (again when requirements.txt changes or a GPU appears) ---
 kind=$(has_gpu && echo gpu || echo cpu)
@@ -42,13 +54,6 @@ if [ "${1:-}" = "test" ]; then
   shift
   has_gpu || vllm_cpu_env
   exec python -m pytest -q test_s3ac.py "$@"
-fi
-
-if [ "${1:-}" = "gpu-check" ]; then
-  shift
-  has_gpu || { echo "gpu-check needs a CUDA GPU" >&2; exit 1; }
-  python s3ac.py gpu-check "$@"
-  exec python kernels.py --bench-gpu
 fi
 
 if has_gpu; then

@@ -2220,9 +2220,9 @@ MODEL_SIZES = {  # Qwen2.5-1.5B's shape; a tiny one for CPU tests (head_dim 32 f
 def gpu_check(argv=None):
     """Print JSON lines, nothing downloaded (weights random, vLLM's "dummy" load format):
     rollout tokens/s for a Qwen2.5-1.5B-sized model at --prompts x --tokens; the weight sync; the seconds of each
-    phase of one S3AC step and one GRPO step on the same rollout batch; and the ratio of their wall times (S3AC's
-    paper reports the critic costs 27-40% more wall time per step than GRPO). --size tiny runs the same code on a
-    small model, on the CPU too."""
+    phase of one S3AC step and one GRPO step on the same rollout batch, with the peak GPU memory of each; and the
+    ratio of their wall times (S3AC's paper reports the critic costs 27-40% more wall time per step than GRPO).
+    --size tiny runs the same code on a small model, on the CPU too."""
     parser = argparse.ArgumentParser(prog="s3ac.py gpu-check", description=gpu_check.__doc__.split("\n")[0])
     parser.add_argument("--size", default="1.5b", choices=sorted(MODEL_SIZES))
     parser.add_argument("--prompts", type=int, default=256)
@@ -2240,6 +2240,9 @@ def gpu_check(argv=None):
     def report(row: dict):
         print(json.dumps(row), flush=True)
 
+    def peak_memory_gib():  # the most GPU memory PyTorch's tensors held since the last reset; None on the CPU
+        return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
     config = Qwen2Config(**MODEL_SIZES[opts.size], tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
     args = resolve_args(Args(model="random", micro_batch_size=opts.micro_batch_size, max_new_tokens=opts.tokens,
                              k=4, lr=1e-6))
@@ -2252,15 +2255,18 @@ def gpu_check(argv=None):
     with tempfile.TemporaryDirectory() as path:
         config.save_pretrained(path)
         torch.manual_seed(0)
-        model = Qwen2ForCausalLM(config).float().to(device)
+        with torch.device(device):  # random weights drawn where they live: fast for 1.5B parameters on a GPU
+            model, backbone = Qwen2ForCausalLM(config).float(), AutoModel.from_config(config).float()
         model.generation_config.eos_token_id = None
-        policy, critic = Policy(model), Critic(AutoModel.from_config(config).float(), args.critic_seed).to(device)
+        policy, critic = Policy(model), Critic(backbone, args.critic_seed).to(device)
         actor_opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
         critic_opt = torch.optim.AdamW(critic.parameters(), lr=args.lr * args.critic_lr_ratio, weight_decay=0.0)
         report({"check": "setup", "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                 "model": f"qwen2-{opts.size}-shaped, random weights", "parameters": sum(p.numel() for p in
                 model.parameters()), "rollout": "vllm" if use_vllm else "hf", "torch": torch.__version__})
 
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         t0 = synced_time(device)  # rollout (the same batch serves both algorithms)
         if use_vllm:
             engine = VLLMRollout(path, args, device, 0, 1, load_format="dummy", skip_tokenizer_init=True,
@@ -2278,7 +2284,8 @@ def gpu_check(argv=None):
         generated = int(batch.response_mask.sum())
         report({"check": "rollout", "engine": "vllm" if use_vllm else "hf", "prompts": opts.prompts,
                 "prompt_len": opts.prompt_len, "max_tokens": opts.tokens, "generated_tokens": generated,
-                "seconds": rollout_s, "tokens_per_s": generated / rollout_s, "engine_start_s": t1 - t0})
+                "seconds": rollout_s, "tokens_per_s": generated / rollout_s, "engine_start_s": t1 - t0,
+                "peak_memory_gib": peak_memory_gib()})
         if use_vllm:
             t0 = synced_time(device)
             engine.sync(policy)  # wake the weights, copy the actor in, in buckets
@@ -2291,6 +2298,8 @@ def gpu_check(argv=None):
         rewards = torch.where(torch.rand(opts.prompts, generator=g) < 0.5, 1.0, -1.0).to(device)  # [B]
 
         def phases(algo):  # seconds of each phase of one step of `algo` on the rollout batch
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
             times, t, mask = {}, synced_time(device), batch.response_mask.to(device)  # mask [B, T]
             if algo == "s3ac":
                 with autocast(device, amp):
@@ -2311,15 +2320,19 @@ def gpu_check(argv=None):
             return times
 
         phases("s3ac")  # warm-up on the full batch: first allocations, optimizer states, kernels
-        times = {algo: phases(algo) for algo in ("grpo", "s3ac")}
+        times, peaks = {}, {}
+        for algo in ("grpo", "s3ac"):
+            times[algo] = phases(algo)
+            peaks[algo] = peak_memory_gib()  # weights, gradients, Adam states and this step's activations
         for algo, seconds in times.items():
             report({"check": "step", "algo": algo, "sequences": opts.prompts, "tokens": generated,
                     **{f"{k}_s": v for k, v in seconds.items()}, "rollout_s": rollout_s,
-                    "train_s": sum(seconds.values()), "step_s": sum(seconds.values()) + rollout_s})
+                    "train_s": sum(seconds.values()), "step_s": sum(seconds.values()) + rollout_s,
+                    "peak_memory_gib": peaks[algo]})
         s3ac_s, grpo_s = (sum(times[a].values()) for a in ("s3ac", "grpo"))
         report({"check": "critic_overhead", "extra_wall_time": (s3ac_s - grpo_s) / (grpo_s + rollout_s),
-                "extra_train_time": (s3ac_s - grpo_s) / grpo_s, "target": "extra_wall_time < 0.27",
-                "paper_range": [0.27, 0.40]})
+                "extra_train_time": (s3ac_s - grpo_s) / grpo_s, "rollout": "vllm" if use_vllm else "hf",
+                "target": "extra_wall_time < 0.27", "paper_range": [0.27, 0.40]})
 
 
 if __name__ == "__main__":

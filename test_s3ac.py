@@ -1270,21 +1270,9 @@ def test_torchrun_with_one_vllm_engine_per_rank(vllm_python, tmp_path):
     assert all(r["rollout/logprob_gap_max"] < 1e-3 for r in records[1:])  # step 2: after the first sync
     assert os.path.isfile(os.path.join(out, "checkpoints", "step_2", "trainer_state.pt"))
 
-@pytest.mark.parametrize("engine", ["hf", "vllm"])
-def test_gpu_check_runs_on_a_tiny_model(engine, request):
-    """./run.sh gpu-check's code on a tiny model: the JSON lines it prints and their arithmetic."""
-    python = request.getfixturevalue("vllm_python") if engine == "vllm" else sys.executable
-    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1")
-    env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run([python, os.path.join(HERE, "s3ac.py"), "gpu-check", "--size", "tiny", "--prompts", "8",
-                           "--tokens", "16", "--micro-batch-size", "4", "--rollout", engine],
-                          capture_output=True, text=True, env=env, timeout=600, cwd=HERE)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    rows = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            row = json.loads(line)
-            rows[row["check"] + row.get("algo", "")] = row
+def check_gpu_check_rows(rows: list, engine: str):
+    """The JSON lines of `s3ac.py gpu-check` on the tiny model: which rows there are, and their arithmetic."""
+    rows = {row["check"] + row.get("algo", ""): row for row in rows}
     assert rows["rollout"]["engine"] == engine and 0 < rows["rollout"]["generated_tokens"] <= 8 * 16
     assert ("weight_sync" in rows) == (engine == "vllm")
     grpo, s3 = rows["stepgrpo"], rows["steps3ac"]
@@ -1293,31 +1281,128 @@ def test_gpu_check_runs_on_a_tiny_model(engine, request):
                                               ("rollout_s", "train_s", "step_s")), rel=1e-9)
     extra = (s3["train_s"] - grpo["train_s"]) / (grpo["train_s"] + grpo["rollout_s"])
     assert rows["critic_overhead"]["extra_wall_time"] == pytest.approx(extra, rel=1e-9)
+    assert rows["critic_overhead"]["rollout"] == engine
     assert all(s3[k] > 0 for k in ("values_s", "actor_s", "critic_s", "rollout_s"))
+    assert "peak_memory_gib" in s3 and "peak_memory_gib" in grpo  # None on the CPU
+
+
+def test_gpu_check_runs_on_a_tiny_model_with_vllm(vllm_python):
+    """./run.sh gpu-check's step check with a vLLM engine (vllm-cpu here) on a tiny model."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1")
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([vllm_python, os.path.join(HERE, "s3ac.py"), "gpu-check", "--size", "tiny", "--prompts", "8",
+                           "--tokens", "16", "--micro-batch-size", "4", "--rollout", "vllm"],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=HERE)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    check_gpu_check_rows([json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")], "vllm")
+
+
+def test_gpu_check_script_tiny_path(tmp_path):
+    """gpu_check.py --tiny, the CPU path of ./run.sh gpu-check: part 3 (one S3AC and one GRPO step, HF rollouts) and
+    part 4 (PACT + BCE + DAPS training steps, a checkpoint, --resume), their JSON lines and files."""
+    out = tmp_path / "out"
+    env = dict(os.environ, OMP_NUM_THREADS="1", S3AC_GPU_CHECK_DIR=str(out))
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "gpu_check.py"), "--tiny", "--parts", "step,train",
+                           "--rollout", "hf"], capture_output=True, text=True, env=env, timeout=600, cwd=HERE)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    results = read_jsonl(out / "results.jsonl")
+    assert results == [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    summaries = {r["part"]: r for r in results if "status" in r}
+    assert [summaries[p]["status"] for p in ("step", "train", "all")] == ["ok", "ok", "ok"]
+    check_gpu_check_rows([r for r in results if r["part"] == "step" and "check" in r], "hf")
+    (train,) = [r for r in results if r.get("check") == "train"]
+    assert train["ok"] and train["problems"] == [] and train["steps_logged"] == [0, 1, 2, 3, 4, 5]
+    assert train["accept_rate"][0] is None and all(0 < a <= 1 for a in train["accept_rate"][1:])  # DAPS from step 2
+    assert sorted(os.listdir(out)) == ["results.jsonl", "step.log", "train.log", "train_metrics.jsonl"]
+    assert "resumed from" in (out / "train.log").read_text()
+
+
+def test_gpu_check_script_keeps_going_after_a_failed_part(tmp_path):
+    """A part that fails, prints an error row or runs out of time is reported as such, with the JSON lines it
+    printed before; the train check accepts NaN only where s3ac.py defines it."""
+    import gpu_check
+
+    def part(name, row, then="", timeout=30):  # a part that prints one JSON line, then does `then`
+        code = f"import json, time; print(json.dumps({row!r}), flush=True); print('not json'); {then}"
+        return gpu_check.run_part(name, [sys.executable, "-c", code], timeout, str(tmp_path))
+
+    ok, rows = part("a", {"x": 1})
+    assert ok["status"] == "ok" and ok["rc"] == 0 and rows == [{"part": "a", "x": 1}]
+    failed, rows = part("b", {"x": 2}, "raise SystemExit(3)")
+    assert failed["status"] == "failed" and failed["rc"] == 3 and rows == [{"part": "b", "x": 2}]
+    errored, _ = part("c", {"error": "compile failed"})
+    assert errored["status"] == "failed" and errored["rc"] == 0
+    slow, rows = part("d", {"x": 4}, "time.sleep(60)", timeout=2)
+    assert slow["status"] == "timeout" and slow["seconds"] < 30 and rows == [{"part": "d", "x": 4}]
+    assert (tmp_path / "d.log").read_text().startswith("$ ")
+    records = [{"step": 0, "eval/pass@1": 0.0},
+               {"step": 1, "rollout/acc": 0.0, "critic/explained_var": None, "critic/rho_mean": 1.0,
+                "critic/v_loss": 0.5, "actor/pg_loss": 0.1, "actor/grad_norm": 1.0},
+               {"step": 2, "rollout/acc": 0.5, "critic/explained_var": None, "critic/rho_mean": 1.0,
+                "critic/v_loss": None, "actor/pg_loss": 0.1, "actor/grad_norm": 1.0}]
+    found = gpu_check.check_records(records, 2, daps_start=1, rollouts_per_step=4)
+    assert found["nan_where_undefined"] == 1  # step 1: every reward equal, explained variance undefined
+    assert found["problems"] == ["step 2: critic/explained_var = None", "step 2: critic/v_loss = None",
+                                 "missing step 2: prompts/accept_rate"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # kernels.py: every op on both backends against independent golds
 # ---------------------------------------------------------------------------------------------------------------
-_K_BACKENDS = ["torch"]
+_K_BACKENDS = ["torch"]  # the backends that run on CPU tensors here
 if K.HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1":
     _K_BACKENDS.append("triton")
+# (backend, device) cases of the kernel tests: CPU always; on a CUDA machine the same tests again on the GPU, Triton
+# through the real compiler, which needs TRITON_INTERPRET=0 (`./run.sh gpu-check` sets it; the default here is 1)
+_K_CASES = [(b, "cpu") for b in _K_BACKENDS]
+if torch.cuda.is_available():
+    _K_CASES.append(("torch", "cuda"))
+    if K.HAS_TRITON and os.environ.get("TRITON_INTERPRET") != "1":
+        _K_CASES.append(("triton", "cuda"))
+_K_OPS = ("gae", "gae_ref", "cispo_loss", "value_loss", "bce_value_loss", "logprobs_from_hidden",
+          "logprobs_from_hidden_ref")  # the kernels.py functions the tests call
 
 
-@pytest.fixture(params=_K_BACKENDS)
-def kbackend(request):
-    """Runs the test once per available backend and restores "auto" afterwards."""
-    K.set_backend(request.param)
-    yield request.param
+def _k_on_device(fn, device):
+    """fn with its tensor arguments moved to `device` and its tensor results (in tuples and dicts too) moved back
+    to the CPU. Both moves are differentiable, so gradients still reach the CPU tensors a test made."""
+    def move(x, to):
+        if isinstance(x, torch.Tensor):
+            return x.to(to)
+        if isinstance(x, (tuple, list)):
+            return type(x)(move(v, to) for v in x)
+        if isinstance(x, dict):
+            return {k: move(v, to) for k, v in x.items()}
+        return x
+
+    def on_device(*args, **kwargs):
+        return move(fn(*move(args, device), **move(kwargs, device)), "cpu")
+    return on_device
+
+
+def _k_case(backend, device, monkeypatch):
+    """Select `backend`; for a device other than the CPU, route the kernels.py functions through it."""
+    if device != "cpu":
+        for name in _K_OPS:
+            monkeypatch.setattr(K, name, _k_on_device(getattr(K, name), device))
+    K.set_backend(backend)
+
+
+@pytest.fixture(params=_K_CASES, ids=[b if d == "cpu" else f"{b}-{d}" for b, d in _K_CASES])
+def kbackend(request, monkeypatch):
+    """Runs the test once per (backend, device) case and restores "auto" afterwards; yields the backend name."""
+    _k_case(*request.param, monkeypatch)
+    yield request.param[0]
     K.set_backend("auto")
 
 
-@pytest.fixture
-def ktriton():
-    """Forces the Triton backend (skips where it cannot run) and restores "auto" afterwards."""
-    if "triton" not in _K_BACKENDS:
-        pytest.skip("triton with TRITON_INTERPRET=1 not available")
-    K.set_backend("triton")
+@pytest.fixture(params=[d for b, d in _K_CASES if b == "triton"] or ["none"])
+def ktriton(request, monkeypatch):
+    """Forces the Triton backend, once per device it runs on (skips where it runs on none), and restores "auto"."""
+    if request.param == "none":
+        pytest.skip("triton runs here neither under TRITON_INTERPRET=1 nor on a CUDA device")
+    _k_case("triton", request.param, monkeypatch)
     yield
     K.set_backend("auto")
 
@@ -1487,6 +1572,28 @@ def test_kernels_gae_huge_early_values_do_not_change_late_advantages(kbackend, g
     assert torch.allclose(adv.double(), gold, atol=1e-5, rtol=1e-5)
 
 
+def test_kernels_gae_long_rows_with_gamma_lambda_one(kbackend):
+    # T = 8192 (32 chunks of the Triton kernel) and gamma * lambda = 1, PACT's setting: every advantage is an
+    # undiscounted sum over up to 8192 tokens, so a chunk carry dropped or applied twice shows at O(1). Row 0 is
+    # valid end to end, row 1 has an interior masked span and right padding holding garbage.
+    B, T = 2, 8192
+    rewards, values, mask = _k_rl_batch(B, T, seed=11)
+    g = torch.Generator().manual_seed(1)
+    mask[0] = 1.0
+    rewards[0] = 0.01 * torch.randn(T, generator=g)  # [T] dense shaping reward
+    rewards[0, -1] += 1.0  # and the outcome on the last token
+    values[0] = torch.rand(T, generator=g) * 2 - 1  # [T]
+    adv, ret = K.gae(rewards, values, mask, 1.0, 1.0)
+    gold_adv, gold_ret = _k_gae_loop(rewards, values, mask, 1.0, 1.0)
+    ref_adv, _ = K.gae_ref(rewards, values, mask, 1.0, 1.0)
+    # fp32 sums of up to 8192 terms against fp64: about 2e-6 measured on CPU (both backends)
+    assert torch.allclose(adv.double(), gold_adv, atol=5e-5, rtol=1e-5)
+    assert torch.allclose(ret.double(), gold_ret, atol=5e-5, rtol=1e-5)
+    assert torch.allclose(adv, ref_adv, atol=5e-5, rtol=1e-5)
+    assert (adv[mask == 0] == 0).all() and torch.isfinite(adv).all()
+    assert gold_adv[0, 0].abs() > 0.1  # the first token's advantage sums the whole row
+
+
 # ------------------------------------------------------------------------------------------------- losses
 
 
@@ -1516,7 +1623,7 @@ def test_kernels_cispo_hand_case(kbackend):
     assert math.isclose(metrics["approx_kl"].item(), 0.5 - math.log(1.5), rel_tol=1e-5)
 
 
-@pytest.mark.parametrize("B,T", [(3, 1), (4, 63), (2, 1000)])
+@pytest.mark.parametrize("B,T", [(3, 1), (4, 63), (2, 1000), (2, 8192)])
 def test_kernels_cispo_matches_fp64_gold(kbackend, B, T):
     g, mask, field = _k_loss_batch(B, T, seed=T)
     old = -torch.rand(B, T, generator=g) * 3
@@ -1571,7 +1678,7 @@ def test_kernels_value_loss_hand_cases(kbackend):
         assert metrics["v_clipfrac"].item() == want_clip
 
 
-@pytest.mark.parametrize("B,T", [(3, 1), (4, 63), (2, 1000)])
+@pytest.mark.parametrize("B,T", [(3, 1), (4, 63), (2, 1000), (2, 8192)])
 def test_kernels_value_loss_matches_fp64_gold(kbackend, B, T):
     g, mask, field = _k_loss_batch(B, T, seed=T + 1)
     old_v = torch.randn(B, T, generator=g)
@@ -1598,7 +1705,7 @@ def test_kernels_value_loss_matches_fp64_gold(kbackend, B, T):
     assert math.isclose(metrics["v_clipfrac"].item(), gold_clipfrac, rel_tol=1e-6, abs_tol=1e-9)
 
 
-@pytest.mark.parametrize("B,T", [(3, 1), (4, 63), (2, 1000)])
+@pytest.mark.parametrize("B,T", [(3, 1), (4, 63), (2, 1000), (2, 8192)])
 def test_kernels_bce_value_loss_matches_fp64_gold(kbackend, B, T):
     g, mask, field = _k_loss_batch(B, T, seed=T + 2)
     z = 4 * torch.randn(B, T, generator=g)

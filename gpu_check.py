@@ -1,0 +1,352 @@
+"""The checks that need a CUDA GPU, as one script: ./run.sh gpu-check (or python gpu_check.py).
+
+    python gpu_check.py                        # on a CUDA GPU: parts 1-4 below, about 4-5 minutes on one H200
+    python gpu_check.py --tiny                 # the same code on tiny models and batches; runs on the CPU too
+    python gpu_check.py --parts step,train     # some of the parts
+    python gpu_check.py --timeout step=300     # another time budget for a part, in seconds
+    python gpu_check.py --rollout hf           # part 3 with HF generate even where vLLM is installed
+
+Parts, in this order; each runs as a subprocess with its own time budget, and a part that fails or runs out of
+time is reported and the next one runs:
+
+    1. kernels  pytest -k kernels with TRITON_INTERPRET=0: every kernels.py op against its PyTorch reference and
+                fp64, T = 8192 and gamma * lambda = 1 included, on the GPU through Triton's compiler (CUDA only)
+    2. bench    python kernels.py --bench-gpu: GAE at [512, 8192] fp32 in us and as % of the copy bandwidth
+                measured in the same run, the fused losses forward and backward, log-prob peak memory against
+                the naive path at V = 151,936 (CUDA only)
+    3. step     python s3ac.py gpu-check: rollout tokens/s (vLLM when installed, else HF generate), then one
+                S3AC step and one GRPO step on the same batch, on a Qwen2.5-1.5B-shaped random model in bf16
+                autocast (--tiny: a tiny one); seconds per phase, S3AC's extra wall time over GRPO, peak GPU memory
+    4. train    python s3ac.py for a few steps on a small random model (PACT critic sync, BCE critic, DAPS), then
+                --resume from its checkpoint: every logged number finite, the weights finite, steps continued
+
+Output, in --out (default: $S3AC_GPU_CHECK_DIR, else $OUT, else runs/gpu-check), at most 8 files:
+    results.jsonl        every JSON line of every part with its "part" added, then one line per part:
+                         {"part", "status": ok | failed | timeout | skipped, "seconds", "timeout_s", "rc", "why"}
+                         and a last {"part": "all", "status", "seconds", "failed"}
+    <part>.log           the part's whole output (stdout and stderr)
+    kernels.xml          pytest's JUnit report of part 1
+    train_metrics.jsonl  the metrics.jsonl of part 4
+The same JSON lines go to stdout. The exit status is 0 when no part failed or ran out of time.
+"""
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PARTS = ("kernels", "bench", "step", "train")
+NEEDS_CUDA = ("kernels", "bench")
+TIMEOUT_S = {"kernels": 120, "bench": 75, "step": 180, "train": 105}  # seconds, 8 minutes in all
+TIMEOUT_TINY_S = {"kernels": 300, "bench": 75, "step": 120, "train": 180}  # --tiny on 2 CPU cores
+
+
+def default_out_dir() -> str:
+    """$S3AC_GPU_CHECK_DIR, else $OUT, else runs/gpu-check (beside this file)."""
+    return os.environ.get("S3AC_GPU_CHECK_DIR") or os.environ.get("OUT") or os.path.join(HERE, "runs", "gpu-check")
+
+
+def json_lines(text: str) -> list:
+    """The lines of text that hold a JSON object, parsed."""
+    rows = []
+    for line in text.splitlines():
+        if line.startswith("{"):
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
+    return rows
+
+
+def run_part(name: str, cmd: list, timeout_s: float, out_dir: str, env: dict = None) -> tuple:
+    """Run one part: cmd as a subprocess in its own process group, its stdout and stderr written to
+    <out_dir>/<name>.log, killed with its children after timeout_s seconds.
+
+    Returns (summary, rows): summary = {"part", "status": "ok" | "failed" | "timeout", "rc", "seconds",
+    "timeout_s", "log"}; rows = the JSON lines the part printed (also those printed before a failure or a kill),
+    each with "part" added. A part whose rows hold an "error" key counts as failed.
+    """
+    log_path = os.path.join(out_dir, f"{name}.log")
+    t0 = time.time()
+    with open(log_path, "w") as log:
+        log.write("$ " + shlex.join(cmd) + "\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=HERE, env=env, start_new_session=True)
+        try:
+            rc, status = proc.wait(timeout=timeout_s), None
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            rc, status = proc.returncode, "timeout"
+    with open(log_path) as f:
+        rows = [{"part": name, **row} for row in json_lines(f.read())]
+    if status is None:
+        status = "ok" if rc == 0 and not any("error" in row for row in rows) else "failed"
+    summary = {"part": name, "status": status, "rc": rc, "seconds": round(time.time() - t0, 1),
+               "timeout_s": timeout_s, "log": os.path.basename(log_path)}
+    return summary, rows
+
+
+def _kill_group(proc):
+    """SIGTERM to the process group of proc, SIGKILL 10 s later if it is still there."""
+    for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 30)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def junit_counts(path: str) -> dict:
+    """Test counts from a pytest JUnit XML report: passed / failed / skipped, the same for the test ids that
+    name a CUDA case, and the ids of the failed tests."""
+    import xml.etree.ElementTree as ET
+    counts = {"passed": 0, "failed": 0, "skipped": 0, "cuda_passed": 0, "cuda_failed": 0, "failed_tests": []}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        outcome = ("failed" if case.find("failure") is not None or case.find("error") is not None else
+                   "skipped" if case.find("skipped") is not None else "passed")
+        counts[outcome] += 1
+        name = case.get("name", "")
+        if "cuda" in name and outcome != "skipped":
+            counts[f"cuda_{outcome}"] += 1
+        if outcome == "failed":
+            counts["failed_tests"].append(name)
+    return counts
+
+
+def part_command(name: str, opts, python: str) -> list:
+    """The command line of one part."""
+    if name == "kernels":  # -v: a part stopped at its time limit still shows which tests passed
+        import importlib.util
+        workers = ["-n", "4"] if importlib.util.find_spec("xdist") else []  # compiles run in parallel with xdist
+        return [python, "-m", "pytest", "-v", "--tb=short", "-p", "no:cacheprovider", "-rfE", *workers,
+                "test_s3ac.py", "-k", "kernels", f"--junitxml={os.path.join(opts.out, 'kernels.xml')}"]
+    if name == "bench":
+        return [python, "kernels.py", "--bench-gpu"]
+    if name == "step":
+        size = ["--size", "tiny", "--prompts", "8", "--tokens", "16", "--micro-batch-size", "4"] if opts.tiny else []
+        return [python, "s3ac.py", "gpu-check", "--rollout", opts.rollout, *size, *shlex.split(opts.step_args)]
+    return [python, os.path.abspath(__file__), "train-check", "--out", opts.out] + (["--tiny"] if opts.tiny else [])
+
+
+def main(argv=None) -> int:
+    """Run the parts in order and write their output (see the module docstring); returns the exit status."""
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["train-check"]:
+        return train_check(argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
+    parser.add_argument("--tiny", action="store_true", help="tiny models and batches (the CPU path the tests run)")
+    parser.add_argument("--out", default=default_out_dir(), help="folder for results.jsonl and the logs")
+    parser.add_argument("--timeout", action="append", default=[], metavar="PART=SECONDS",
+                        help="time budget of a part (repeatable)")
+    parser.add_argument("--rollout", default="auto", choices=("auto", "hf", "vllm"),
+                        help="part 3's rollout engine: auto = vllm when installed, else hf")
+    parser.add_argument("--step-args", default="", help="extra flags for part 3, s3ac.py gpu-check")
+    opts = parser.parse_args(argv)
+    parts = [p for p in opts.parts.split(",") if p]
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        parser.error(f"--parts: unknown {unknown}; expected some of {PARTS}")
+    budget = dict(TIMEOUT_TINY_S if opts.tiny else TIMEOUT_S)
+    for item in opts.timeout:
+        part, _, seconds = item.partition("=")
+        if part not in PARTS or not seconds:
+            parser.error(f"--timeout {item!r}: expected PART=SECONDS with PART one of {PARTS}")
+        budget[part] = float(seconds)
+    import torch  # after the argument checks: importing torch takes seconds
+    cuda = torch.cuda.is_available()
+    if not cuda and not opts.tiny:
+        parser.error("no CUDA GPU here: --tiny runs the same code on tiny models on the CPU")
+    os.makedirs(opts.out, exist_ok=True)
+    results = os.path.join(opts.out, "results.jsonl")
+    open(results, "w").close()
+
+    def emit(row):
+        print(json.dumps(row), flush=True)
+        with open(results, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TRITON_INTERPRET="0")  # Triton's compiler, not its interpreter
+    emit({"part": "setup", "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+          "python": sys.executable, "parts": parts, "timeouts_s": {p: budget[p] for p in parts},
+          "tiny": opts.tiny})
+    t_all, failed = time.time(), []
+    for name in parts:
+        if name in NEEDS_CUDA and not cuda:
+            emit({"part": name, "status": "skipped", "why": "needs a CUDA GPU"})
+            continue
+        print(f"--- {name}: {shlex.join(part_command(name, opts, sys.executable))}", file=sys.stderr, flush=True)
+        if name == "kernels" and os.path.isfile(os.path.join(opts.out, "kernels.xml")):
+            os.remove(os.path.join(opts.out, "kernels.xml"))  # an earlier run's report must not count for this one
+        summary, rows = run_part(name, part_command(name, opts, sys.executable), budget[name], opts.out, env)
+        for row in rows:
+            emit(row)
+        if name == "kernels" and os.path.isfile(os.path.join(opts.out, "kernels.xml")):
+            counts = junit_counts(os.path.join(opts.out, "kernels.xml"))
+            emit({"part": name, "check": "pytest", **counts})
+            if counts["cuda_passed"] == 0 and summary["status"] == "ok":
+                summary.update(status="failed", why="no CUDA test case ran")
+        if summary["status"] != "ok":
+            failed.append(name)
+            with open(os.path.join(opts.out, summary["log"])) as f:
+                summary.setdefault("why", f.read()[-1500:])  # the end of the log
+        emit(summary)
+    emit({"part": "all", "status": "failed" if failed else "ok", "seconds": round(time.time() - t_all, 1),
+          "failed": failed})
+    return 1 if failed else 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Part 4: real training steps of s3ac.py on a small random model, then --resume
+# ---------------------------------------------------------------------------------------------------------------
+# Numbers s3ac.py logs as NaN (null in metrics.jsonl) by definition when every reward of the step is equal
+# (Var[R] = 0, or no right or no wrong answer); a random model is almost never right, so they are NaN on most steps.
+UNDEFINED_WHEN_REWARDS_EQUAL = ("critic/explained_var", "critic/adv_explained_var", "critic/value_sep",
+                                "critic/efficiency")
+
+
+def make_random_model(path: str, hidden: int, layers: int, heads: int, seed: int = 0):
+    """A Qwen2 causal LM with random weights and a character-level tokenizer with a chat template, saved to
+    path (nothing downloaded). Token ids: 0 <unk>, 1 <|im_start|>, 2 <|im_end|> (= eos = pad), then the
+    printable ASCII characters and newline."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>"]
+    vocab = {tok: i for i, tok in enumerate(specials + [chr(c) for c in range(32, 127)] + ["\n"])}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.add_special_tokens(specials)
+    backend.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<|im_end|>",
+                                  pad_token="<|im_end|>")
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    config = Qwen2Config(vocab_size=len(vocab), hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
+                         max_position_embeddings=1024, tie_word_embeddings=True, bos_token_id=1,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(seed)
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    tok.save_pretrained(path)
+
+
+def check_records(records: list, steps: int, daps_start: int, rollouts_per_step: int) -> dict:
+    """What part 4 checks in a metrics.jsonl: steps 0..steps logged once each, every number finite (NaN allowed
+    only for UNDEFINED_WHEN_REWARDS_EQUAL on a step whose rewards were all equal), PACT's rho and DAPS's accept
+    rate logged, not every response a verifier error. Returns the findings; "problems" lists what failed."""
+    import math
+    problems, nan_allowed = [], 0
+    logged = [r["step"] for r in records if "pretrain/epoch" not in r and "pretrain/warmup_step" not in r]
+    if logged != list(range(steps + 1)):
+        problems.append(f"steps logged {logged}, expected 0..{steps}")
+    for r in records:
+        equal = r.get("rollout/acc") in (0.0, 1.0)
+        for key, value in r.items():  # s3ac.py writes NaN and inf as null
+            if isinstance(value, (int, float)) and math.isfinite(value) or isinstance(value, (str, list, dict)):
+                continue
+            if value is None and equal and key in UNDEFINED_WHEN_REWARDS_EQUAL:
+                nan_allowed += 1
+            else:
+                problems.append(f"step {r['step']}: {key} = {value}")
+    trained = [r for r in records if r["step"] > 0]
+    missing = [f"step {r['step']}: {k}" for r in trained for k in ("critic/rho_mean", "critic/v_loss",
+                                                                       "actor/pg_loss", "actor/grad_norm")
+               if k not in r]
+    missing += [f"step {r['step']}: prompts/accept_rate" for r in trained
+                if r["step"] > daps_start and "prompts/accept_rate" not in r]
+    problems += [f"missing {m}" for m in missing]
+    errors = sum(r.get("verify/error", 0) + r.get("verify/timeout", 0) for r in trained)
+    if trained and errors >= rollouts_per_step * len(trained):
+        problems.append(f"every check of the verifier failed ({errors}): is math-verify importable?")
+    return {"steps_logged": logged, "nan_where_undefined": nan_allowed,
+            "mixed_reward_steps": sum(1 for r in trained if 0 < r.get("rollout/acc", 0) < 1),
+            "verify_errors": errors, "accept_rate": [r.get("prompts/accept_rate") for r in trained],
+            "step_s": [round(r["perf/step_s"], 2) for r in trained if "perf/step_s" in r], "problems": problems}
+
+
+def train_check(argv) -> int:
+    """Part 4 (python gpu_check.py train-check [--tiny] [--out DIR]): a small random model trained for a few
+    steps by s3ac.py with --critic-sync pact --critic-loss bce --prompt-selection daps, a checkpoint, then
+    --resume for two more steps, on CUDA when there is a GPU (--tiny: a tiny model and batch, for the CPU).
+    Prints one JSON line {"check": "train", "ok", ...}; returns 0 when every check passed."""
+    import importlib.util
+    import math
+    import shutil
+    import tempfile
+    import torch
+    parser = argparse.ArgumentParser(prog="gpu_check.py train-check")
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--out", default=default_out_dir())
+    opts = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's SIGTERM still removes the temp folder
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    row = {"check": "train", "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
+    if importlib.util.find_spec("math_verify") is None:  # the verifier would score every answer as an error
+        print(json.dumps({**row, "ok": False, "error": "math_verify is not importable (see README: .whl/)"}))
+        return 1
+    first, last, daps_start = 3, 5, 1  # steps 1-3, a checkpoint, then --resume for steps 4-5; DAPS from step 2
+    shape = dict(hidden=32, layers=2, heads=4) if opts.tiny else dict(hidden=256, layers=4, heads=4)
+    prompts, k = (4, 2) if opts.tiny else (16, 2)
+    size = ["--batch-prompts", str(prompts), "--k", str(k)] + (
+        ["--max-new-tokens", "8", "--micro-batch-size", "4", "--eval-size", "4", "--threads", "1"] if opts.tiny else
+        ["--max-new-tokens", "64", "--micro-batch-size", "8", "--eval-size", "8"])
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if opts.tiny:
+        env["OMP_NUM_THREADS"] = "1"
+    work = tempfile.mkdtemp(prefix="s3ac-train-check-")
+    try:
+        model, out = os.path.join(work, "model"), os.path.join(work, "run")
+        make_random_model(model, **shape)
+        flags = ["--model", model, "--out-dir", out, "--device", device, "--rollout", "hf",
+                 "--data", "builtin:arithmetic:200", "--eval-every", "0", "--lr", "1e-4", "--save-every", str(first),
+                 "--critic-sync", "pact", "--critic-loss", "bce", "--prompt-selection", "daps",
+                 "--daps-start", str(daps_start), *size]
+        t0 = time.time()
+        runs = []
+        for extra in (["--steps", str(first)], ["--steps", str(last), "--resume"]):
+            cmd = [sys.executable, os.path.join(HERE, "s3ac.py"), *flags, *extra]
+            print("$ " + shlex.join(cmd), flush=True)
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=HERE)
+            print(proc.stdout[-4000:] + proc.stderr[-8000:], flush=True)
+            runs.append(proc)
+            if proc.returncode != 0:
+                print(json.dumps({**row, "ok": False, "error": f"s3ac.py {shlex.join(extra)} exited with "
+                                                              f"{proc.returncode}"}))
+                return 1
+        row["seconds"] = round(time.time() - t0, 1)
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            records = [json.loads(line) for line in f]
+        shutil.copy(os.path.join(out, "metrics.jsonl"), os.path.join(opts.out, "train_metrics.jsonl"))
+        found = check_records(records, last, daps_start, rollouts_per_step=prompts * k)
+        if f"at step {first}" not in runs[1].stderr:
+            found["problems"].append(f"the second run did not resume at step {first}")
+        from safetensors.torch import load_file
+        ckpt = os.path.join(out, "checkpoints", f"step_{last}")
+        bad = [f"{part}:{name}" for part in ("actor/model.safetensors", "critic/model.safetensors",
+                                             "critic/value_head.safetensors")
+               for name, t in load_file(os.path.join(ckpt, part)).items() if not torch.isfinite(t).all()]
+        found["problems"] += [f"non-finite weights in step_{last}: {b}" for b in bad[:10]]
+        row.update({"model": f"qwen2 hidden {shape['hidden']} x {shape['layers']} layers, random weights",
+                    "flags": "--critic-sync pact --critic-loss bce --prompt-selection daps "
+                             f"--daps-start {daps_start}; --steps {first}, then --resume --steps {last}",
+                    **found, "ok": not found["problems"] and all(math.isfinite(s) for s in found["step_s"])})
+        print(json.dumps(row), flush=True)
+        return 0 if row["ok"] else 1
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
