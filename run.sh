@@ -2,7 +2,7 @@
 # ./run.sh              train: the CPU demo without a CUDA GPU, the paper setting with one (extra args go to s3ac.py)
 # ./run.sh test [ARGS]  run the test suite (extra args go to pytest); on CPU it also makes .venv-vllm for the vLLM test
 # ./run.sh gpu-check    on a CUDA GPU: kernel tests and benchmarks, S3AC vs GRPO step times, training steps and
-#                       --resume (gpu_check.py; extra args go to it); uses $PYTHON, else .venv's python if it
+#                       --resume (.ci/gpu_check.py; extra args go to it); uses $PYTHON, else .venv's python if it
 #                       exists, else python3, and makes no .venv
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -17,7 +17,7 @@ if [ "${1:-}" = "gpu-check" ]; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
   fi
-  exec "$PY" gpu_check.py "$@"
+  exec "$PY" .ci/gpu_check.py "$@"
 fi
 
 # --- environment: .venv, made and filled once (again when requirements.txt changes or a GPU appears) ---

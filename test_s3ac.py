@@ -1298,12 +1298,12 @@ def test_gpu_check_runs_on_a_tiny_model_with_vllm(vllm_python):
 
 
 def test_gpu_check_script_tiny_path(tmp_path):
-    """gpu_check.py --tiny, the CPU path of ./run.sh gpu-check: part 3 (one S3AC and one GRPO step, HF rollouts) and
+    """.ci/gpu_check.py --tiny, the CPU path of ./run.sh gpu-check: part 3 (one S3AC and one GRPO step, HF rollouts) and
     part 4 (PACT + BCE + DAPS training steps, a checkpoint, --resume), their JSON lines and files."""
     out = tmp_path / "out"
     env = dict(os.environ, OMP_NUM_THREADS="1", S3AC_GPU_CHECK_DIR=str(out))
     env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "gpu_check.py"), "--tiny", "--parts", "step,train",
+    proc = subprocess.run([sys.executable, os.path.join(HERE, ".ci", "gpu_check.py"), "--tiny", "--parts", "step,train",
                            "--rollout", "hf"], capture_output=True, text=True, env=env, timeout=600, cwd=HERE)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     results = read_jsonl(out / "results.jsonl")

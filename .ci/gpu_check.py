@@ -1,10 +1,10 @@
-"""The checks that need a CUDA GPU, as one script: ./run.sh gpu-check (or python gpu_check.py).
+"""The checks that need a CUDA GPU, as one script: ./run.sh gpu-check (or python .ci/gpu_check.py).
 
-    python gpu_check.py                        # on a CUDA GPU: parts 1-4 below, about 4-5 minutes on one H200
-    python gpu_check.py --tiny                 # the same code on tiny models and batches; runs on the CPU too
-    python gpu_check.py --parts step,train     # some of the parts
-    python gpu_check.py --timeout step=300     # another time budget for a part, in seconds
-    python gpu_check.py --rollout hf           # part 3 with HF generate even where vLLM is installed
+    python .ci/gpu_check.py                        # on a CUDA GPU: parts 1-4 below, about 4-5 minutes on one H200
+    python .ci/gpu_check.py --tiny                 # the same code on tiny models and batches; runs on the CPU too
+    python .ci/gpu_check.py --parts step,train     # some of the parts
+    python .ci/gpu_check.py --timeout step=300     # another time budget for a part, in seconds
+    python .ci/gpu_check.py --rollout hf           # part 3 with HF generate even where vLLM is installed
 
 Parts, in this order; each runs as a subprocess with its own time budget, and a part that fails or runs out of
 time is reported and the next one runs:
@@ -39,7 +39,7 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 PARTS = ("kernels", "bench", "step", "train")
 NEEDS_CUDA = ("kernels", "bench")
 TIMEOUT_S = {"kernels": 120, "bench": 75, "step": 180, "train": 105}  # seconds, 8 minutes in all
@@ -277,7 +277,7 @@ def check_records(records: list, steps: int, daps_start: int, rollouts_per_step:
 
 
 def train_check(argv) -> int:
-    """Part 4 (python gpu_check.py train-check [--tiny] [--out DIR]): a small random model trained for a few
+    """Part 4 (python .ci/gpu_check.py train-check [--tiny] [--out DIR]): a small random model trained for a few
     steps by s3ac.py with --critic-sync pact --critic-loss bce --prompt-selection daps, a checkpoint, then
     --resume for two more steps, on CUDA when there is a GPU (--tiny: a tiny model and batch, for the CPU).
     Prints one JSON line {"check": "train", "ok", ...}; returns 0 when every check passed."""
@@ -286,7 +286,7 @@ def train_check(argv) -> int:
     import shutil
     import tempfile
     import torch
-    parser = argparse.ArgumentParser(prog="gpu_check.py train-check")
+    parser = argparse.ArgumentParser(prog=".ci/gpu_check.py train-check")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--out", default=default_out_dir())
     opts = parser.parse_args(argv)
