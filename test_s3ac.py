@@ -82,8 +82,8 @@ def read_jsonl(path):
 
 
 def smoke_flags(model, out_dir, *extra):
-    return ["--model", model, "--out-dir", out_dir, "--data", "builtin:arithmetic:200", "--batch-prompts", "4",
-            "--k", "2", "--max-new-tokens", "8", "--micro-batch-size", "3", "--eval-size", "4",
+    return ["--model", model, "--out-dir", out_dir, "--data", "builtin:arithmetic:200", "--eval-data", "heldout",
+            "--batch-prompts", "4", "--k", "2", "--max-new-tokens", "8", "--micro-batch-size", "3", "--eval-size", "4",
             "--eval-every", "0", "--lr", "1e-3", "--threads", "1", *extra]
 
 
@@ -404,7 +404,7 @@ def test_load_gsm8k_and_math_layouts(tmp_path):
     other = write_lines(tmp_path / "o.jsonl", [json.dumps({"q": "x", "a": 3})])
     assert s3ac.load_problems(other, prompt_key="q", answer_key="a") == [s3ac.Problem("x", "3")]
     shared = os.path.join(HERE, "..", "shared", "data", "gsm8k_test.jsonl")
-    if os.path.exists(shared):
+    if os.path.exists(shared):  # the project's shared data, beside some checkouts only: read when it is there
         rows = s3ac.load_problems(shared)
         assert len(rows) == 1319 and all(p.answer and "####" not in p.answer for p in rows)
 
@@ -437,15 +437,97 @@ def test_builtin_arithmetic_is_seeded_and_correct():
 def test_split_drops_duplicates_and_keeps_held_out_questions_out_of_train(tmp_path):
     problems = s3ac.make_arithmetic(2000, seed=0)
     args = s3ac.Args(eval_size=50)
-    train, held = s3ac.split_problems(problems, "", args)
-    assert len(held) == 50 and len({p.question for p in held}) == 50
+    train, [(name, held)] = s3ac.split_problems(problems, "heldout", args)
+    assert name == "heldout" and len(held) == 50 and len({p.question for p in held}) == 50
     assert not {p.question for p in train} & {p.question for p in held}
     assert len({p.question for p in train}) == len(train)
     other = write_lines(tmp_path / "e.jsonl", [json.dumps({"question": p.question, "answer": "#### " + p.answer})
                                                for p in problems[:30]])
-    train2, held2 = s3ac.split_problems(problems, other, args)
-    assert len(held2) == len({p.question for p in problems[:30]})
+    train2, [(name2, held2)] = s3ac.split_problems(problems, other, args)
+    assert name2 == "e" and len(held2) == len({p.question for p in problems[:30]})
     assert not {p.question for p in train2} & {p.question for p in held2}
+    # two sources: both kept out of train
+    train3, sources = s3ac.split_problems(problems, f"heldout, {other}", args)
+    assert [n for n, _ in sources] == ["heldout", "e"]
+    assert not {p.question for p in train3} & {p.question for _, held in sources for p in held}
+
+
+# The real layouts, as the dataset cards and the datasets' own build scripts give them (rows written here):
+# open-r1/DAPO-Math-17k-Processed (configs all / en / cn, split train): prompt (text), solution (the gold), plus
+# data_source, source_prompt, ability, reward_model, extra_info; BytedTsinghua-SIA/DAPO-Math-17k (split train):
+# prompt as chat messages, reward_model.ground_truth; HuggingFaceH4/MATH-500 (split test): problem, solution,
+# answer, subject, level, unique_id; HuggingFaceH4/aime_2024 (split train only): id, problem, solution, answer, url,
+# year.
+DAPO_PROBLEM = ("In triangle $ABC$, $\\sin \\angle A = \\frac{4}{5}$ and $\\angle A < 90^\\circ$. If $AB + AC$ can be "
+                "expressed as $\\frac{a\\sqrt{b}}{c}$, find $a + b + c$.")
+DAPO_PROMPT = ("Solve the following math problem step by step. The last line of your response should be of the form "
+               "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n" + DAPO_PROBLEM +
+               "\n\nRemember to put your answer on its own line after \"Answer:\".")
+LAYOUTS = {
+    "dapo_processed": ({"prompt": DAPO_PROMPT, "solution": "34", "data_source": "math_dapo",
+                        "source_prompt": [{"content": DAPO_PROMPT, "role": "user"}], "ability": "MATH",
+                        "reward_model": {"ground_truth": "34", "style": "rule"},
+                        "extra_info": {"index": "9a9b6eb4-a1cb-49d1-8c1e-62eaf2f74079"}},
+                       s3ac.Problem(DAPO_PROBLEM, "34")),
+    "dapo_verl": ({"data_source": "math_dapo", "prompt": [{"content": DAPO_PROMPT, "role": "user"}], "ability": "MATH",
+                   "reward_model": {"ground_truth": "34", "style": "rule"},
+                   "extra_info": {"index": "9a9b6eb4-a1cb-49d1-8c1e-62eaf2f74079"}}, s3ac.Problem(DAPO_PROBLEM, "34")),
+    "math500": ({"problem": "Evaluate $\\frac{28}{6}$.", "solution": "It is $\\boxed{\\frac{14}{3}}$.",
+                 "answer": "\\frac{14}{3}", "subject": "Prealgebra", "level": 2, "unique_id": "test/prealgebra/1.json"},
+                s3ac.Problem("Evaluate $\\frac{28}{6}$.", "\\frac{14}{3}")),
+    "aime_2024": ({"id": 60, "problem": "Find the remainder when 2024 is divided by 1000. Answer: think first.",
+                   "solution": "The remainder is $\\boxed{024}$.", "answer": "24", "url": "https://x", "year": "2024"},
+                  s3ac.Problem("Find the remainder when 2024 is divided by 1000. Answer: think first.", "24")),
+}
+
+
+DAPO_MATH_SPEC = "open-r1/DAPO-Math-17k-Processed:en"
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_load_dapo_math500_aime_layouts_from_local_files(tmp_path, layout, fmt):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    row, expected = LAYOUTS[layout]
+    path = tmp_path / f"{layout}.{fmt}"
+    if fmt == "jsonl":
+        write_lines(path, [json.dumps(row)] * 2)
+    else:
+        pq.write_table(pa.Table.from_pylist([row, row]), path)
+    assert s3ac.load_problems(str(path)) == [expected, expected]  # DAPO's answer-format lines gone, the rest kept
+    assert s3ac.eval_name(str(path)) == layout
+
+
+def test_strip_answer_format_leaves_other_text():
+    assert s3ac.strip_answer_format(DAPO_PROMPT) == DAPO_PROBLEM
+    boxed = DAPO_PROMPT.replace("Answer: $Answer (without quotes)", "Answer: \\boxed{$Answer}")  # a known variant
+    assert s3ac.strip_answer_format(boxed) == DAPO_PROBLEM
+    inner = "Remember to put your answer on its own line after \"Answer:\". Then solve x = 1."  # not the last line
+    assert s3ac.strip_answer_format(inner) == inner
+    assert [s3ac.eval_name(s) for s in ("HuggingFaceH4/MATH-500", "HuggingFaceH4/aime_2024", DAPO_MATH_SPEC,
+                                        "builtin:arithmetic:200")] == ["math500", "aime_2024",
+                                                                        "dapomath17kprocessed", "arithmetic"]
+
+
+def test_hub_source_without_datasets_is_one_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` now raises ImportError
+    with pytest.raises(ImportError) as err:
+        s3ac.load_problems(DAPO_MATH_SPEC)
+    message = str(err.value)
+    assert "\n" not in message and DAPO_MATH_SPEC in message and "pip install datasets" in message
+    assert "--data file.jsonl" in message and "builtin:arithmetic" in message
+
+
+def test_drop_long_prompts_counts_what_it_drops(tiny):
+    _, _, tok = tiny
+    overhead = len(s3ac.build_prompt(tok, ""))  # the character-level tokenizer: one token per question character
+    problems = [s3ac.Problem("a" * n, "1") for n in (3, 5, 8, 5, 9)]
+    ids = lambda q: s3ac.build_prompt(tok, q)
+    kept, dropped = s3ac.drop_long_prompts(problems, ids, overhead + 5)
+    assert [len(p.question) for p in kept] == [3, 5, 5] and dropped == 2
+    assert s3ac.drop_long_prompts(problems, ids, overhead + 9) == (problems, 0)
+    assert s3ac.drop_long_prompts(problems, ids, overhead + 2) == ([], 5)
 
 
 def test_prompt_uses_chat_template_and_boxed(tiny):
@@ -518,6 +600,59 @@ def test_smoke_run_writes_samples(smoke_run):
         assert {"prompt", "completion", "gold", "answer", "answer_from", "status", "reward"} <= set(r)
         assert r["status"] in s3ac.Verifier.STATUSES and r["reward"] == (1.0 if r["status"] == "correct" else -1.0)
         assert r["prompt"].startswith("What is ")
+
+
+def test_smoke_tensorboard_two_eval_sources_and_prompt_filter(tiny, tmp_path):
+    """One step with --report-to tensorboard, a held-out slice and a small competition file as evaluation sources,
+    and --max-prompt-tokens set to drop the longer arithmetic questions."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    path, _, tok = tiny
+    aime = write_lines(tmp_path / "aime_mini.jsonl", [json.dumps({"problem": f"What is {i}+1?", "answer": str(i + 1)})
+                                                      for i in range(3)])
+    overhead = len(s3ac.build_prompt(tok, ""))  # character-level tokenizer: prompt tokens = overhead + len(question)
+    limit = overhead + len("What is 12 - 3?")  # 15 characters: drops "What is 12 - 34?" (two two-digit operands)
+    out = str(tmp_path / "tb-run")
+    flags = smoke_flags(path, out, "--steps", "1", "--report-to", "tensorboard", "--eval-k", "2",
+                        "--max-prompt-tokens", str(limit))
+    flags[flags.index("heldout")] = f"heldout,{aime}"
+    proc = run_s3ac(*flags)
+    # the filter: one report, with the counts of the questions longer than 15 characters
+    train, sources = s3ac.split_problems(s3ac.make_arithmetic(200, 0), f"heldout,{aime}", s3ac.parse_args(flags))
+    long_train = sum(len(p.question) > 15 for p in train)
+    long_held = sum(len(p.question) > 15 for p in sources[0][1])
+    assert long_train > 0
+    report = [line for line in proc.stderr.splitlines() if line.startswith("--max-prompt-tokens")]
+    assert report == [f"--max-prompt-tokens {limit}: dropped {long_train} training prompts, {long_held} of heldout, "
+                      f"0 of aime_mini"], proc.stderr[-2000:]
+    # both evaluation sources, avg@k for the competition one only
+    records = read_jsonl(os.path.join(out, "metrics.jsonl"))
+    for r in records:
+        assert r["eval/heldout/n"] == 4 - long_held and r["eval/aime_mini/n"] == 3
+        assert "eval/aime_mini/avg@2" in r and "eval/heldout/avg@2" not in r
+        assert r["eval/pass@1"] == r["eval/heldout/pass@1"]
+    # TensorBoard holds every logged number of every record at its step, and the run's Args as text
+    events = EventAccumulator(os.path.join(out, "tb"), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    for r in records:
+        for key, value in r.items():
+            if key != "step" and isinstance(value, (int, float)):
+                logged = {e.step: e.value for e in events.Scalars(key)}
+                assert logged[r["step"]] == pytest.approx(value, rel=1e-6, abs=1e-6), key
+    assert {"rollout/reward", "critic/v_loss", "eval/aime_mini/avg@2"} <= set(events.Tags()["scalars"])
+    args_text = events.Tensors("args/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "--max-prompt-tokens " + str(limit) in args_text and "--report-to tensorboard" in args_text
+
+
+def test_wandb_offline_run_gets_config_and_metrics(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb", reason="wandb is not installed (optional: --report-to wandb)")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    args = s3ac.Args(out_dir=str(tmp_path), report_to="wandb", batch_prompts=3)
+    tracker = s3ac.Tracker(args)
+    assert tracker.run.config["batch_prompts"] == 3 and tracker.run.config["model"] == args.model
+    tracker.log({"step": 1, "rollout/reward": 0.25, "eval/pass@1": float("nan")})
+    assert tracker.run.summary["rollout/reward"] == 0.25 and "eval/pass@1" not in tracker.run.summary
+    tracker.close()
+    assert os.path.isdir(os.path.join(str(tmp_path), "wandb")) and wandb.run is None
 
 
 def test_checkpoint_round_trip(smoke_run, tmp_path):
@@ -621,6 +756,109 @@ def test_parse_args_stops_a_bad_combination_with_one_line(capsys):
         s3ac.parse_args(["--algo", "grpo"])
     assert "error: --algo grpo / --dynamic-sampling compare rollouts of one prompt: need --k >= 2" in \
         capsys.readouterr().err
+
+
+BAD_FLAGS = [("--temperature", "0"), ("--temperature", "-1"), ("--gamma", "0"), ("--gamma", "1.5"),
+             ("--critic-lam", "0"), ("--critic-lam", "1.2"), ("--actor-lam", "-0.5"), ("--actor-lam", "2"),
+             ("--eps-high", "-1"), ("--eps-low", "-0.5"), ("--eps-low", "1.5"), ("--lr", "0"), ("--lr", "nan"),
+             ("--critic-lr-ratio", "0"), ("--k", "0"), ("--batch-prompts", "0"), ("--max-new-tokens", "0"),
+             ("--max-prompt-tokens", "0"), ("--micro-batch-size", "0"), ("--eval-size", "0"), ("--eval-k", "0"),
+             ("--alpha", "0"), ("--eps-v", "0"), ("--actor-grad-clip", "0"), ("--verify-timeout", "0"),
+             ("--top-p", "0"), ("--top-k", "-1"), ("--daps-decay", "0"), ("--steps", "-1"), ("--rho-max", "0"),
+             ("--vllm-gpu-memory-utilization", "1.5"), ("--report-to", "mlflow"), ("--k", "two")]
+
+
+@pytest.mark.parametrize("flag,value", BAD_FLAGS)
+def test_bad_flag_value_stops_in_one_line(capsys, flag, value):
+    with pytest.raises(SystemExit) as stop:
+        s3ac.parse_args([flag, value])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1 and flag in err, err  # no usage block, the flag named
+
+
+def test_sentinels_and_domain_edges_still_parse():
+    for argv in (["--actor-lam", "0"], ["--actor-lam", "-1"], ["--actor-lam", "1"], ["--critic-lam", "-1"],
+                 ["--eps-low", "-1"], ["--eps-low", "0"], ["--eps-low", "1"], ["--eps-high", "0"], ["--gamma", "1"],
+                 ["--steps", "0"], ["--eval-every", "0"], ["--report-to", "tensorboard"]):
+        s3ac.parse_args(argv)
+
+
+def run_failing(*flags, env=None):
+    """s3ac.py expected to stop: (exit status, stderr lines). Hub access off: a model or dataset name fails at once."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRITON_INTERPRET="1", **(env or {}))
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "s3ac.py"), *flags], capture_output=True, text=True,
+                          env=env, timeout=300, cwd=HERE)
+    return proc.returncode, proc.stderr.strip().splitlines()
+
+
+def test_cli_errors_are_one_line_before_any_model_loads(tmp_path):
+    no_model = str(tmp_path / "no-such-model")  # reaching the model would fail differently
+    out = ["--out-dir", str(tmp_path / "out")]
+    rc, lines = run_failing("--temperature", "0", "--model", no_model, *out)
+    assert rc == 2 and lines == ["s3ac.py: error: --temperature 0.0: must be > 0"]
+    bad = write_lines(tmp_path / "bad.jsonl", ['{"problem": "a", "answer": "1"}', '{"problem": "b", "solution": 2}',
+                                               '{"problem": "c"}'])
+    rc, lines = run_failing("--data", bad, "--eval-data", "heldout", "--model", no_model, *out)
+    assert rc == 1 and "Traceback" not in "\n".join(lines), lines
+    assert lines[-1] == f"s3ac.py: error: {bad}, line 3: missing field 'answer' (fields: ['problem'])"
+    assert len(lines) <= 2  # at most the resolved-flags line first
+    rc, debug = run_failing("--data", bad, "--eval-data", "heldout", "--model", no_model, "--debug", *out)
+    assert rc == 1 and any(line.startswith("Traceback") for line in debug)
+    # the default data from the hub, offline (HF_HUB_OFFLINE=1, an empty cache): the dataset and the alternatives
+    rc, lines = run_failing("--model", no_model, *out, env={"HF_HOME": str(tmp_path / "hf")})
+    assert rc == 1 and len(lines) <= 2 and "Traceback" not in "\n".join(lines), lines
+    assert "open-r1/DAPO-Math-17k-Processed:en: could not fetch" in lines[-1]
+    assert "--data file.jsonl" in lines[-1] and "builtin:arithmetic" in lines[-1]
+    # good data, a model that does not exist: one line naming it
+    good = write_lines(tmp_path / "good.jsonl", [json.dumps({"problem": f"p{i}", "answer": "1"}) for i in range(8)])
+    rc, lines = run_failing("--data", good, "--eval-data", "heldout", "--eval-size", "2", "--model", no_model, *out)
+    assert rc == 1 and len(lines) <= 2 and "Traceback" not in "\n".join(lines), lines
+    assert lines[-1].startswith(f"s3ac.py: error: --model {no_model}: cannot load")
+
+
+class FakeTokenizer:
+    def batch_decode(self, ids, skip_special_tokens=True):
+        return [f"\\boxed{{{int(row[0])}}}" for row in ids]
+
+
+def fake_verifier(golds, texts, truncated=None):
+    return [1.0 if text == f"\\boxed{{{gold}}}" else -1.0 for gold, text in zip(golds, texts)], ["ok"] * len(golds)
+
+
+fake_verifier.answer_fallback = s3ac.Args().answer_fallback  # read by evaluate's sample records
+
+
+def test_eval_sources_pass_at_1_and_avg_at_k_by_hand():
+    """Two sources through evaluate_sources with a fake generator: greedy answers give pass@1, the sampled ones
+    (temperature, each problem k times) avg@k. Worked by hand below."""
+    calls = []
+
+    def generate(prompts, index, greedy=False):
+        calls.append((len(prompts), greedy))
+        if greedy:  # answer = the prompt's first token (its problem's gold for odd golds only)
+            answers = [p[0] for p in prompts]
+        else:  # sampled: the answers of round r are a fixed table, per (problem, round)
+            answers = [SAMPLED[(prompts[j][1], j // 3)] for j in range(len(prompts))]
+        ids = torch.tensor([[a] for a in answers])  # [B, 1]
+        return s3ac.Batch(ids, torch.ones_like(ids), ids, torch.ones(len(ids), 1), torch.zeros(len(ids), dtype=bool),
+                          torch.as_tensor(index))
+
+    # aime_x: 3 problems, golds 1, 2, 3; greedy answers 1, 0, 0 -> pass@1 = 1/3
+    # sampled (k = 2): problem 0 right in both rounds, problem 1 in round 0 only, problem 2 never -> (1 + 1/2 + 0) / 3
+    SAMPLED = {(0, 0): 1, (0, 1): 1, (1, 0): 2, (1, 1): 7, (2, 0): 7, (2, 1): 7}
+    aime = ("aime_x", [s3ac.Problem(f"q{i}", str(i + 1)) for i in range(3)], [[1, 0], [0, 1], [0, 2]])
+    # plain: 2 problems, golds 5 and 6; greedy answers 5, 5 -> pass@1 = 1/2; not a competition set: no avg@k
+    plain = ("gsm", [s3ac.Problem("a", "5"), s3ac.Problem("b", "6")], [[5, 0], [5, 1]])
+    samples = []
+    m = s3ac.evaluate_sources(generate, FakeTokenizer(), [plain, aime], fake_verifier, 2, samples=samples)
+    assert m["eval/gsm/pass@1"] == 0.5 and m["eval/gsm/n"] == 2 and "eval/gsm/avg@2" not in m
+    assert m["eval/aime_x/pass@1"] == pytest.approx(1 / 3) and m["eval/aime_x/n"] == 3
+    assert m["eval/aime_x/avg@2"] == pytest.approx(0.5)
+    assert m["eval/pass@1"] == 0.5 and m["eval/n"] == 2  # the first source's
+    assert calls == [(2, True), (3, True), (6, False)]  # greedy per source; one sampled pass of 3 x k prompts
+    assert [(r["source"], r["gold"], r["reward"]) for r in samples] == [  # the greedy answers only
+        ("gsm", "5", 1.0), ("gsm", "6", -1.0), ("aime_x", "1", 1.0), ("aime_x", "2", -1.0), ("aime_x", "3", -1.0)]
+    assert "eval/aime_x/avg@1" not in s3ac.evaluate_sources(generate, FakeTokenizer(), [aime], fake_verifier, 1)
 
 
 # ---------------------------------------------------------------------------------------------------------------
