@@ -310,7 +310,8 @@ def train_check(argv) -> int:
         model, out = os.path.join(work, "model"), os.path.join(work, "run")
         make_random_model(model, **shape)
         flags = ["--model", model, "--out-dir", out, "--device", device, "--rollout", "hf",
-                 "--data", "builtin:arithmetic:200", "--eval-every", "0", "--lr", "1e-4", "--save-every", str(first),
+                 "--data", "builtin:arithmetic:200", "--eval-data", "heldout", "--eval-every", "0", "--lr", "1e-4",
+                 "--save-every", str(first),
                  "--critic-sync", "pact", "--critic-loss", "bce", "--prompt-selection", "daps",
                  "--daps-start", str(daps_start), *size]
         t0 = time.time()
