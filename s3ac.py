@@ -49,7 +49,8 @@ Where this code departs from the papers:
     3. Learning rates are constant (no warm-up or decay); AdamW without weight decay; fp32 weights and optimizer
        states, bf16 autocast for forward passes on CUDA.
     4. The critic is a separate model (default: a copy of the actor's checkpoint) that must share the actor's
-       tokenizer.
+       tokenizer; --critic-layers k instead trains a copy of the actor's last k blocks on the actor's own hidden
+       states after block L - k (Baseten's partial-trunk value head; see Critic).
     5. Log-probs come from the last hidden state and the output embedding in chunks (kernels.logprobs_from_hidden),
        so models that rescale their logits after the output layer (Gemma-2, Granite, Cohere) are refused.
     6. The reward reads one final answer by a stated policy (section 4: the last \boxed{}, else the number of the
@@ -83,6 +84,7 @@ Run:
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import functools
 import hashlib
@@ -182,6 +184,8 @@ class Args:
     critic_epochs: int = 2  # passes of the critic over each rollout batch
     eps_v: float = 0.5  # value clip range, absolute, on the +-1 reward scale (mse only)
     critic_seed: int = 1  # seed of the value-head initialisation
+    critic_layers: int = 0  # 0: a separate critic model | k >= 1: partial trunk, the actor's hidden states after
+    #                         block L - k (no gradient) into the critic's own copy of the last k blocks (Critic)
     credit_eps: float = 0.05  # critic/credit_sparsity counts token credits |C_i| > credit_eps ([0, 1] scale)
     # critic pretraining (before step 1; the actor is frozen)
     critic_warmup_steps: int = 0  # on-policy: critic updates on this many fresh rollout batches
@@ -270,7 +274,7 @@ def resolve_args(args: Args) -> Args:
     critic_free = args.algo not in CRITIC_ALGOS
     needs_critic = {"--critic-sync pact": args.critic_sync == "pact", "--critic-loss bce": args.critic_loss == "bce",
                     "--prompt-selection daps": args.prompt_selection == "daps",
-                    "--critic-warmup-steps": args.critic_warmup_steps > 0,
+                    "--critic-warmup-steps": args.critic_warmup_steps > 0, "--critic-layers": args.critic_layers > 0,
                     "coverage pretraining": uses_coverage(args)}
     for flag, used in needs_critic.items():
         if critic_free and used:
@@ -279,6 +283,9 @@ def resolve_args(args: Args) -> Args:
         raise ValueError(f"--algo {args.algo} / --dynamic-sampling compare rollouts of one prompt: need --k >= 2")
     if not 0 < args.top_p <= 1 or args.top_k < 0:
         raise ValueError(f"--top-p {args.top_p} / --top-k {args.top_k}: need 0 < top_p <= 1 and top_k >= 0")
+    if args.critic_layers < 0 or (args.critic_layers and args.critic_model):
+        raise ValueError(f"--critic-layers {args.critic_layers}: must be at least 0, and with k >= 1 the critic reads "
+                         f"the actor's trunk, so --critic-model must stay empty")
     if not 0 < args.daps_a_min <= 1:
         raise ValueError(f"--daps-a-min {args.daps_a_min}: must lie in (0, 1]")
     ppo, pact = args.algo == "ppo", args.critic_sync == "pact"
@@ -546,30 +553,112 @@ class Critic(nn.Module):
 
     The head is initialised from N(0, (1/(H+1))^2) with its own seed (S3AC: a large head init lets the head
     dominate the first gradients, and a global clip then also shrinks the backbone's).
+
+    --critic-layers k chooses the backbone:
+        k = 0   a whole separate model that reads the token ids (the paper's critic).
+        k >= 1  partial trunk (Baseten's value head on the last k of L layers): `trunk` gives the ACTOR's hidden
+                states after block L - k, computed without gradient, and the backbone is the critic's own trainable
+                copy of the actor's last k blocks and final norm (top_blocks), run on them. The critic loss never
+                reaches the actor. The actor's trunk moves under the critic: the critic always reads the current
+                actor's features, so it fits batch n on the features of the actor that generated it and reads the
+                features of the updated actor at step n + 1; a trunk step is a small change of its input, not a
+                reset, but nothing holds the features still for it.
     """
 
-    def __init__(self, backbone: nn.Module, seed: int):
+    def __init__(self, backbone: nn.Module, seed: int, trunk=None):
         super().__init__()
         hidden = backbone.config.hidden_size
         self.backbone = backbone
         self.value_head = nn.Linear(hidden, 1, bias=False, dtype=torch.float32)
         nn.init.normal_(self.value_head.weight, 0.0, 1.0 / (hidden + 1),
                         generator=torch.Generator().manual_seed(seed))
+        self.trunk = trunk  # k >= 1: (input_ids, attention_mask, position_ids) -> [B, P + T, H], the actor's
+        #                     hidden states (a function, not a submodule: the actor's weights are not the critic's)
 
-    def forward(self, input_ids, attention_mask, position_ids):
-        """Values at every position, [B, L] fp32 (B sequences of L tokens)."""
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                               use_cache=False).last_hidden_state  # [B, L, H]
+    def forward(self, input_ids, attention_mask, position_ids, features=None):
+        """Values at every position, [B, P + T] fp32. features [B, P + T, H]: the trunk's hidden states of these
+        rows (trunk_features), computed here when None; unused by a separate critic (k = 0)."""
+        if self.trunk is None:
+            out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                use_cache=False)
+        else:
+            features = self.trunk(input_ids, attention_mask, position_ids) if features is None else features
+            out = self.backbone(inputs_embeds=features, attention_mask=attention_mask, position_ids=position_ids,
+                                use_cache=False)
+        hidden = out.last_hidden_state  # [B, P + T, H]
         with torch.autocast(hidden.device.type, enabled=False):  # the head stays fp32 under bf16 autocast
-            return hidden.float() @ self.value_head.weight[0]  # [B, L] (a new tensor, not a view of one)
+            return hidden.float() @ self.value_head.weight[0]  # [B, P + T] (a new tensor, not a view of one)
 
 
-def load_critic(path: str, device, seed: int, head_file: str = "") -> Critic:
-    """fp32 critic from a backbone checkpoint, dropout off (config_without_dropout); the value head comes from
-    head_file when resuming, else fresh."""
+def top_blocks(lm: nn.Module, k: int) -> nn.Module:
+    """The partial-trunk critic's trainable backbone: a Hugging Face base model of the last k of the L blocks and
+    the final norm of the causal LM lm (the Llama / Qwen2 / Mistral layout: model.layers, model.norm), with their
+    weights copied. It reads hidden states through inputs_embeds, so the model's own forward builds the causal
+    mask (left padding, and per-block sliding windows from layer_types) and the rotary embeddings from
+    position_ids, as in the actor; written against transformers 5.24. Its token embedding is never used
+    (vocab_size 1); config.critic_layers = k marks it in a checkpoint.
+
+    Raises ValueError unless 1 <= k <= L, and when the copy does not continue the actor's forward exactly on a
+    left-padded probe (a model whose forward rescales inputs_embeds, as Gemma's does by sqrt(H))."""
     from transformers import AutoModel
-    backbone = AutoModel.from_pretrained(path, config=config_without_dropout(path), dtype=torch.float32)
-    critic = Critic(no_dropout(backbone), seed)
+    base, L = lm.base_model, lm.config.num_hidden_layers
+    if not 1 <= k <= L:
+        raise ValueError(f"--critic-layers {k}: need 1 <= k <= {L}, the actor's blocks")
+    config = copy.deepcopy(base.config)
+    config.num_hidden_layers, config.critic_layers, config.vocab_size = k, k, 1
+    config.pad_token_id = config.bos_token_id = config.eos_token_id = None  # no token ids in this model
+    if getattr(config, "layer_types", None):  # full or sliding-window attention, per block
+        config.layer_types = config.layer_types[L - k:]
+    device = next(lm.parameters()).device
+    top = AutoModel.from_config(config, dtype=torch.float32).to(device)
+    top.layers.load_state_dict(base.layers[L - k:].state_dict())
+    top.norm.load_state_dict(base.norm.state_dict())
+    nn.init.zeros_(top.get_input_embeddings().weight)  # unused; zeros, not a random draw, in every checkpoint
+    ids, mask = torch.tensor([[1, 2, 3, 4], [0, 0, 5, 6]]), torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]])  # a probe
+    ids, mask, pos = ids.to(device), mask.to(device), (mask.cumsum(1) - 1).clamp(min=0).to(device)  # [2, 4] each
+    with torch.no_grad():
+        want = base(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state  # [2, 4, H]
+        got = top(inputs_embeds=actor_hidden_states(lm, L - k, ids, mask, pos), attention_mask=mask,
+                  position_ids=pos).last_hidden_state  # [2, 4, H]
+    if not torch.allclose(got[mask.bool()], want[mask.bool()], rtol=1e-4, atol=1e-5):
+        raise ValueError(f"--critic-layers {k}: the copied blocks of {type(base).__name__} do not reproduce its "
+                         f"last hidden state")
+    return top
+
+
+@torch.no_grad()
+def actor_hidden_states(policy: nn.Module, block: int, input_ids, attention_mask, position_ids):
+    """The actor's hidden states after block `block` (0: the token embeddings), [B, P + T, H], without gradient:
+    the partial-trunk critic's input. policy: a Policy or a causal LM. It runs the model's own forward and keeps
+    hidden_states[block] (below L, before the final norm); the forward has no early exit, so the last L - block
+    blocks run too and their work is thrown away. Under FSDP2 the actor's own parameters are gathered for the
+    call, as for generate()."""
+    lm = policy.lm if isinstance(policy, Policy) else policy
+    with gathered(policy):
+        out = lm.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            use_cache=False, output_hidden_states=True)
+    return out.hidden_states[block]  # [B, P + T, H]
+
+
+def load_critic(path: str, device, seed: int, head_file: str = "", layers: int = 0, actor=None) -> Critic:
+    """fp32 critic, dropout off (config_without_dropout); the value head comes from head_file when resuming, else
+    fresh. layers = 0: a separate critic, the backbone read from path. layers = k >= 1: the partial-trunk critic on
+    `actor` (the Policy the actor trains through): the backbone is top_blocks(actor, k), or when resuming the
+    saved copy at path. Raises ValueError when a saved critic was trained with another --critic-layers."""
+    from transformers import AutoModel
+    if layers and not head_file:
+        backbone = top_blocks(actor.lm, layers)
+    else:
+        config = config_without_dropout(path)
+        saved = getattr(config, "critic_layers", 0)
+        if head_file and saved != layers:
+            raise ValueError(f"{path}: a critic of --critic-layers {saved}; resume it with --critic-layers {saved}")
+        backbone = AutoModel.from_pretrained(path, config=config, dtype=torch.float32)
+    if layers:
+        backbone.get_input_embeddings().requires_grad_(False)  # never used: the backbone reads hidden states
+    block = actor.lm.config.num_hidden_layers - layers if layers else 0
+    critic = Critic(no_dropout(backbone), seed,
+                    functools.partial(actor_hidden_states, actor, block) if layers else None)
     if head_file:
         from safetensors.torch import load_file
         critic.value_head.load_state_dict(load_file(head_file))
@@ -1189,14 +1278,31 @@ def policy_logprobs(model, batch: Batch, temperature: float, micro_batch_size: i
                       for mb in micro_batches(batch.response_ids.shape[0], micro_batch_size)])  # [B, T]
 
 
-def critic_values(critic: Critic, batch: Batch):
+def critic_values(critic: Critic, batch: Batch, features=None):
     """V(s_t) for t = 0..T-1, [B, T] fp32: V(s_0) at the last prompt token (position P - 1), V(s_t) at the
     position whose logits score response token t. Padding positions hold whatever the head outputs there;
-    callers mask them."""
+    callers mask them. features [B, P + T, H]: the partial-trunk critic's input (trunk_features), or None."""
     device = critic.value_head.weight.device
     input_ids, attention_mask, position_ids = (x.to(device) for x in model_inputs(batch))
     P, T = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
-    return critic(input_ids, attention_mask, position_ids)[:, P - 1: P + T - 1]  # [B, T]
+    return critic(input_ids, attention_mask, position_ids, features)[:, P - 1: P + T - 1]  # [B, T]
+
+
+@torch.no_grad()
+def trunk_features(critic: Critic, batch: Batch, micro_batch_size: int):
+    """The partial-trunk critic's input for a whole batch, [B, P + T, H] fp32 on the critic's device: the actor's
+    hidden states after block L - k, in micro-batches; None for a separate critic (k = 0). Computed once per batch,
+    passed to value_pass and update_critic, and reused for the values and every critic epoch.
+
+    Memory: the result holds 4 B (P + T) H bytes for the whole batch (the CPU demo, 16 x ~100 tokens x 576:
+    3.7 MB; 64 sequences of 1,200 tokens at H = 1536: 0.47 GB; 512 of 4,096: 12.9 GB); while a micro-batch of b
+    rows runs, transformers also holds its L + 1 hidden states, 4 (L + 1) b (P + T) H bytes, freed after it."""
+    if critic.trunk is None:
+        return None
+    device = critic.value_head.weight.device
+    input_ids, attention_mask, position_ids = (x.to(device) for x in model_inputs(batch))  # [B, P + T] each
+    return torch.cat([critic.trunk(input_ids[mb], attention_mask[mb], position_ids[mb])
+                      for mb in micro_batches(input_ids.shape[0], micro_batch_size)])  # [B, P + T, H]
 
 
 def value_from_raw(raw, critic_loss: str):
@@ -1205,11 +1311,12 @@ def value_from_raw(raw, critic_loss: str):
 
 
 @torch.no_grad()
-def value_pass(critic: Critic, batch: Batch, critic_loss: str, micro_batch_size: int):
+def value_pass(critic: Critic, batch: Batch, critic_loss: str, micro_batch_size: int, features=None):
     """No-grad critic pass in micro-batches: (values [B, T] on the +-1 scale with 0 on padding, raw head outputs
-    [B, T]: the values themselves for mse, the logits z for bce). Leaves critic in eval mode."""
+    [B, T]: the values themselves for mse, the logits z for bce). features [B, P + T, H]: trunk_features of the
+    batch (a partial-trunk critic computes them per micro-batch when None). Leaves critic in eval mode."""
     critic.eval()
-    raw = torch.cat([critic_values(critic, batch.rows(mb))
+    raw = torch.cat([critic_values(critic, batch.rows(mb), None if features is None else features[mb])
                      for mb in micro_batches(batch.response_ids.shape[0], micro_batch_size)])  # [B, T]
     valid = batch.response_mask.to(raw.device).bool()  # [B, T]
     return torch.where(valid, value_from_raw(raw, critic_loss), 0.0), raw  # [B, T], [B, T]
@@ -1552,14 +1659,19 @@ def update_actor(model, optimizer, batch: Batch, advantages, old_logprobs, args:
     return {f"actor/{k}": v for k, v in metrics.items()}, behaviour
 
 
-def update_critic(critic, optimizer, batch: Batch, old_values, targets, critic_mask, args: Args, generator) -> dict:
+def update_critic(critic, optimizer, batch: Batch, old_values, targets, critic_mask, args: Args, generator,
+                  features=None) -> dict:
     """critic_loss_fn toward `targets` [B, T] (+-1 scale) on the tokens of critic_mask [B, T]: args.critic_epochs
     passes of args.minibatches steps, token-mean over each mini-batch. old_values [B, T]: the values the
-    advantages used (the clip anchor of the mse loss). All on the critic's device."""
+    advantages used (the clip anchor of the mse loss). features [B, P + T, H]: trunk_features of the batch, for a
+    partial-trunk critic computed here once when None and reused by every epoch. All on the critic's device."""
     device = targets.device
+    if features is None:
+        with autocast(device, compute_dtype(args.dtype, device)):
+            features = trunk_features(critic, batch, args.micro_batch_size)  # [B, P + T, H]; None for k = 0
 
     def loss_fn(rows, mbatch, num_tokens):
-        raw = critic_values(critic, mbatch)  # [b, T] values (mse) or logits (bce)
+        raw = critic_values(critic, mbatch, None if features is None else features[rows])  # [b, T] V or z
         v_loss, m = critic_loss_fn(raw, old_values[rows], targets[rows], critic_mask[rows], args.critic_loss,
                                    args.eps_v, num_tokens)
         return v_loss, dict(m, v_loss=v_loss.detach())
@@ -1680,11 +1792,12 @@ def pretrain_critic(critic, optimizer, rows: list, args: Args, pad_id: int, gene
         losses = []
         for start in range(0, len(order), size):
             batch, rewards = rows_to_batch([fit_rows[i] for i in order[start: start + size]], pad_id)
-            values, _ = value_pass(critic, batch, args.critic_loss, args.micro_batch_size)  # [B, T]
+            features = trunk_features(critic, batch, args.micro_batch_size)  # [B, P + T, H]; None for k = 0
+            values, _ = value_pass(critic, batch, args.critic_loss, args.micro_batch_size, features)  # [B, T]
             critic.train()
             mask = batch.response_mask.to(device)  # [B, T]
             m = update_critic(critic, optimizer, batch, values, mc_returns(rewards.to(device), mask, args.gamma),
-                              mask, args, generator)
+                              mask, args, generator, features)
             losses.append(m["critic/v_loss"])
         values, raw = value_pass(critic, held_batch, args.critic_loss, args.micro_batch_size)  # [B_held, T] each
         out.append({"pretrain/epoch": epoch + 1, "pretrain/train_v_loss": sum(losses) / max(len(losses), 1),
@@ -1857,7 +1970,8 @@ def train(args: Args):
     critic = None
     if use_critic:
         critic = load_critic(os.path.join(ckpt, "critic") if ckpt else critic_path, device, args.critic_seed,
-                             os.path.join(ckpt, "critic", "value_head.safetensors") if ckpt else "")
+                             os.path.join(ckpt, "critic", "value_head.safetensors") if ckpt else "",
+                             args.critic_layers, policy)  # k >= 1: the critic reads the actor's trunk
     random.seed(args.seed)  # after loading: a one-time .gguf conversion draws from the global RNG
     torch.manual_seed(args.seed + rank)  # each rank samples its own rollouts
     if args.gradient_checkpointing:
@@ -2063,11 +2177,13 @@ def train(args: Args):
         rewards = torch.cat([r for _, r in parts]).to(device)  # [B]
         mask = batch.response_mask.to(device)  # [B, T]
 
-        # values V(s_t) from the critic (+-1 scale, 0 on padding)
+        # values V(s_t) from the critic (+-1 scale, 0 on padding); a partial-trunk critic's input (the actor's
+        # hidden states) is computed once here and reused by the critic update
         if critic is not None:
             t0 = synced_time(device)
             with autocast(device, amp_dtype):
-                values, _ = value_pass(critic, batch, args.critic_loss, args.micro_batch_size)  # [B, T]
+                features = trunk_features(critic, batch, args.micro_batch_size)  # [B, P + T, H]; None for k = 0
+                values, _ = value_pass(critic, batch, args.critic_loss, args.micro_batch_size, features)  # [B, T]
             metrics["time/values"] = synced_time(device) - t0
 
         # advantages, raw (no whitening here): GAE with the critic, or an outcome baseline without one
@@ -2112,7 +2228,8 @@ def train(args: Args):
                                                        args.rho_max)
                 metrics.update(m)
             critic.train()
-            metrics.update(update_critic(critic, critic_opt, batch, values, targets, critic_mask, args, update_gen))
+            metrics.update(update_critic(critic, critic_opt, batch, values, targets, critic_mask, args, update_gen,
+                                         features))
             metrics["time/critic"] = synced_time(device) - t0
             metrics.update(critic_metrics(values, returns, rewards, mask, metrics["time/values"] +
                                           metrics["time/critic"], metrics["time/actor"], args.credit_eps))
