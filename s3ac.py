@@ -78,6 +78,8 @@ Run:
     python s3ac.py --algo grpo --k 8 --dynamic-sampling                # baselines: --algo ppo|grpo|rloo|reinforce_pp
     python s3ac.py --critic-sync pact --critic-loss bce                # PACT's critic (actor lambda 1)
     python s3ac.py --prompt-selection daps --coverage-temperatures 0.6,1.0,1.3 --critic-warmup-steps 5
+    python s3ac.py --critic-layers 3 --max-minutes 20 --plot           # partial-trunk critic, a time budget, curves
+    python s3ac.py plot runs/a runs/b -o curves.png                    # pass@1 against minutes and samples, EV, c
     torchrun --nproc_per_node=8 s3ac.py --batch-prompts 512            # data parallel, FSDP2, vLLM per rank
     python s3ac.py gpu-check                                           # throughput and phase times (CUDA)
 """
@@ -208,6 +210,8 @@ class Args:
     seed: int = 0  # seed of sampling, data order and rollouts
     kernels: str = "auto"  # kernels.py backend: auto | triton | torch
     threads: int = 0  # torch CPU threads; 0 = torch's default
+    max_minutes: float = 0.0  # stop after this many minutes of training (pretraining in, evaluations out), then
+    #                           evaluate; 0 = no limit
     # logging
     out_dir: str = "runs/s3ac"  # metrics.jsonl and checkpoints/ go here
     eval_every: int = 10  # steps between greedy evaluations (0 = only at the start and the end)
@@ -216,6 +220,7 @@ class Args:
     save_every: int = 10  # steps between checkpoints (0 = only at the end)
     keep_checkpoints: int = 2  # newest checkpoints kept on disk
     resume: bool = False  # continue from the newest checkpoint in out_dir
+    plot: bool = False  # at the end, draw <out_dir>/curves.png from metrics.jsonl (python s3ac.py plot)
 
 
 def parse_args(argv=None) -> Args:
@@ -1840,13 +1845,15 @@ def sample_record(question: str, completion: str, gold: str, status: str, reward
 
 
 def save_checkpoint(out_dir: str, step: int, model, tokenizer, critic, actor_opt, critic_opt, sampler, update_gen,
-                    keep: int, prompt_counts=None):
+                    keep: int, prompt_counts=None, train_s: float = 0.0):
     """Write checkpoints/step_N atomically: everything goes to a temporary directory that is renamed when
     complete, then the `latest` pointer is replaced. A kill at any moment leaves the previous checkpoint.
     model: the Policy (or its causal LM) the actor optimizer was built on; critic / critic_opt may be None
     (critic-free algorithms); prompt_counts: the per-prompt (S, N) of DAPS. Under torchrun every rank calls this:
     weights and optimizer states are gathered whole (Hugging Face format, optimizer keyed by parameter name), so
-    the checkpoint loads on any number of ranks, and rank 0 writes it with every rank's RNG state."""
+    the checkpoint loads on any number of ranks, and rank 0 writes it with every rank's RNG state. train_s: the
+    seconds of training so far (--max-minutes). A partial-trunk critic is saved as its k blocks and norm
+    (config.critic_layers = k) with the value head."""
     from safetensors.torch import save_file
     policy = model if isinstance(model, Policy) else Policy(model)
     actor_weights, actor_state = full_state_dict(policy), optimizer_state(policy, actor_opt)
@@ -1874,7 +1881,8 @@ def save_checkpoint(out_dir: str, step: int, model, tokenizer, critic, actor_opt
         save_file({"weight": critic_weights["value_head.weight"].contiguous()},
                   os.path.join(tmp, "critic", "value_head.safetensors"))
     torch.save({"step": step, "actor_opt": actor_state, "critic_opt": critic_state,
-                "sampler": (sampler.epoch, sampler.pos), "prompt_counts": prompt_counts, "rng": rng_ranks},
+                "sampler": (sampler.epoch, sampler.pos), "prompt_counts": prompt_counts, "rng": rng_ranks,
+                "train_s": train_s},
                os.path.join(tmp, "trainer_state.pt"))
     if os.path.exists(final):
         shutil.rmtree(final)
@@ -1992,7 +2000,7 @@ def train(args: Args):
     critic_opt = (torch.optim.AdamW(critic.parameters(), lr=args.lr * args.critic_lr_ratio, weight_decay=0.0)
                   if critic is not None else None)
     update_gen = torch.Generator().manual_seed(args.seed)  # mini-batch order in the updates
-    start_step = 0
+    start_step, train_s = 0, 0.0  # train_s: seconds of training so far, evaluations left out (--max-minutes)
     metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
     samples_path = os.path.join(args.out_dir, "samples.jsonl")  # rollouts and eval completions, with statuses
     if ckpt:
@@ -2011,7 +2019,7 @@ def train(args: Args):
             if len(S) != len(train_problems):
                 raise ValueError(f"{ckpt}: prompt counts for {len(S)} problems, the data now has "
                                  f"{len(train_problems)}; resume with the same --data and --eval-size")
-        start_step = state["step"]
+        start_step, train_s = state["step"], state.get("train_s", 0.0)
         rng = state["rng"][rank] if len(state["rng"]) == world else None  # one state per rank
         if rng is None:  # resumed on another number of ranks: fresh sampling seeds, same data order
             rng = dict(state["rng"][0],
@@ -2085,6 +2093,7 @@ def train(args: Args):
         metrics["time/rollout"] = metrics.get("time/rollout", 0.0) + t1 - t0
         generated = int(batch.response_mask.sum())  # tokens of this round, kept or dropped by dynamic sampling
         metrics["rollout/generated_tokens"] = metrics.get("rollout/generated_tokens", 0) + generated
+        metrics["rollout/samples"] = metrics.get("rollout/samples", 0) + len(index)
         metrics["time/verify"] = metrics.get("time/verify", 0.0) + time.time() - t1
         return batch, rewards, statuses, texts
 
@@ -2111,6 +2120,7 @@ def train(args: Args):
             log_metrics(metrics_path, {"step": 0, **m})
     # critic pretraining before step 1 (actor frozen): coverage trajectories, then on-policy warm-up batches
     if start_step == 0 and critic is not None and uses_coverage(args):
+        t0 = time.time()
         path = args.coverage_data or os.path.join(args.out_dir, "coverage.jsonl")
         if not args.coverage_data:
             chosen = random.Random(args.seed + 7).sample(range(len(train_problems)),
@@ -2121,22 +2131,28 @@ def train(args: Args):
             _write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
         with open(path) as f:
             rows = [json.loads(line) for line in f if line.strip()]
-        for m in pretrain_critic(critic, critic_opt, rows, args, pad_id, update_gen):  # fp32 forward passes
+        epochs = pretrain_critic(critic, critic_opt, rows, args, pad_id, update_gen)  # fp32 forward passes
+        epochs[-1]["time/pretrain"] = time.time() - t0  # generation (unless --coverage-data) and every epoch
+        train_s += epochs[-1]["time/pretrain"]
+        for m in epochs:
             log_metrics(metrics_path, {"step": 0, "pretrain/trajectories": len(rows), **m})
             say(f"coverage epoch {m['pretrain/epoch']} | held-out EV {m['pretrain/explained_var']:+.3f} "
                        f"v_loss {m['pretrain/v_loss']:.4f}")
     warmup_steps = args.critic_warmup_steps if start_step == 0 and critic is not None else 0
     for i in range(warmup_steps):  # on-policy warm-up; its rollouts count toward S, N
-        m = {}
+        m, t0 = {}, time.time()
         batch, rewards, _, _ = rollout(sampler.draw(args.batch_prompts)[rank::world], m)
         with autocast(device, amp_dtype):
-            values, raw = value_pass(critic, batch, args.critic_loss, args.micro_batch_size)  # [B, T] each
+            features = trunk_features(critic, batch, args.micro_batch_size)  # [B, P + T, H]; None for k = 0
+            values, raw = value_pass(critic, batch, args.critic_loss, args.micro_batch_size, features)  # [B, T]
         mask = batch.response_mask.to(device)  # [B, T]
         returns = mc_returns(rewards.to(device), mask, args.gamma)  # [B, T]
         m.update(critic_fit(values, raw, returns, mask, args.critic_loss))  # fresh data: held out
         critic.train()
-        m.update(update_critic(critic, critic_opt, batch, values, returns, mask, args, update_gen))
+        m.update(update_critic(critic, critic_opt, batch, values, returns, mask, args, update_gen, features))
+        m["time/pretrain"] = time.time() - t0
         m = mean_over_ranks(m)
+        train_s += m["time/pretrain"]
         if main:
             log_metrics(metrics_path, {"step": 0, "pretrain/warmup_step": i + 1, **m})
         say(f"critic warm-up {i + 1} | EV {m['pretrain/explained_var']:+.3f} v_loss {m['critic/v_loss']:.4f}")
@@ -2252,10 +2268,14 @@ def train(args: Args):
         if selection:
             metrics.update({"prompts/accept_rate": selection["accepted"] / selection["drawn"],
                             "prompts/p_hat_mean": selection["p_hat_sum"] / selection["accepted"]})
-        if step == args.steps or (args.eval_every and step % args.eval_every == 0):
+        spent = torch.tensor(train_s + time.time() - timer)  # this step's evaluation not begun
+        out_of_time = args.max_minutes > 0 and all_reduce(spent, "max").item() >= 60 * args.max_minutes
+        last = step == args.steps or out_of_time
+        if last or (args.eval_every and step % args.eval_every == 0):
             metrics.update(run_eval(step))
         metrics["perf/step_s"] = time.time() - timer
         metrics = mean_over_ranks(metrics)
+        train_s += metrics["perf/step_s"] - metrics.get("time/eval", 0.0)
         if main:
             log_metrics(metrics_path, metrics)
         critic_part = (f"v_loss {metrics['critic/v_loss']:.4f} EV {metrics['critic/explained_var']:+.3f} "
@@ -2264,14 +2284,20 @@ def train(args: Args):
                    f"len {metrics['rollout/response_len']:.0f} | pg_loss {metrics['actor/pg_loss']:+.4f} "
                    f"clipfrac {metrics['actor/pg_clipfrac']:.3f} entropy {metrics['actor/entropy']:.3f} | "
                    f"{critic_part}{metrics['perf/step_s']:.0f}s")
-        if step == args.steps or (args.save_every and step % args.save_every == 0):
+        if last or (args.save_every and step % args.save_every == 0):
             save_checkpoint(args.out_dir, step, policy, tokenizer, critic, actor_opt, critic_opt, sampler,
-                            update_gen, args.keep_checkpoints, prompt_counts=(S, N))
+                            update_gen, args.keep_checkpoints, prompt_counts=(S, N), train_s=train_s)
+        if out_of_time:
+            say(f"--max-minutes {args.max_minutes}: stopped after step {step}, {train_s / 60:.1f} minutes of training")
+            break
     verifier.close()
+    if args.plot and main:
+        plot_runs([args.out_dir], os.path.join(args.out_dir, "curves.png"))
     return metrics_path
 
 
-SUMMED_METRICS = ("verify/", "rollout/generated_tokens", "perf/tokens_per_s")  # counts and rates of all ranks
+SUMMED_METRICS = ("verify/", "rollout/generated_tokens", "rollout/samples",
+                  "perf/tokens_per_s")  # counts and rates of all ranks
 
 
 def mean_over_ranks(metrics: dict) -> dict:
@@ -2452,8 +2478,154 @@ def gpu_check(argv=None):
                 "target": "extra_wall_time < 0.27", "paper_range": [0.27, 0.40]})
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# 13. Curves and the side-by-side comparison (python s3ac.py plot RUN_DIR ... -o FILE.png; ./run.sh compare)
+# ---------------------------------------------------------------------------------------------------------------
+def read_records(run_dir: str) -> list:
+    """The records of <run_dir>/metrics.jsonl, each with "minutes" of training so far (every step's perf/step_s
+    less its time/eval, plus time/pretrain: evaluations cost every algorithm the same and are left out, as
+    --max-minutes leaves them out) and "samples", the rollouts generated so far."""
+    records, seconds, samples = [], 0.0, 0
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for r in map(json.loads, f):
+            if "perf/step_s" in r:  # a training step (step 0's evaluation comes before any training)
+                seconds += r["perf/step_s"] - (r.get("time/eval") or 0.0)
+            seconds += r.get("time/pretrain") or 0.0
+            samples += r.get("rollout/samples") or 0
+            records.append(dict(r, minutes=seconds / 60, samples=samples))
+    return records
+
+
+PLOT_PANELS = [("minutes", "eval/pass@1", "greedy pass@1 against training minutes (evaluations left out)"),
+               ("samples", "eval/pass@1", "greedy pass@1 against generated samples"),
+               ("step", "rollout/reward", "training reward"), ("step", "critic/explained_var", "token-level EV"),
+               ("step", "critic/adv_explained_var", "V(s_0) EV"), ("step", "critic/compute_ratio", "c"),
+               ("step", "rollout/response_len", "response length"), ("step", "actor/entropy", "entropy")]
+
+
+def plot_runs(run_dirs: list, out: str) -> str:
+    """One figure of PLOT_PANELS (x, y, title) with one line per run, labelled by its directory, written to `out`
+    (PNG); returns out. Missing and null values are skipped: a critic-free run has no line in the critic panels."""
+    import matplotlib
+    matplotlib.use("Agg")  # a file, no display
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(2, 4, figsize=(22, 9))
+    for run_dir in run_dirs:
+        records = read_records(run_dir)
+        for ax, (x, y, _) in zip(axes.flat, PLOT_PANELS):
+            points = [(r[x], r[y]) for r in records if isinstance(r.get(y), (int, float)) and math.isfinite(r[y])]
+            if points:
+                ax.plot(*zip(*points), marker="o" if y == "eval/pass@1" else None, label=run_dir)
+    for ax, (x, y, title) in zip(axes.flat, PLOT_PANELS):
+        ax.set(title=title, xlabel=x, ylabel=y)
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out
+
+
+def mean_se(values: list):
+    """(mean, standard error = sample std (n - 1) / sqrt(n)) of the finite values; se NaN for one, both for none."""
+    v = [x for x in values if x is not None and math.isfinite(x)]
+    mean = sum(v) / len(v) if v else math.nan
+    return mean, math.sqrt(sum((x - mean) ** 2 for x in v) / (len(v) - 1) / len(v)) if len(v) > 1 else math.nan
+
+
+def run_summary(records: list, at_minutes: float) -> dict:
+    """One run of the comparison, from read_records: its final pass@1 (last evaluation), pass@1 at at_minutes (the
+    last evaluation at or before that minute of training), token EV and V(s_0) EV averaged over the second half of
+    its steps, c over all steps, and efficiency 1 / ((1 - V(s_0) EV)(1 + c)) of those means (as critic/efficiency).
+    NaN where the run logged no such key (critic-free runs)."""
+    steps, evals = [r for r in records if "perf/step_s" in r], [r for r in records if r.get("eval/pass@1") is not None]
+    half = steps[len(steps) // 2:]
+    v0_ev = mean_se([r.get("critic/adv_explained_var") for r in half])[0]
+    c = mean_se([r.get("critic/compute_ratio") for r in steps])[0]
+    return {"final pass@1": evals[-1]["eval/pass@1"],
+            "pass@1 at equal minutes": [r for r in evals if r["minutes"] <= at_minutes][-1]["eval/pass@1"],
+            "token EV": mean_se([r.get("critic/explained_var") for r in half])[0], "V(s_0) EV": v0_ev, "c": c,
+            "efficiency": critic_efficiency(v0_ev, c)}
+
+
+def compare_table(runs: dict) -> str:
+    """A markdown table of runs {name: [read_records of each seed]}: per name, mean ± standard error over seeds of
+    each run_summary column ("-": none). Equal minutes: the least training time any run reached."""
+    at = min(seed[-1]["minutes"] for seeds in runs.values() for seed in seeds)
+    rows = {name: [run_summary(seed, at) for seed in seeds] for name, seeds in runs.items()}
+    columns = list(next(iter(rows.values()))[0])
+    lines = ["| run | seeds | " + " | ".join(columns).replace("equal minutes", f"{at:.1f} min") + " |",
+             "|---" * (len(columns) + 2) + "|"]
+    for name, summaries in rows.items():
+        cells = [mean_se([s[c] for s in summaries]) for c in columns]
+        lines.append(f"| {name} | {len(summaries)} | " + " | ".join(
+            "-" if math.isnan(m) else f"{m:.3f}" if math.isnan(se) else f"{m:.3f} ± {se:.3f}" for m, se in cells)
+            + " |")
+    return "\n".join(lines)
+
+
+def compare(argv=None):
+    """Side-by-side runs at equal training minutes (./run.sh compare), then one table and one figure.
+
+    S3AC K=1 with the partial-trunk critic, REINFORCE++ K=1, GRPO K=4 on a quarter of the prompts (equal samples
+    per step) and S3AC K=1 with the full critic, one run per seed, one after another, each with the same
+    --max-minutes, training data and held-out problems (<out-dir>/data/); then compare_table (printed and
+    <out-dir>/table.md) and the curves (<out-dir>/compare.png). Other flags go to every run; a finished run is
+    not run again."""
+    import subprocess
+    parser = argparse.ArgumentParser(prog="s3ac.py compare", description=compare.__doc__.split("\n")[0],
+                                     epilog="Other flags (s3ac.py --help) go to every run.")
+    for flag, default, text in (
+            ("--seeds", 3, "seeds of S3AC and REINFORCE++ (K = 1)"), ("--grpo-seeds", 2, "seeds of GRPO K = 4"),
+            ("--full-critic-seeds", 1, "seeds of S3AC with the full critic"),
+            ("--minutes", 20.0, "training minutes of every run (--max-minutes)"),
+            ("--critic-layers", 2, "k of the partial-trunk critic"),
+            ("--batch-prompts", 16, "prompts per step at K = 1; GRPO answers a quarter of them 4 times"),
+            ("--eval-size", 200, "held-out problems, the same for every run"),
+            ("--data", "builtin:arithmetic", "problems, split once into training and held-out"),
+            ("--out-dir", "runs/compare", "one directory per run, data/, table.md, compare.png")):
+        parser.add_argument(flag, type=type(default), default=default, help=text)
+    opts, rest = parser.parse_known_args(argv)
+    problems = list({p.question: p for p in load_problems(opts.data)}.values())  # distinct questions
+    held = set(random.Random(12345).sample(range(len(problems)), opts.eval_size))
+    data = {part: os.path.join(opts.out_dir, "data", f"{part}.jsonl") for part in ("train", "eval")}
+    os.makedirs(os.path.dirname(data["train"]), exist_ok=True)
+    for part, keep in (("train", False), ("eval", True)):  # one split for every run and seed
+        _write_atomic(data[part], "".join(json.dumps({"question": p.question, "answer": p.answer}) + "\n"
+                                          for i, p in enumerate(problems) if (i in held) == keep))
+    b, k = opts.batch_prompts, str(opts.critic_layers)
+    configs = {f"s3ac-k1-layers{k}": (opts.seeds, ["--k", "1", "--batch-prompts", str(b), "--critic-layers", k]),
+               "reinforce_pp-k1": (opts.seeds, ["--algo", "reinforce_pp", "--k", "1", "--batch-prompts", str(b)]),
+               "grpo-k4": (opts.grpo_seeds, ["--algo", "grpo", "--k", "4", "--batch-prompts", str(b // 4)]),
+               "s3ac-k1-full": (opts.full_critic_seeds, ["--k", "1", "--batch-prompts", str(b)])}
+    runs = {name: [os.path.join(opts.out_dir, f"{name}-seed{s}") for s in range(n)] for name, (n, _) in configs.items()}
+    for name, dirs in runs.items():
+        for seed, out in enumerate(dirs):
+            if not os.path.exists(os.path.join(out, "done")):
+                subprocess.run([sys.executable, os.path.abspath(__file__), "--data", data["train"], "--eval-data",
+                                data["eval"], "--eval-size", str(opts.eval_size), "--eval-every", "10", "--steps",
+                                "1000000", "--max-minutes", str(opts.minutes), "--save-every", "0", "--seed",
+                                str(seed), "--out-dir", out, *configs[name][1], *rest], check=True)
+                shutil.rmtree(os.path.join(out, "checkpoints"), ignore_errors=True)  # gigabytes per run
+                _write_atomic(os.path.join(out, "done"), "")
+    table = compare_table({name: [read_records(d) for d in dirs] for name, dirs in runs.items()})
+    print(table)
+    _write_atomic(os.path.join(opts.out_dir, "table.md"), table + "\n")
+    print(plot_runs([d for dirs in runs.values() for d in dirs], os.path.join(opts.out_dir, "compare.png")))
+
+
+def plot(argv=None):
+    """python s3ac.py plot RUN_DIR [RUN_DIR ...] -o FILE.png: the curves of plot_runs."""
+    parser = argparse.ArgumentParser(prog="s3ac.py plot", description=plot_runs.__doc__.split("\n")[0])
+    parser.add_argument("run_dirs", nargs="+", help="directories with a metrics.jsonl")
+    parser.add_argument("-o", "--out", default="curves.png", help="the PNG to write")
+    print(plot_runs(**vars(parser.parse_args(argv))))
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["gpu-check"]:
         gpu_check(sys.argv[2:])
+    elif sys.argv[1:2] in (["plot"], ["compare"]):
+        {"plot": plot, "compare": compare}[sys.argv[1]](sys.argv[2:])
     else:
         train(parse_args())

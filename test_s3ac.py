@@ -1465,7 +1465,8 @@ def test_partial_trunk_checkpoint_round_trip_and_refusal_of_another_k(tmp_path):
     policy = s3ac.Policy(actor)
     critic = moved(s3ac.load_critic(str(tmp_path / "actor"), "cpu", seed=3, layers=2, actor=policy), 4)
     s3ac.save_checkpoint(str(tmp_path / "run"), 3, policy, tok, critic, torch.optim.AdamW(policy.parameters()),
-                         torch.optim.AdamW(critic.parameters()), s3ac.PromptSampler(5, 0), torch.Generator(), keep=1)
+                         torch.optim.AdamW(critic.parameters()), s3ac.PromptSampler(5, 0), torch.Generator(), keep=1,
+                         train_s=12.5)
     ckpt = s3ac.latest_checkpoint(str(tmp_path / "run"))
     head = os.path.join(ckpt, "critic", "value_head.safetensors")
     again = s3ac.load_critic(os.path.join(ckpt, "critic"), "cpu", seed=9, head_file=head, layers=2, actor=policy)
@@ -1475,6 +1476,7 @@ def test_partial_trunk_checkpoint_round_trip_and_refusal_of_another_k(tmp_path):
     batch = trunk_batch(tok)
     with torch.no_grad():
         assert torch.equal(s3ac.critic_values(critic, batch), s3ac.critic_values(again, batch))
+    assert torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)["train_s"] == 12.5
     for layers in (0, 1):
         with pytest.raises(ValueError, match="a critic of --critic-layers 2; resume it with --critic-layers 2"):
             s3ac.load_critic(os.path.join(ckpt, "critic"), "cpu", 9, head, layers=layers, actor=policy)
@@ -1485,7 +1487,8 @@ def test_partial_trunk_checkpoint_round_trip_and_refusal_of_another_k(tmp_path):
 @pytest.fixture(scope="module")
 def partial_run(tiny, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("partial"))
-    run_s3ac(*smoke_flags(tiny[0], out, "--steps", "2", "--save-every", "1", "--critic-layers", "1", *PACT_DAPS))
+    run_s3ac(*smoke_flags(tiny[0], out, "--steps", "2", "--save-every", "1", "--critic-layers", "1", "--plot",
+                          *PACT_DAPS))
     return out
 
 
@@ -1495,7 +1498,7 @@ def test_smoke_partial_trunk_critic_with_pact_bce_daps(tiny, partial_run):
     assert [r["step"] for r in records] == [0, 1, 2]
     for r in records[1:]:
         assert all(k in r for k in CRITIC_KEYS + ["critic/rho_mean"]) and r["critic/grad_norm"] > 0
-        assert 0 < r["critic/compute_ratio"] < 100
+        assert r["rollout/samples"] == 8 and 0 < r["critic/compute_ratio"] < 100
     assert 0 < records[2]["prompts/accept_rate"] <= 1  # DAPS read V(s_0) of the partial critic
     ckpt = os.path.join(partial_run, "checkpoints", "step_2")
     with open(os.path.join(ckpt, "critic", "config.json")) as f:
@@ -1509,11 +1512,13 @@ def test_smoke_partial_trunk_critic_with_pact_bce_daps(tiny, partial_run):
     assert critic.keys() == start.keys() == block1.keys()
     assert any(not torch.equal(critic[k], start[k]) for k in start)  # trained from the actor's copy...
     assert any(not torch.equal(critic[k], block1[k]) for k in start)  # ...apart from the actor's own block
+    with open(os.path.join(partial_run, "curves.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 def test_resume_with_critic_layers_and_refusal_of_another_k(tiny, partial_run, tmp_path):
     out = str(tmp_path / "killed")
-    flags = ["--save-every", "1", "--critic-layers", "1", *PACT_DAPS]
+    flags = ["--save-every", "1", "--critic-layers", "1", "--plot", *PACT_DAPS]
     run_s3ac(*smoke_flags(tiny[0], out, "--steps", "1", *flags))
     proc = run_s3ac(*smoke_flags(tiny[0], out, "--steps", "2", "--resume", *flags))
     assert "resumed from" in proc.stderr
@@ -1532,14 +1537,16 @@ def test_resume_with_critic_layers_and_refusal_of_another_k(tiny, partial_run, t
     assert "a critic of --critic-layers 1; resume it with --critic-layers 1" in proc.stderr, proc.stderr[-2000:]
 
 
-def test_partial_trunk_coverage_pretraining_and_warmup(tiny, tmp_path):
-    """Coverage pretraining and warm-up train the partial critic before step 1."""
+def test_partial_trunk_coverage_pretraining_warmup_and_max_minutes(tiny, tmp_path):
+    """Coverage pretraining and warm-up train the partial critic; their time counts toward --max-minutes, which
+    here is spent before step 1 ends: step 1 is the last, with its evaluation and checkpoint."""
     out = str(tmp_path / "cov")
-    run_s3ac(*smoke_flags(tiny[0], out, "--steps", "1", "--critic-layers", "1", "--coverage-temperatures", "1.0",
-                          "--coverage-prompts", "4", "--coverage-epochs", "1", "--critic-warmup-steps", "1"))
+    run_s3ac(*smoke_flags(tiny[0], out, "--steps", "5", "--critic-layers", "1", "--coverage-temperatures", "1.0",
+                          "--coverage-prompts", "4", "--coverage-epochs", "1", "--critic-warmup-steps", "1",
+                          "--max-minutes", "0.0001"))
     records = read_jsonl(os.path.join(out, "metrics.jsonl"))
     assert [r["step"] for r in records] == [0, 0, 0, 1]
-    assert "pretrain/epoch" in records[1] and "pretrain/explained_var" in records[1]
+    assert "pretrain/epoch" in records[1] and records[1]["time/pretrain"] > 0
     assert records[2]["pretrain/warmup_step"] == 1 and records[2]["critic/grad_norm"] > 0
     assert "eval/pass@1" in records[3] and "critic/explained_var" in records[3]
     assert s3ac.latest_checkpoint(out).endswith("step_1")
@@ -1553,10 +1560,75 @@ def test_torchrun_partial_trunk_critic(tiny, tmp_path):
     records = read_jsonl(os.path.join(out, "metrics.jsonl"))
     assert [r["step"] for r in records] == [0, 1, 2]
     assert all(math.isfinite(r["critic/v_loss"]) and r["critic/grad_norm"] > 0 for r in records[1:])
+    assert records[1]["rollout/samples"] == 8  # summed over the ranks
     state = torch.load(os.path.join(out, "checkpoints", "step_2", "trainer_state.pt"), weights_only=False)
     assert {k.split(".")[0] for k in state["critic_opt"]["state"]} == {"backbone", "value_head"}
     proc = run_s3ac(*smoke_flags(tiny[0], out, "--steps", "3", "--resume", *flags))
     assert "resumed from" in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Curves and the comparison table
+# ---------------------------------------------------------------------------------------------------------------
+def write_run(path, evals, steps, pretrain_s=0.0):
+    """A hand-made metrics.jsonl: step 0's evaluation, a pretraining record, then steps with perf/step_s 60 s
+    (one minute each, time/eval included in it) and the given keys; evals: {step: pass@1}."""
+    os.makedirs(path, exist_ok=True)
+    rows = [{"step": 0, "eval/pass@1": evals.pop(0), "time/eval": 30.0}]
+    if pretrain_s:
+        rows.append({"step": 0, "pretrain/warmup_step": 1, "time/pretrain": pretrain_s})
+    for i, extra in enumerate(steps, 1):
+        row = {"step": i, "perf/step_s": 60.0, "rollout/samples": 16, "rollout/reward": -0.5, **extra}
+        if i in evals:
+            row.update({"eval/pass@1": evals[i], "time/eval": 30.0, "perf/step_s": 90.0})
+        rows.append(row)
+    with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_read_records_clock_leaves_evaluations_out_and_counts_pretraining(tmp_path):
+    write_run(str(tmp_path / "a"), {0: 0.1, 2: 0.3}, [{}, {}, {}], pretrain_s=30.0)
+    records = s3ac.read_records(str(tmp_path / "a"))
+    assert [r["minutes"] for r in records] == [0.0, 0.5, 1.5, 2.5, 3.5]
+    assert [r["samples"] for r in records] == [0, 0, 16, 32, 48]
+
+
+def test_plot_writes_a_png_of_every_run(tmp_path):
+    critic = {"critic/explained_var": 0.2, "critic/adv_explained_var": None, "critic/compute_ratio": 0.4,
+              "rollout/response_len": 30.0, "actor/entropy": 0.7}
+    write_run(str(tmp_path / "s3ac"), {0: 0.1, 2: 0.3}, [critic, critic])
+    write_run(str(tmp_path / "grpo"), {0: 0.1, 3: 0.2}, [{"actor/entropy": 0.6}] * 3)  # no critic keys
+    out = str(tmp_path / "curves.png")
+    proc = run_s3ac("plot", str(tmp_path / "s3ac"), str(tmp_path / "grpo"), "-o", out)
+    assert proc.stdout.strip() == out
+    with open(out, "rb") as f:
+        data = f.read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+    import struct
+    assert struct.unpack(">II", data[16:24]) == (22 * 90, 9 * 90)  # the IHDR width and height
+
+
+def test_compare_table_arithmetic(tmp_path):
+    """Means and standard errors over seeds, pass@1 at the least training time any run reached, the second half
+    of the steps for EV, all steps for c, and '-' for the keys a critic-free run lacks."""
+    ev = lambda e, v0, c: {"critic/explained_var": e, "critic/adv_explained_var": v0, "critic/compute_ratio": c}
+    write_run(str(tmp_path / "s0"), {0: 0.1, 2: 0.3, 4: 0.5}, [ev(0.0, 0.0, 0.5), ev(0.0, 0.0, 0.5),
+                                                               ev(0.2, 0.1, 0.3), ev(0.4, 0.3, 0.3)])
+    write_run(str(tmp_path / "s1"), {0: 0.1, 2: 0.2, 4: 0.4}, [ev(0.9, 0.9, 0.2), ev(0.1, 0.2, 0.4),
+                                                               ev(None, None, 0.5), ev(0.6, 0.5, 0.3)])
+    write_run(str(tmp_path / "g"), {0: 0.1, 3: 0.25}, [{}, {}, {}])  # 3 steps: 3 minutes, the least
+    runs = {"s3ac": [s3ac.read_records(str(tmp_path / d)) for d in ("s0", "s1")],
+            "grpo": [s3ac.read_records(str(tmp_path / "g"))]}
+    table = s3ac.compare_table(runs).splitlines()
+    assert table[0] == ("| run | seeds | final pass@1 | pass@1 at 3.0 min | token EV | V(s_0) EV | c | efficiency |")
+    # by hand: final 0.5, 0.4; at 3 min the step-2 evaluations (2 min) 0.3, 0.2; token EV over steps 3-4:
+    # 0.3 and 0.6 (null skipped); V(s_0) EV 0.2 and 0.5; c 0.4 and 0.35; efficiency 1 / ((1 - V0 EV)(1 + c))
+    se = lambda a, b: abs(a - b) / 2  # the standard error of two values: std (n - 1) / sqrt(2) = |a - b| / 2
+    eff = (1 / (0.8 * 1.4), 1 / (0.5 * 1.35))
+    want = [(0.45, se(0.5, 0.4)), (0.25, se(0.3, 0.2)), (0.45, se(0.3, 0.6)), (0.35, se(0.2, 0.5)),
+            (0.375, se(0.4, 0.35)), (sum(eff) / 2, se(*eff))]
+    assert table[2] == "| s3ac | 2 | " + " | ".join(f"{m:.3f} ± {s:.3f}" for m, s in want) + " |"
+    assert table[3] == "| grpo | 1 | 0.250 | 0.250 | - | - | - | - |"
 
 
 # ---------------------------------------------------------------------------------------------------------------
