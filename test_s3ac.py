@@ -1017,7 +1017,7 @@ def test_dropout_is_off_so_lr_0_gives_ratio_1(tmp_path):
     config.attention_dropout = 0.1
     config.save_pretrained(path)
     prompts = [tok(q)["input_ids"] for q in ("1+1=", "What is 3 * 4?", "7-2")]
-    args = s3ac.resolve_args(s3ac.Args(micro_batch_size=8, actor_epochs=2, lr=0.0, temperature=1.0))
+    args = s3ac.resolve_args(s3ac.Args(micro_batch_size=8, actor_epochs=2, temperature=1.0))  # the optimizer has lr 0
 
     def kl_after_update(actor):
         torch.manual_seed(0)
