@@ -1094,7 +1094,9 @@ def vllm_available() -> bool:
 #   2. The answer is the content of the LAST \boxed{...} (or \fbox{...}), braces balanced; earlier boxes do not
 #      count. An unclosed last box is "no_answer"; an empty one (an echo of the instruction) is ignored.
 #   3. Without a box, and only when the gold is a plain number, --answer-fallback final_number reads the number
-#      of the response's final statement (after its last "=" when it has one); never a number from mid-text.
+#      of the response's final statement: its last sentence with a digit (closing words after it are passed over
+#      unless they retract), after its last "=". A question, a hedge ('41 or 42'), a negation ('not 42'), a list
+#      ('1,2,3'), an operand ('multiply 6 * 7', '42 +') or a number inside LaTeX ('\sqrt{42}') is no answer.
 #   4. A plain-number gold needs a plain-number answer (integer, decimal or reduced fraction, with a sign,
 #      thousands separators, LaTeX spacing or a unit): "23 + 19" or "6 \times 7" are "not_a_number".
 #   5. Exact values compare exactly (Fraction / sympy); a relative tolerance of REL_TOL applies only where a side
@@ -1104,12 +1106,19 @@ REL_TOL = 1e-4  # relative tolerance for a decimal answer against an exact value
 ANSWER_FALLBACKS = ("final_number", "none")
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _NUMBER = r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+"  # 2,500 | 2500 | 2500.5 | .5 (after normalisation)
-_PLAIN_NUMBER = re.compile(  # a whole answer: sign, then a number or a fraction, then at most a unit word
-    rf"(?P<sign>[-+]?)\s*(?:\\frac\{{\s*(?P<fn>[-+]?\d+)\s*\}}\{{\s*(?P<fd>\d+)\s*\}}|(?P<sn>\d+)\s*/\s*(?P<sd>\d+)"
-    rf"|(?P<num>{_NUMBER}))\s*(?:[A-Za-z][A-Za-z ]*)?")
-_NUMBER_IN_TEXT = re.compile(rf"\\frac\{{\s*-?\d+\s*\}}\{{\s*\d+\s*\}}|(?<![A-Za-z_\d.,])(?:{_NUMBER})")
-_OPERATOR_BEFORE = re.compile(r"(?:[\d)}]\s*[-+*/×÷^x·]|\\times|\\cdot|\\div|\b(?:plus|minus|times|by|over))\s*$")
-_OPERATOR_AFTER = re.compile(r"^\s*(?:[-+*/×÷^x·]|\\times|\\cdot|\\div|plus|minus|times)\s*[\d(\\]")
+_UNIT_STOP = {"is", "not", "or", "and", "minus", "plus", "times", "over", "divided", "multiplied", "squared", "cubed",
+              "hundred", "thousand", "million", "billion", "pi", "wrong", "incorrect", "correct", "equals", "to"}
+_PLAIN_NUMBER = re.compile(  # a whole answer: sign, a number or a fraction, then at most a unit of up to 3 words
+    rf"(?P<sign>-?)\s*(?:\\frac\{{\s*(?P<fn>-?\d+)\s*\}}\{{\s*(?P<fd>\d+)\s*\}}|(?P<sn>\d+)\s*/\s*(?P<sd>\d+)"
+    rf"|(?P<num>{_NUMBER}))(?P<unit>(?:\s+[A-Za-z]{{2,}}'?s?){{0,3}}(?:\s*\^\s*\{{?\d\}}?)?(?:/[A-Za-z]+)?)")
+_NUMBER_IN_TEXT = re.compile(rf"\\frac\{{\s*-?\d+\s*\}}\{{\s*\d+\s*\}}|(?<![A-Za-z_\d.])(?:\d+/\d+(?!\d|\.\d)|{_NUMBER})")
+_OPERATOR_BEFORE = re.compile(r"(?:[\d)}]\s*[-+*/^x]|\\times|\\cdot|\\div|\d\s+and|"
+                              r"\b(?:plus|minus|times|by|over|from|add|subtract|multiply|divide))\s*$", re.IGNORECASE)
+_OPERATOR_AFTER = re.compile(r"^\s*(?:[-+*/^]|x\s*\d|\\times|\\cdot|\\div|\b(?:plus|minus|times)\b)")
+_LATEX_AROUND = (re.compile(r"(?:[{^_]|\\[A-Za-z]+(?:_\{?\w+\}?)?)\s*$"), re.compile(r"^(?:\s*\\[A-Za-z]|[\^_{}A-Za-z])"))
+_LIST_AROUND = (re.compile(r"\d\s*,\s*$"), re.compile(r"^\s*,\s*-?\d"))
+_NOT_AN_ANSWER = re.compile(r"\b(?:or|nor)\s*$", re.IGNORECASE)  # '41 or 42': no final answer
+_RETRACTION = re.compile(r"\b(?:wrong|incorrect|not correct|mistake|redo|recalculate)\b", re.IGNORECASE)
 
 
 def last_boxed(text: str):
@@ -1127,25 +1136,35 @@ def last_boxed(text: str):
 
 
 def _normalise(s: str) -> str:
-    """LaTeX and markdown noise out of an answer: math delimiters, spacing commands, \\text{}, units, bold."""
+    """LaTeX, unicode and markdown noise out of an answer: math delimiters, spacing, \\text{}, degree and percent
+    signs, currency, bold; unicode minus and dashes become '-', \\frac12 becomes \\frac{1}{2}."""
     s = s.replace("{,}", ",").replace("\\!", "").replace("\\,", "").replace("\\;", "").replace("\\:", "")
+    s = re.sub(r"\\q?quad\b", " ", s)
+    s = s.replace("\u2212", "-").replace("\u2013", "-").replace("\u2217", "*").replace("\u22c5", "*")
+    s = s.replace("\u00b7", "*").replace("\u00d7", "*").replace("\u00f7", "/").replace("\\ast", "*")
     s = re.sub(r"\\(?:text|textbf|mbox|mathrm|mathbf)\{([^{}]*)\}", r" \1 ", s)
-    s = re.sub(r"\\[dt]frac", r"\\frac", s)
-    s = re.sub(r"\^\s*\{?\\circ\}?|\\%|%|\\\$|\$|\\left|\\right|\\\(|\\\)|\\\[|\\\]|\*\*|\\ |~", " ", s)
-    return s.strip().rstrip(".,;:!").strip()
+    s = re.sub(r"\\[dtc]frac", r"\\frac", s)
+    s = re.sub(r"\\frac\s*(\d)\s*(\d)", r"\\frac{\1}{\2}", s)  # \frac12
+    s = re.sub(r"\^\s*\{?\\circ\}?|\\degree|\u00b0|\\%|%|\\\$|\$|\\left|\\right|\\displaystyle|\\\(|\\\)|\\\[|\\\]"
+               r"|\*\*|\\ |~", " ", s)
+    s = s.strip().rstrip(".,;:!").strip()
+    while re.fullmatch(r"\{[^{}]*\}|\([^()]*\)", s):  # {42}, (42): one enclosing pair
+        s = s[1:-1].strip()
+    return s
 
 
 def parse_number(text: str):
     """The exact value of a plain number, as a fractions.Fraction, or None when text is anything else.
 
     A plain number: an integer or decimal (thousands separators 2,500 / 2{,}500 / 2\\,500 / 2\\!500), or a
-    fraction a/b or \\frac{a}{b} in lowest terms, with an optional sign, $...$, a unit (\\text{cm}, %, ^\\circ,
-    \\$) and a final period. An expression ('23 + 19', '6 \\times 7', '\\frac{12}{4}', '2^{10}') is not one.
+    fraction a/b or \\frac{a}{b} in lowest terms, with an optional sign, $...$, a unit (up to three words such as
+    'apples' or '\\text{cm}^2', %, ^\\circ, \\$) and a final period. An expression ('23 + 19', '6 \\times 7',
+    '\\frac{12}{4}', '2^{10}', '42x', '42 is wrong') is not one.
     Example: parse_number('\\$2\\,500.50') -> Fraction(5001, 2); parse_number('6 \\times 7') -> None.
     """
     import fractions
     m = _PLAIN_NUMBER.fullmatch(_normalise(text))
-    if m is None:
+    if m is None or _UNIT_STOP & set(re.findall(r"[a-z]+", m["unit"].lower())):
         return None
     sign = -1 if m["sign"] == "-" else 1
     if m["num"] is not None:
@@ -1159,26 +1178,33 @@ def parse_number(text: str):
 def final_statement_number(text: str):
     """The answer of a response without a box: the last number of its final statement, or None.
 
-    The final statement is the text after the last sentence break (newline, or . ! ? followed by a space);
-    closing sentences without a digit ('Hope this helps!') are passed over. Within it, only what follows the
-    last '=' counts. Returns (answer, ok): ok is False when that last number is an operand of an expression
-    ('you simply multiply 6 * 7.', 'thus, 25 + 0 ='), and (None, True) when there is no number at all.
+    The final statement is the last sentence (split at newlines, and at . ! ? before a space) that holds a digit;
+    closing sentences without one ('Hope this helps!') are passed over, unless they retract ('that is wrong').
+    A final statement that asks ('Is it 42?') or retracts has no answer. Within it, only what follows the last '=' counts. Returns (answer, ok): ok is False when that number is an
+    operand or part of a larger expression ('you simply multiply 6 * 7.', 'the sum of 14 and 7', '42 +',
+    '\\sqrt{42}', '1,2,3'), and (None, True) when there is no final answer ('thus, 25 + 0 =', 'not 42', '41 or 42',
+    'Is it 42?').
     Example: 'First 5 + 3 = 8.\\nSo the final answer is 58 - 9 = 49.' -> ('49', True).
     """
     sentences = [s for s in re.split(r"\n+|(?<=[.!?])\s+", _normalise(text)) if s.strip()]
     while sentences and not re.search(r"\d", sentences[-1]):
-        sentences.pop()
-    if not sentences:
+        if _RETRACTION.search(sentences.pop()):
+            return None, True
+    if not sentences or _RETRACTION.search(sentences[-1]) or sentences[-1].rstrip().endswith("?"):
         return None, True
-    statement = sentences[-1].rsplit("=", 1)[1] if "=" in sentences[-1] else sentences[-1]
-    found = list(_NUMBER_IN_TEXT.finditer(statement))
+    statement = re.split(r"(?<![<>!])=", sentences[-1])[-1]  # after the last '=' (not '<=', '>=', '!=')
+    found = [m for m in _NUMBER_IN_TEXT.finditer(statement)  # '42, not 43': 43 is not the answer
+             if not re.search(r"\bnot\s*$", statement[: m.start()], re.IGNORECASE)]
     if not found:
         return None, True
     last = found[-1]
     before, after = statement[: last.start()], statement[last.end():]
-    if _OPERATOR_BEFORE.search(before) or _OPERATOR_AFTER.match(after):
+    if _NOT_AN_ANSWER.search(before):  # '41 or 42': a hedge
+        return None, True
+    if any(p.search(before) for p in (_OPERATOR_BEFORE, _LATEX_AROUND[0], _LIST_AROUND[0])) or \
+            any(p.match(after) for p in (_OPERATOR_AFTER, _LATEX_AROUND[1], _LIST_AROUND[1])):
         return last.group(), False
-    sign = "-" if re.search(r"-\s*$", before) else ""  # 'is -5'; '3 - 5' was caught as an expression above
+    sign = "-" if re.search(r"(?:^|[\s(:])-$", before) else ""  # 'is -5'; not 'answer - 42' or '3 - 5'
     return sign + last.group(), True
 
 
@@ -1198,29 +1224,41 @@ def extract_answer(completion: str, numeric_gold: bool, fallback: str = "final_n
     return (answer, "final_statement" if ok else "expression") if answer is not None else (None, "none")
 
 
+def _finite_decimal(denominator: int) -> bool:
+    """Whether p / denominator has a finite decimal expansion (the denominator has no prime factor but 2 and 5)."""
+    for prime in (2, 5):
+        while denominator % prime == 0:
+            denominator //= prime
+    return denominator == 1
+
+
 def _equal_numbers(gold, answer, answer_text: str) -> bool:
     """Fractions compared exactly, unless the answer is a decimal and the gold has no finite decimal expansion
     (1/3 against 0.3333): then |a - g| <= REL_TOL * |g|."""
-    den = gold.denominator
-    while den % 2 == 0:
-        den //= 2
-    while den % 5 == 0:
-        den //= 5
-    if "." in answer_text and den != 1:
+    if "." in answer_text and not _finite_decimal(gold.denominator):
         return abs(answer - gold) <= REL_TOL * abs(gold)
     return answer == gold
 
 
 def _equal_exact_or_verify(gold_parsed, pred_parsed) -> bool:
-    """sympy numbers compared exactly (a relative tolerance only when one holds a Float); anything else through
-    math-verify's verify (sets, intervals, tuples, expressions with symbols, text)."""
+    """sympy numbers compared exactly: a decimal (Float) is taken at its written value, and a relative tolerance
+    REL_TOL applies only when the other side is exact with no finite decimal expansion (1/3, sqrt(2), pi).
+    Anything else goes through math-verify's verify (sets, intervals, tuples, expressions with symbols, text)."""
     import sympy
     from math_verify import verify
     g, p = gold_parsed[0], pred_parsed[0]
     if isinstance(g, sympy.Expr) and isinstance(p, sympy.Expr) and g.is_number and p.is_number:
-        if g.has(sympy.Float) or p.has(sympy.Float):
-            gv, pv = complex(sympy.N(g, 30)), complex(sympy.N(p, 30))
-            return abs(gv - pv) <= REL_TOL * max(abs(gv), abs(pv))
+        if g == p:
+            return True
+        floats = [x for x in (g, p) if x.has(sympy.Float)]
+        if floats:
+            if len(floats) == 2:
+                return sympy.Rational(str(g)) == sympy.Rational(str(p))
+            exact, decimal = (p, g) if floats[0] is g else (g, p)
+            exact = sympy.simplify(exact)  # 2**10 -> 1024
+            if exact.is_Rational and _finite_decimal(int(exact.q)):  # 0.75 against 3/4: exact
+                return sympy.nsimplify(decimal, rational=True) == exact
+            return bool(abs(sympy.N(exact - decimal, 30)) <= REL_TOL * abs(sympy.N(exact, 30)))
         return sympy.simplify(g - p) == 0
     return verify(gold_parsed, pred_parsed)
 
@@ -1242,11 +1280,15 @@ def grade(gold: str, completion: str, truncated: bool = False, fallback: str = "
         if answer is None:
             return "no_answer"
         if gold_number is not None:
-            after_eq = answer.rsplit("=", 1)[-1]  # '\\boxed{6 \\times 7 = 42}': the value after the last '='
-            value = parse_number(after_eq)
+            if re.search(r"[<>]|!=|\\(?:[lg]eq?|neq?|[lg]t|approx)\b", answer):  # an inequality, not a value
+                return "not_a_number"
+            sides = answer.split("=")  # '\\boxed{6 \\times 7 = 42}': the value after the last '='
+            value = parse_number(sides[-1])
             if value is None:
                 return "not_a_number"
-            return "correct" if _equal_numbers(gold_number, value, _normalise(after_eq)) else "wrong"
+            if any(parse_number(side) not in (None, value) for side in sides[:-1]):  # '41 = 42': false
+                return "wrong"
+            return "correct" if _equal_numbers(gold_number, value, _normalise(sides[-1])) else "wrong"
         from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
         configs = [LatexExtractionConfig(), ExprExtractionConfig()]
         gold_parsed = parse(gold if "$" in gold or "\\boxed" in gold else f"${gold}$", extraction_config=configs)

@@ -336,9 +336,52 @@ ANSWER_POLICY_CASES = [
 ]
 
 
+# Traps for the answer policy (gold, completion, status): hedges, negations, lists, numbers inside LaTeX,
+# dangling or unicode operators, words that are not units, inequalities, decimals near exact values, and the
+# answer forms a model really writes.
+ANSWER_POLICY_TRAPS = [
+    # no reward: hedges, negations, lists, numbers inside LaTeX or expressions, words that are not units
+    ("42", "So the total is 42 +", "not_a_number"), ("42", "The answer is 42 -", "not_a_number"),
+    ("42", "The answer is not 42.", "no_answer"), ("42", "Is the answer 42?", "no_answer"),
+    ("42", "So 42 is incorrect.", "no_answer"), ("42", "I think the answer is 41 or 42.", "no_answer"),
+    ("43", "The answer is 42, not 43.", "wrong"), ("42", "The answer is 42, not 43.", "correct"),
+    ("42", "The possible answers are 41,42", "not_a_number"), ("1", "The answers are 1,2,3", "not_a_number"),
+    ("42", "The point is (42,7).", "not_a_number"), ("3", "The answer is 3,14", "not_a_number"),
+    ("42", "The answer is \\sqrt{42}.", "not_a_number"), ("10", "The answer is 2^{10}.", "not_a_number"),
+    ("42", "$\\frac{42}{x}$", "not_a_number"), ("42", "The area is $42\\pi$.", "not_a_number"),
+    ("2", "$42\\sqrt{2}$", "not_a_number"), ("42", "\\log_2 42", "not_a_number"),
+    ("5", "The answer is \u22125.", "wrong"), ("-5", "The answer is \u22125.", "correct"),
+    ("7", "14 \u2212 7", "not_a_number"), ("7", "1 \u2217 7", "not_a_number"), ("7", "1 \\ast 7", "not_a_number"),
+    ("42", "\\boxed{42x}", "not_a_number"), ("42", "\\boxed{42 is wrong}", "not_a_number"),
+    ("42", "\\boxed{42 \\text{ is not the answer}}", "not_a_number"), ("3", "\\boxed{3pi}", "not_a_number"),
+    ("5", "\\boxed{5 hundred}", "not_a_number"), ("2", "\\boxed{2 squared}", "not_a_number"),
+    ("42", "\\boxed{x <= 42}", "not_a_number"), ("42", "\\boxed{x != 42}", "not_a_number"), ("42", "\\boxed{41 = 42}", "wrong"),
+    ("2^{10}", "\\boxed{1024.05}", "wrong"), ("\\frac 34", "\\boxed{0.75003}", "wrong"), ("\\frac34", "\\boxed{0.75}", "correct"),
+    ("\\frac43", "\\boxed{1+\\frac13}", "not_a_number"), ("\\frac43", "\\boxed{\\frac86}", "not_a_number"),
+    ("7", "you simply multiply 1 and 7.", "not_a_number"), ("7", "Take 14 and subtract 7.", "not_a_number"),
+    ("7", "The difference between 14 and 7.", "not_a_number"), ("0", "The product of 9 and 0.", "not_a_number"),
+    ("42", "The answer is 42.\n\nWait, that is wrong. Let me redo it.", "no_answer"),
+    ("\\infty", "\\boxed{\\infty}", "correct"), ("10^{400}", "\\boxed{1.0\\times10^{400}}", "correct"),
+    # rewarded: units, wrappers, fraction spellings, unicode minus
+    ("42", "\\boxed{42 \\text{ cm}^2}", "correct"), ("42", "\\boxed{42\\text{ km/h}}", "correct"), ("42", "\\boxed{42\u00b0}", "correct"),
+    ("90", "\\boxed{90\\degree}", "correct"), ("42", "\\boxed{\\displaystyle 42}", "correct"), ("42", "\\boxed{{42}}", "correct"),
+    ("42", "\\boxed{(42)}", "correct"), ("\\frac{1}{2}", "\\boxed{\\frac12}", "correct"), ("\\frac{1}{2}", "\\boxed{\\cfrac{1}{2}}", "correct"),
+    ("\\frac{5}{9}", "The answer is 5/9.", "correct"), ("-45", "3 - 48 = \u221245.", "correct"), ("-5", "\\boxed{\u22125}", "correct"),
+    ("42", "Final answer - 42", "correct"),
+    # rewarded: the answer forms a model writes
+    ("42", "The answer is 42.", "correct"), ("42", "**42**", "correct"), ("42", "$42$", "correct"), ("42", "x = 42", "correct"),
+    ("42", "42 apples", "correct"), ("42", "\\boxed{42^\\circ}", "correct"), ("42", "\\boxed{\\$42.00}", "correct"),
+    ("42", "The answer is: 42", "correct"), ("42", "= 42.\n\nI hope it helps!", "correct"), ("2500", "It costs 2,500 dollars.", "correct"),
+    ("17", "8 + 9 = 17", "correct"), ("49", "58 - 9 = 49", "correct"), ("-33", "8 - 41 = -33", "correct"),
+    ("12", "7 + 5 = 12  (\\boxed{})", "correct"), ("10", "5 * 2 = 10\nYour answer is correct", "correct"),
+]
+
+
 def test_answer_policy_cases():
     for gold, completion, truncated, status in ANSWER_POLICY_CASES:
         assert s3ac.grade(gold, completion, truncated) == status, (gold, completion)
+    for gold, completion, status in ANSWER_POLICY_TRAPS:
+        assert s3ac.grade(gold, completion) == status, (gold, completion)
     assert s3ac.grade("42", "The answer is 42.", fallback="none") == "no_answer"  # --answer-fallback none
 
 
