@@ -73,6 +73,6 @@ if has_gpu; then
   exec python s3ac.py --model Qwen/Qwen2.5-Math-1.5B "$@"
 fi
 
-# CPU demo on builtin arithmetic, about 30 minutes on 2 cores; it draws runs/cpu-demo/curves.png at the end
+# CPU demo on builtin arithmetic, about 25 minutes on 2 cores; it draws runs/cpu-demo/curves.png at the end
 exec python s3ac.py "${demo[@]}" --data builtin:arithmetic --eval-data heldout --out-dir runs/cpu-demo --plot \
   --batch-prompts 16 --k 1 --steps 30 --eval-every 15 --eval-size 200 --save-every 10 "$@"

@@ -2714,8 +2714,8 @@ PLOT_PANELS = [("minutes", "eval/pass@1", "greedy pass@1 against training minute
 
 
 def plot_runs(run_dirs: list, out: str) -> str:
-    """One figure of PLOT_PANELS (x, y, title) with one line per run, labelled by its directory, written to `out`
-    (PNG); returns out. Missing and null values are skipped: a critic-free run has no line in the critic panels."""
+    """Training curves of several runs in one figure, one line per run labelled by its directory (the panels are
+    PLOT_PANELS: x, y, title), written to `out` (PNG); returns out. Missing and null values are skipped: a critic-free run has no line in the critic panels."""
     import matplotlib
     matplotlib.use("Agg")  # a file, no display
     import matplotlib.pyplot as plt
@@ -2829,7 +2829,11 @@ def plot(argv=None):
     parser = argparse.ArgumentParser(prog="s3ac.py plot", description=plot_runs.__doc__.split("\n")[0])
     parser.add_argument("run_dirs", nargs="+", help="directories with a metrics.jsonl")
     parser.add_argument("-o", "--out", default="curves.png", help="the PNG to write")
-    print(plot_runs(**vars(parser.parse_args(argv))))
+    opts = parser.parse_args(argv)
+    missing = [d for d in opts.run_dirs if not os.path.isfile(os.path.join(d, "metrics.jsonl"))]
+    if missing:
+        parser.error(f"no metrics.jsonl in {', '.join(missing)}")
+    print(plot_runs(**vars(opts)))
 
 
 def main(argv=None):
