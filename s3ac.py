@@ -1946,11 +1946,10 @@ def pretrain_critic(critic, optimizer, rows: list, args: Args, pad_id: int, gene
 # ---------------------------------------------------------------------------------------------------------------
 # 10. Evaluation, checkpoints
 # ---------------------------------------------------------------------------------------------------------------
-def evaluate(generate, tokenizer, problems, prompts, verifier, rank: int = 0, world: int = 1,
-             samples: list = None) -> dict:
-    """Greedy pass@1 on held-out problems. generate(prompts, prompt_index, greedy=True) -> Batch. Under torchrun
-    each rank answers every world-th problem (padded to equal counts, the padding not scored) and the counts are
-    summed over ranks. samples: a list that receives one sample_record per answered problem (this rank's)."""
+def evaluate(generate, tokenizer, problems, prompts, verifier, rank: int = 0, world: int = 1):
+    """Greedy pass@1 on held-out problems: (metrics, records), records one sample_record per problem this rank
+    answered. generate(prompts, prompt_index, greedy=True) -> Batch. Under torchrun each rank answers every
+    world-th problem (padded to equal counts, the padding not scored) and the counts are summed over ranks."""
     mine = list(range(rank, len(prompts), world))
     share = -(-len(prompts) // world)  # ceil: every rank generates the same number of sequences
     index = mine + [mine[0] if mine else 0] * (share - len(mine))
@@ -1958,14 +1957,14 @@ def evaluate(generate, tokenizer, problems, prompts, verifier, rank: int = 0, wo
     texts = tokenizer.batch_decode(batch.response_ids[:len(mine)], skip_special_tokens=True)
     golds, truncated = [problems[i].answer for i in mine], batch.truncated[:len(mine)].tolist()
     rewards, statuses = verifier(golds, texts, truncated)
-    if samples is not None:
-        samples += [sample_record(problems[i].question, t, g, s, r, verifier.answer_fallback)
-                    for i, t, g, s, r in zip(mine, texts, golds, statuses, rewards)]
+    records = [sample_record(problems[i].question, t, g, s, r, verifier.answer_fallback)
+               for i, t, g, s, r in zip(mine, texts, golds, statuses, rewards)]
     totals = all_reduce(torch.tensor([sum(r > 0 for r in rewards), len(mine),
                                           batch.response_mask[:len(mine)].sum().item(), sum(truncated)],
                                      dtype=torch.float64))
     return {"eval/pass@1": totals[0].item() / totals[1].item(), "eval/response_len": totals[2].item() /
-            totals[1].item(), "eval/truncated": totals[3].item() / totals[1].item(), "eval/n": int(totals[1].item())}
+            totals[1].item(), "eval/truncated": totals[3].item() / totals[1].item(),
+            "eval/n": int(totals[1].item())}, records
 
 
 def sample_record(question: str, completion: str, gold: str, status: str, reward: float, fallback: str) -> dict:
@@ -1979,27 +1978,25 @@ def sample_record(question: str, completion: str, gold: str, status: str, reward
 COMPETITION_SETS = ("aime", "amc", "hmmt")  # eval names starting so: few problems, so avg@k is reported too
 
 
-def evaluate_sources(generate, tokenizer, sources, verifier, eval_k: int, rank: int = 0, world: int = 1,
-                     samples: list = None) -> dict:
+def evaluate_sources(generate, tokenizer, sources, verifier, eval_k: int, rank: int = 0, world: int = 1):
     """evaluate() on each source (name, problems, prompts): eval/<name>/pass@1 (greedy), eval/<name>/response_len,
     ...; for a competition set (COMPETITION_SETS) with eval_k > 1 also eval/<name>/avg@<eval_k>, the accuracy over
     eval_k samples per problem at the rollout temperature (generate(..., greedy=False)), averaged over problems.
-    eval/pass@1 and the other unnamed keys repeat the first source's. samples: receives evaluate()'s records of the
-    greedy answers, each with its source's name.
+    eval/pass@1 and the other unnamed keys repeat the first source's. Returns (metrics, records): evaluate()'s
+    records of the greedy answers, each with its source's name.
 
     Example: 3 problems, samples right 2/2, 1/2, 0/2 -> avg@2 = (1 + 0.5 + 0) / 3 = 0.5.
     """
-    out, sampled = {}, lambda prompts, index, greedy: generate(prompts, index, greedy=False)
+    out, samples = {}, []
+    sampled = lambda prompts, index, greedy: generate(prompts, index, greedy=False)  # the same, sampled
     for j, (name, problems, prompts) in enumerate(sources):
-        records = [] if samples is not None else None
-        m = evaluate(generate, tokenizer, problems, prompts, verifier, rank, world, records)
+        m, records = evaluate(generate, tokenizer, problems, prompts, verifier, rank, world)
         out.update({**(m if j == 0 else {}), **{f"eval/{name}/{key[5:]}": value for key, value in m.items()}})
-        if samples is not None:
-            samples += [{"source": name, **record} for record in records]
+        samples += [{"source": name, **record} for record in records]
         if eval_k > 1 and name.startswith(COMPETITION_SETS):  # every problem eval_k times: the sample mean
-            m = evaluate(sampled, tokenizer, problems * eval_k, prompts * eval_k, verifier, rank, world)
+            m, _ = evaluate(sampled, tokenizer, problems * eval_k, prompts * eval_k, verifier, rank, world)
             out[f"eval/{name}/avg@{eval_k}"] = m["eval/pass@1"]
-    return out
+    return out, samples
 
 
 def save_checkpoint(out_dir: str, step: int, model, tokenizer, critic, actor_opt, critic_opt, sampler, update_gen,
@@ -2269,9 +2266,9 @@ def train(args: Args):
                                args.gen_batch_size, greedy, args.top_p, args.top_k)
 
     def run_eval(step):
-        t0, samples = time.time(), []
+        t0 = time.time()
         eval_generate = functools.partial(generate, max_new_tokens=args.eval_max_new_tokens or args.max_new_tokens)
-        m = evaluate_sources(eval_generate, tokenizer, eval_sets, verifier, args.eval_k, rank, world, samples)
+        m, samples = evaluate_sources(eval_generate, tokenizer, eval_sets, verifier, args.eval_k, rank, world)
         m["time/eval"] = time.time() - t0
         samples = gather_records(samples)  # every rank's completions, on rank 0
         if main:

@@ -892,8 +892,7 @@ def test_eval_sources_pass_at_1_and_avg_at_k_by_hand():
     aime = ("aime_x", [s3ac.Problem(f"q{i}", str(i + 1)) for i in range(3)], [[1, 0], [0, 1], [0, 2]])
     # plain: 2 problems, golds 5 and 6; greedy answers 5, 5 -> pass@1 = 1/2; not a competition set: no avg@k
     plain = ("gsm", [s3ac.Problem("a", "5"), s3ac.Problem("b", "6")], [[5, 0], [5, 1]])
-    samples = []
-    m = s3ac.evaluate_sources(generate, FakeTokenizer(), [plain, aime], fake_verifier, 2, samples=samples)
+    m, samples = s3ac.evaluate_sources(generate, FakeTokenizer(), [plain, aime], fake_verifier, 2)
     assert m["eval/gsm/pass@1"] == 0.5 and m["eval/gsm/n"] == 2 and "eval/gsm/avg@2" not in m
     assert m["eval/aime_x/pass@1"] == pytest.approx(1 / 3) and m["eval/aime_x/n"] == 3
     assert m["eval/aime_x/avg@2"] == pytest.approx(0.5)
@@ -901,7 +900,7 @@ def test_eval_sources_pass_at_1_and_avg_at_k_by_hand():
     assert calls == [(2, True), (3, True), (6, False)]  # greedy per source; one sampled pass of 3 x k prompts
     assert [(r["source"], r["gold"], r["reward"]) for r in samples] == [  # the greedy answers only
         ("gsm", "5", 1.0), ("gsm", "6", -1.0), ("aime_x", "1", 1.0), ("aime_x", "2", -1.0), ("aime_x", "3", -1.0)]
-    assert "eval/aime_x/avg@1" not in s3ac.evaluate_sources(generate, FakeTokenizer(), [aime], fake_verifier, 1)
+    assert "eval/aime_x/avg@1" not in s3ac.evaluate_sources(generate, FakeTokenizer(), [aime], fake_verifier, 1)[0]
 
 
 # ---------------------------------------------------------------------------------------------------------------
