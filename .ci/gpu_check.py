@@ -5,6 +5,7 @@
     python .ci/gpu_check.py --parts step,train     # some of the parts
     python .ci/gpu_check.py --timeout step=300     # another time budget for a part, in seconds
     python .ci/gpu_check.py --rollout hf           # part 3 with HF generate even where vLLM is installed
+    python .ci/gpu_check.py step-check --help      # part 3 alone, in this process: its own flags
 
 Parts, in this order; each runs as a subprocess with its own time budget, and a part that fails or runs out of
 time is reported and the next one runs:
@@ -14,9 +15,10 @@ time is reported and the next one runs:
     2. bench    python kernels.py --bench-gpu: GAE at [512, 8192] fp32 in us and as % of the copy bandwidth
                 measured in the same run, the fused losses forward and backward, log-prob peak memory against
                 the naive path at V = 151,936 (CUDA only)
-    3. step     python s3ac.py gpu-check: rollout tokens/s (vLLM when installed, else HF generate), then one
-                S3AC step and one GRPO step on the same batch, on a Qwen2.5-1.5B-shaped random model in bf16
-                autocast (--tiny: a tiny one); seconds per phase, S3AC's extra wall time over GRPO, peak GPU memory
+    3. step     python .ci/gpu_check.py step-check (step_check, on s3ac.py's own functions): rollout tokens/s
+                (vLLM when installed, else HF generate), then one S3AC step and one GRPO step on the same batch, on
+                a Qwen2.5-1.5B-shaped random model in bf16 autocast (--tiny: a tiny one); seconds per phase,
+                S3AC's extra wall time over GRPO, peak GPU memory
     4. train    python s3ac.py for a few steps on a small random model (PACT critic sync, BCE critic, DAPS), then
                 --resume from its checkpoint: every logged number finite, the weights finite, steps continued
 
@@ -135,7 +137,8 @@ def part_command(name: str, opts, python: str) -> list:
         return [python, "kernels.py", "--bench-gpu"]
     if name == "step":
         size = ["--size", "tiny", "--prompts", "8", "--tokens", "16", "--micro-batch-size", "4"] if opts.tiny else []
-        return [python, "s3ac.py", "gpu-check", "--rollout", opts.rollout, *size, *shlex.split(opts.step_args)]
+        return [python, os.path.abspath(__file__), "step-check", "--rollout", opts.rollout, *size,
+                *shlex.split(opts.step_args)]
     return [python, os.path.abspath(__file__), "train-check", "--out", opts.out] + (["--tiny"] if opts.tiny else [])
 
 
@@ -143,6 +146,8 @@ def main(argv=None) -> int:
     """Run the parts in order and write their output (see the module docstring); returns the exit status."""
     if argv is None:
         argv = sys.argv[1:]
+    if argv[:1] == ["step-check"]:
+        return step_check(argv[1:])
     if argv[:1] == ["train-check"]:
         return train_check(argv[1:])
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -153,7 +158,7 @@ def main(argv=None) -> int:
                         help="time budget of a part (repeatable)")
     parser.add_argument("--rollout", default="auto", choices=("auto", "hf", "vllm"),
                         help="part 3's rollout engine: auto = vllm when installed, else hf")
-    parser.add_argument("--step-args", default="", help="extra flags for part 3, s3ac.py gpu-check")
+    parser.add_argument("--step-args", default="", help="extra flags for part 3 (step-check --help)")
     opts = parser.parse_args(argv)
     parts = [p for p in opts.parts.split(",") if p]
     unknown = [p for p in parts if p not in PARTS]
@@ -206,6 +211,142 @@ def main(argv=None) -> int:
     emit({"part": "all", "status": "failed" if failed else "ok", "seconds": round(time.time() - t_all, 1),
           "failed": failed})
     return 1 if failed else 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Part 3: rollout throughput and the time of each phase of one S3AC and one GRPO step, on random weights
+# ---------------------------------------------------------------------------------------------------------------
+MODEL_SIZES = {  # part 3's model: Qwen2.5-1.5B's shape; a tiny one for CPU tests (head_dim 32 for vLLM's CPU attention)
+    "1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                 num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=4096),
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, max_position_embeddings=1024)}
+
+
+def step_check(argv) -> int:
+    """Part 3 (python .ci/gpu_check.py step-check [--size tiny] ...) on s3ac.py's own functions, as JSON lines;
+    nothing downloaded (weights random, vLLM's "dummy" load format): rollout tokens/s for a Qwen2.5-1.5B-sized model
+    at --prompts x --tokens; the weight sync; the seconds of each phase of one S3AC step and one GRPO step on the
+    same rollout batch, with the peak GPU memory of each; and the ratio of their wall times (S3AC's paper reports
+    the critic costs 27-40% more wall time per step than GRPO). --size tiny runs the same code on a small model, on
+    the CPU too. Returns 0."""
+    parser = argparse.ArgumentParser(prog=".ci/gpu_check.py step-check",
+                                     description=step_check.__doc__.split("\n")[0])
+    parser.add_argument("--size", default="1.5b", choices=sorted(MODEL_SIZES))
+    parser.add_argument("--prompts", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--rollout", default="auto", choices=("auto", "vllm", "hf"))
+    parser.add_argument("--micro-batch-size", type=int, default=16)
+    opts = parser.parse_args(argv)
+    import tempfile
+    import torch
+    if opts.size != "tiny" and not torch.cuda.is_available():
+        parser.error(f"--size {opts.size} needs a CUDA GPU (--size tiny runs the same code on CPU)")
+    from transformers import AutoModel, Qwen2Config, Qwen2ForCausalLM
+    sys.path.insert(0, HERE)  # s3ac.py, at the repository root
+    from s3ac import (Args, Critic, Policy, VLLMRollout, adaptive_lambda, autocast, compute_dtype, decoupled_gae,
+                      generate_hf, grpo_advantages, resolve_args, synced_time, update_actor, update_critic, value_pass,
+                      vllm_available)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def report(row: dict):
+        print(json.dumps(row), flush=True)
+
+    def peak_memory_gib():  # the most GPU memory PyTorch's tensors held since the last reset; None on the CPU
+        return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+    config = Qwen2Config(**MODEL_SIZES[opts.size], tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
+    args = resolve_args(Args(model="random", micro_batch_size=opts.micro_batch_size, max_new_tokens=opts.tokens,
+                             k=4, lr=1e-6))
+    amp = compute_dtype(args.dtype, device)
+    use_vllm = opts.rollout == "vllm" or (opts.rollout == "auto" and device.type == "cuda" and vllm_available())
+    eos_ids, pad_id = {config.vocab_size - 1}, 0  # random weights: a stop is rare, responses run to --tokens
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(1, config.vocab_size - 1, (opts.prompts, opts.prompt_len), generator=g).tolist()
+    index = [i // args.k for i in range(opts.prompts)]  # groups of k for GRPO
+    with tempfile.TemporaryDirectory() as path:
+        config.save_pretrained(path)
+        torch.manual_seed(0)
+        with torch.device(device):  # random weights drawn where they live: fast for 1.5B parameters on a GPU
+            model, backbone = Qwen2ForCausalLM(config).float(), AutoModel.from_config(config).float()
+        model.generation_config.eos_token_id = None
+        policy, critic = Policy(model), Critic(backbone, args.critic_seed).to(device)
+        actor_opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
+        critic_opt = torch.optim.AdamW(critic.parameters(), lr=args.lr * args.critic_lr_ratio, weight_decay=0.0)
+        report({"check": "setup", "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                "model": f"qwen2-{opts.size}-shaped, random weights", "parameters": sum(p.numel() for p in
+                model.parameters()), "rollout": "vllm" if use_vllm else "hf", "torch": torch.__version__})
+
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        t0 = synced_time(device)  # rollout (the same batch serves both algorithms)
+        if use_vllm:
+            engine = VLLMRollout(path, args, device, 0, 1, load_format="dummy", skip_tokenizer_init=True,
+                                 max_model_len=opts.prompt_len + opts.tokens)
+            t1 = synced_time(device)
+            engine.generate(prompts[:2], index[:2], eos_ids, pad_id, 4, 1.0)  # warm-up
+            t2 = synced_time(device)
+            batch = engine.generate(prompts, index, eos_ids, pad_id, opts.tokens, 1.0)
+        else:
+            model.eval()
+            t1 = t2 = synced_time(device)
+            with autocast(device, amp):
+                batch = generate_hf(model, prompts, index, eos_ids, pad_id, opts.tokens, 1.0, opts.prompts)
+        rollout_s = synced_time(device) - t2
+        generated = int(batch.response_mask.sum())
+        report({"check": "rollout", "engine": "vllm" if use_vllm else "hf", "prompts": opts.prompts,
+                "prompt_len": opts.prompt_len, "max_tokens": opts.tokens, "generated_tokens": generated,
+                "seconds": rollout_s, "tokens_per_s": generated / rollout_s, "engine_start_s": t1 - t0,
+                "peak_memory_gib": peak_memory_gib()})
+        if use_vllm:
+            t0 = synced_time(device)
+            engine.sync(policy)  # wake the weights, copy the actor in, in buckets
+            report({"check": "weight_sync", "seconds": synced_time(device) - t0,
+                    "bytes": sum(p.numel() * amp.itemsize for p in model.state_dict().values())})
+            del engine
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+        rewards = torch.where(torch.rand(opts.prompts, generator=g) < 0.5, 1.0, -1.0).to(device)  # [B]
+
+        def phases(algo):  # seconds of each phase of one step of `algo` on the rollout batch
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            times, t, mask = {}, synced_time(device), batch.response_mask.to(device)  # mask [B, T]
+            if algo == "s3ac":
+                with autocast(device, amp):
+                    values, _ = value_pass(critic, batch, "mse", args.micro_batch_size)  # [B, T]
+                times["values"], t = synced_time(device) - t, synced_time(device)
+                advantages, returns, _ = decoupled_gae(rewards, values, mask, args.gamma, args.critic_lam,
+                                                       adaptive_lambda(mask, args.alpha))
+            else:
+                advantages, _ = grpo_advantages(rewards, batch.prompt_index.to(device), mask)
+            times["advantages"], t = synced_time(device) - t, synced_time(device)
+            policy.train()
+            update_actor(policy, actor_opt, batch, advantages, None, args, torch.Generator().manual_seed(0))
+            times["actor"], t = synced_time(device) - t, synced_time(device)
+            if algo == "s3ac":
+                critic.train()
+                update_critic(critic, critic_opt, batch, values, returns, mask, args, torch.Generator().manual_seed(0))
+                times["critic"] = synced_time(device) - t
+            return times
+
+        phases("s3ac")  # warm-up on the full batch: first allocations, optimizer states, kernels
+        times, peaks = {}, {}
+        for algo in ("grpo", "s3ac"):
+            times[algo] = phases(algo)
+            peaks[algo] = peak_memory_gib()  # weights, gradients, Adam states and this step's activations
+        for algo, seconds in times.items():
+            report({"check": "step", "algo": algo, "sequences": opts.prompts, "tokens": generated,
+                    **{f"{k}_s": v for k, v in seconds.items()}, "rollout_s": rollout_s,
+                    "train_s": sum(seconds.values()), "step_s": sum(seconds.values()) + rollout_s,
+                    "peak_memory_gib": peaks[algo]})
+        s3ac_s, grpo_s = (sum(times[a].values()) for a in ("s3ac", "grpo"))
+        report({"check": "critic_overhead", "extra_wall_time": (s3ac_s - grpo_s) / (grpo_s + rollout_s),
+                "extra_train_time": (s3ac_s - grpo_s) / grpo_s, "rollout": "vllm" if use_vllm else "hf",
+                "target": "extra_wall_time < 0.27", "paper_range": [0.27, 0.40]})
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------------------------
