@@ -1,15 +1,18 @@
 """Fused kernels for S3AC: GAE, the CISPO policy loss, the clipped and the BCE value losses, and log-probs
 computed from hidden states without materialising the [N, V] logits.
 
-Each op is one block, in this order:
+The math is in s3ac.py; this file makes it fast. For GAE and the three losses the readable PyTorch definition is
+the s3ac.py function of the same name (`gae`, `cispo_loss`, `value_loss`, `bce_value_loss`); this file holds, per
+op, in this order:
 
-    _name_kernel (Triton, @triton.jit)  ->  _name_triton (launcher)  ->  name_ref (PyTorch)  ->  name (dispatch)
+    _name_kernel (Triton, @triton.jit)  ->  launcher / autograd.Function  ->  name (same signature as s3ac.name)
 
-`s3ac.py` imports only the dispatching names: `gae`, `cispo_loss`, `value_loss`, `bce_value_loss`,
-`logprobs_from_hidden`, and `set_backend`. The dispatcher runs the Triton path when the tensors live on a CUDA
-device and Triton imports, and the PyTorch reference otherwise. The backend can be forced:
+`name` here always runs Triton. s3ac.py calls it at one dispatch point, `s3ac.kernel_or(fn)`, which asks
+`use_triton(tensor)`: with the backend "auto", Triton for CUDA tensors when Triton imports, s3ac.py's function
+otherwise. `logprobs_from_hidden` (and its chunked PyTorch reference) lives here whole and dispatches itself the
+same way. The backend can be forced:
 
-    set_backend("torch")        # always the reference
+    set_backend("torch")        # always the PyTorch definitions
     set_backend("triton")       # always Triton; CPU tensors then need TRITON_INTERPRET=1 set before import
     S3AC_KERNELS=torch python s3ac.py ...   # same, as the initial value
 
@@ -18,9 +21,9 @@ Mask convention: `response_mask` [B, T] is nonzero on tokens the policy generate
 padding. Values stored at masked positions are never read into a result (the code selects with
 `torch.where` / `tl.where`, never multiplies by the mask), so padding may hold NaN or inf.
 
-Loss normaliser: every loss is  sum over valid tokens / num_tokens,  where `num_tokens` defaults to the number
-of valid tokens in the call (at least 1). With gradient accumulation, pass the token count of the whole batch
-so that the micro-batch losses add up to the token mean over the batch.
+Loss normaliser (as in s3ac.py): every loss is  sum over valid tokens / num_tokens,  where `num_tokens` defaults
+to the number of valid tokens in the call (at least 1). With gradient accumulation, pass the token count of the
+whole batch so that the micro-batch losses add up to the token mean over the batch.
 
 Benchmarks (one JSON line per op and size):
     python kernels.py --bench        # the GPU section when CUDA and Triton are present, else the CPU section
@@ -40,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-try:  # Triton is optional: without it every op runs its PyTorch reference.
+try:  # Triton is optional: without it s3ac.py runs its PyTorch functions.
     import triton
     import triton.language as tl
 
@@ -71,9 +74,10 @@ if _backend not in _BACKENDS:
 def set_backend(name: str) -> None:
     """Choose how the dispatching ops run.
 
-    name: "auto" (Triton for CUDA tensors when Triton imports, PyTorch reference otherwise), "triton" (always
-    Triton; CPU tensors then need TRITON_INTERPRET=1 set before Triton was imported) or "torch" (always the
-    reference). The initial value comes from the environment variable S3AC_KERNELS (default "auto").
+    name: "auto" (Triton for CUDA tensors when Triton imports, PyTorch otherwise), "triton" (always Triton; CPU
+    tensors then need TRITON_INTERPRET=1 set before Triton was imported) or "torch" (always PyTorch: s3ac.py's
+    functions, logprobs_from_hidden_ref). The initial value comes from the environment variable S3AC_KERNELS
+    (default "auto").
     Raises ValueError for any other name.
     """
     global _backend
@@ -87,17 +91,26 @@ def get_backend() -> str:
     return _backend
 
 
-def _use_triton(x: Tensor) -> bool:
-    """Whether the dispatcher should take the Triton path for an op whose inputs live where `x` does."""
+def use_triton(x: Tensor) -> bool:
+    """Whether an op whose inputs live where `x` does should run its Triton kernel (else the PyTorch definition).
+
+    Backend "torch": False; "auto": x on a CUDA device and Triton importable; "triton": True, or RuntimeError when
+    Triton cannot run there (see _require_triton).
+    """
     if _backend == "torch":
         return False
     if _backend == "triton":
-        if not HAS_TRITON:
-            raise RuntimeError("set_backend('triton') but triton could not be imported")
-        if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-            raise RuntimeError("Triton on CPU tensors needs TRITON_INTERPRET=1 set before triton is imported")
+        _require_triton(x)
         return True
     return HAS_TRITON and x.is_cuda
+
+
+def _require_triton(x: Tensor) -> None:
+    """Raises RuntimeError when the Triton kernels cannot run on tensors that live where `x` does."""
+    if not HAS_TRITON:
+        raise RuntimeError("the Triton backend is selected but triton could not be imported")
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("Triton on CPU tensors needs TRITON_INTERPRET=1 set before triton is imported")
 
 
 def _num_tokens(response_mask: Tensor, num_tokens) -> Tensor | float:
@@ -134,6 +147,7 @@ def _check_same_shape(**tensors) -> None:
 #     A_t     = sum_{l >= 0} (gamma * lam)^l * delta_{t+l}   =   delta_t + gamma * lam * A_{t+1}
 # over the valid tokens of a row, with V = 0 after the last one. Masked positions are skipped: the next value
 # and the running advantage are carried across them (the convention of verl's compute_gae_advantage_return).
+# The readable definition is s3ac.gae, a reverse loop over T.
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -207,105 +221,17 @@ def _gae_triton(rewards, values, response_mask, gamma, lam):
     return adv, ret
 
 
-def _discounted_reverse_cumsum(x: Tensor, w: Tensor, chunk: int = 32) -> Tensor:
-    """y[b, t] = sum_{s >= t} w[b]^(s - t) * x[b, s]  for x [B, T] fp32 and w [B] fp32 (or [1]) in [0, 1].
-
-    Exact scan without rescaling: positions are cut into chunks of `chunk`; inside a chunk the sum is a matmul
-    with the upper-triangular matrix K[j, i] = w^(j - i) (j >= i, else 0), and the chunk starts are linked by
-    the same recursion with factor w^chunk, solved by calling this function on them. Every position only ever
-    receives terms from positions at or after it, multiplied by an exact 0 otherwise, so a huge value early in
-    a row cannot disturb later positions, and w = 1 stays exact (no 1 / w^t factors).
-    """
-    B, T = x.shape
-    C = min(chunk, T)
-    n = -(-T // C)
-    xc = F.pad(x, (0, n * C - T)).view(B, n, C)  # [B, n, C]
-    idx = torch.arange(C, device=x.device)
-    expo = (idx[:, None] - idx[None, :]).to(torch.float32)  # [C, C]  j - i (row j, column i)
-    upper = expo >= 0
-    if w.numel() == 1:  # one factor for all rows: a single GEMM over all chunks
-        K = torch.where(upper, w.reshape(()) ** expo.clamp(min=0), 0.0)  # [C, C]
-        local = (xc.reshape(B * n, C) @ K).view(B, n, C)  # [B, n, C]
-    else:  # a factor per row: one [C, C] matrix per row
-        K = torch.where(upper, w[:, None, None] ** expo.clamp(min=0), 0.0)  # [B, C, C]
-        local = torch.bmm(xc, K)  # [B, n, C]
-    if n > 1:
-        w_col = w.reshape(-1, 1)  # [B or 1, 1]
-        starts = _discounted_reverse_cumsum(local[:, :, 0].contiguous(), w ** C, chunk)  # [B, n] y at chunk starts
-        next_start = F.pad(starts[:, 1:], (0, 1))  # [B, n]  y at the start of the following chunk (0 past the end)
-        decay = w_col ** (C - idx).to(torch.float32)  # [B or 1, C]  w^(C - i)
-        local = local + decay[:, None, :] * next_start[:, :, None]  # [B, n, C]
-    return local.reshape(B, n * C)[:, :T]
-
-
-def gae_ref(rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: float, lam) -> tuple[Tensor, Tensor]:
-    """GAE in PyTorch, vectorised over rows and positions (see `gae` for the contract).
-
-    Skipping masked positions is made plain adjacency first: when some row has a masked gap between valid
-    tokens, the valid tokens of every row are packed to the front (scattered by their running count) and
-    unpacked at the end; rows padded only on the left or right need no packing. Then
-    delta = r + gamma * V_next - V and A = the discounted reverse cumsum of delta with factor gamma * lam
-    (`_discounted_reverse_cumsum`, exact and vectorised).
-    """
-    _check_same_shape(rewards=rewards, values=values, response_mask=response_mask)
-    B, T = rewards.shape
-    valid = response_mask != 0  # [B, T]
-    if B == 0 or T == 0:
-        z = torch.zeros(B, T, device=rewards.device, dtype=torch.float32)
-        return z, z.clone()
-    r = torch.where(valid, rewards.float(), 0.0)  # [B, T] padding garbage dropped here
-    v = torch.where(valid, values.float(), 0.0)  # [B, T]
-    span_starts = valid[:, :1].sum(1) + (valid[:, 1:] & ~valid[:, :-1]).sum(1)  # [B] runs of valid tokens
-    packed = bool((span_starts > 1).any())
-    if packed:
-        slot = valid.cumsum(1, dtype=torch.int32) - 1  # [B, T]  index of each valid token among the valid ones
-        dest = torch.where(valid, slot, T).long()  # [B, T]  masked positions go to a spare column T
-        spare = torch.zeros(B, T + 1, device=r.device, dtype=torch.float32)  # [B, T+1]
-        r = spare.scatter(1, dest, r)[:, :T]  # [B, T] valid tokens first
-        v = spare.scatter(1, dest, v)[:, :T]  # [B, T] (only zeros reach column T)
-    v_next = F.pad(v[:, 1:], (0, 1))  # [B, T]  V of the next valid token; 0 after the last one (terminal)
-    delta = r + gamma * v_next - v  # [B, T]  exactly 0 wherever r = v = 0 (padding, or past the packed tokens)
-    if isinstance(lam, Tensor):
-        gl = gamma * _row_lambda(lam, B, r.device)  # [B]
-    else:
-        gl = torch.tensor([gamma * float(lam)], device=r.device, dtype=torch.float32)  # [1]
-    adv = _discounted_reverse_cumsum(delta, gl)  # [B, T]
-    if packed:
-        adv = F.pad(adv, (0, 1)).gather(1, dest)  # [B, T] back to the original positions; column T is 0
-        v = torch.where(valid, values.float(), 0.0)  # [B, T] unpacked values
-    else:
-        adv = torch.where(valid, adv, 0.0)  # [B, T]
-    return adv, adv + v  # returns = A + V, exactly 0 at masked positions (both terms are 0 there)
-
-
 def gae(rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: float, lam) -> tuple[Tensor, Tensor]:
-    """Token-level GAE over response tokens, skipping masked positions.
+    """Token-level GAE as one Triton program per row: s3ac.gae's signature, contract and result (to fp32 rounding).
 
-    Math (Schulman et al. 2016, GAE, Eq. 16), per row, for t = T-1 down to 0 with next_v = 0 and A = 0 at start:
-        if valid[t]:  delta = r[t] + gamma * next_v - V[t];  A = delta + gamma * lam * A;  next_v = V[t]
-        else:         next_v and A are carried unchanged
-        advantages[t] = A if valid[t] else 0;   returns[t] = A + V[t] if valid[t] else 0
-    No whitening is applied; the caller whitens if it wants to.
-
-    Args:
-        rewards: [B, T] per-token rewards (any float dtype).
-        values: [B, T] critic values V(s_t) in reward units (any float dtype).
-        response_mask: [B, T], nonzero on valid tokens. Masked entries of rewards/values are never read into a
-            result, so they may hold NaN or inf.
-        gamma: discount factor (float, normally in [0, 1]).
-        lam: GAE lambda, a float or a Tensor [B] with one lambda per row (e.g. a length-adaptive lambda).
-    Returns:
-        (advantages, returns), both [B, T] fp32, exactly 0 at masked positions.
-    Raises:
-        ValueError if the three tensors are not of one shape [B, T] or lam has the wrong length.
-
-    Example (gamma = 1, lam = 0.95): mask [1, 1, 0], rewards [0, 1, 0], values [0, 0, 100]
-        -> advantages [0.95, 1.0, 0.0], returns [0.95, 1.0, 0.0].
+    rewards, values, response_mask: [B, T] (padding may hold NaN or inf); gamma: float; lam: float or Tensor [B].
+    Returns (advantages, returns), both [B, T] fp32, 0 at masked positions. Source: Schulman et al. 2016, eq. 16.
+    Raises ValueError if the tensors are not of one shape [B, T] or lam has the wrong length; RuntimeError when
+    Triton cannot run on these tensors (no Triton, or CPU tensors without TRITON_INTERPRET=1).
     """
     _check_same_shape(rewards=rewards, values=values, response_mask=response_mask)
-    if _use_triton(rewards):
-        return _gae_triton(rewards, values, response_mask, gamma, lam)
-    return gae_ref(rewards, values, response_mask, gamma, lam)
+    _require_triton(rewards)
+    return _gae_triton(rewards, values, response_mask, gamma, lam)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -314,6 +240,7 @@ def gae(rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: float, la
 # CISPO (MiniMax 2025, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention", Sec. 3.1):
 #     J = sg(clip(ratio, 1 - eps_low, 1 + eps_high)) * A * log pi(token),   ratio = pi / pi_old
 # The clipped ratio is a stop-gradient weight, so every token keeps a gradient (unlike PPO clipping).
+# The readable definition is s3ac.cispo_loss.
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -378,62 +305,21 @@ def _cispo_loss_triton(logprobs, old_logprobs, advantages, response_mask, eps_lo
     return loss, {"pg_clipfrac": sums[1] / num_tokens, "approx_kl": sums[2] / num_tokens}
 
 
-def cispo_loss_ref(logprobs, old_logprobs, advantages, response_mask, eps_low: float, eps_high: float,
-                   num_tokens=None) -> tuple[Tensor, dict]:
-    """CISPO loss in PyTorch autograd (see `cispo_loss` for the contract)."""
-    _check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages,
-                      response_mask=response_mask)
-    n = _num_tokens(response_mask, num_tokens)
-    valid = response_mask != 0  # [B, T]
-    logp = torch.where(valid, logprobs.float(), 0.0)  # [B, T]  padding garbage dropped, gradient kept on valid
-    old_logp = torch.where(valid, old_logprobs.float(), 0.0)  # [B, T]
-    adv = torch.where(valid, advantages.float(), 0.0)  # [B, T]
-    log_ratio = logp - old_logp  # [B, T]
-    ratio = log_ratio.exp()  # [B, T]  pi / pi_old
-    weight = ratio.clamp(1.0 - eps_low, 1.0 + eps_high).detach()  # [B, T]  sg(clip(ratio, 1-eps_low, 1+eps_high))
-    pg_loss = -(weight * adv * logp).sum() / n  # CISPO: J = sg(clip(ratio)) * A * log pi;  loss = -sum J / n
-    with torch.no_grad():
-        clipped = valid & ((ratio < 1.0 - eps_low) | (ratio > 1.0 + eps_high))  # [B, T]
-        approx_kl = torch.where(valid, (ratio - 1.0) - log_ratio, 0.0).sum() / n  # k3 estimator of KL(old||new)
-        metrics = {"pg_clipfrac": clipped.sum() / n, "approx_kl": approx_kl}
-    return pg_loss, metrics
-
-
 def cispo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor, eps_low: float,
                eps_high: float, num_tokens=None) -> tuple[Tensor, dict]:
-    """CISPO policy loss (MiniMax-M1, 2025, Sec. 3.1: clipped IS-weight policy optimisation).
+    """CISPO loss (MiniMax-M1, 2025, sec. 3.1) fused into one kernel: s3ac.cispo_loss's signature and contract.
 
-        ratio = exp(logprobs - old_logprobs)
-        J_t   = sg(clip(ratio_t, 1 - eps_low, 1 + eps_high)) * A_t * logprobs_t      (bounds relative to 1)
-        loss  = -sum_{valid t} J_t / num_tokens
+        loss = -sum_{valid t} sg(clip(ratio_t, 1 - eps_low, 1 + eps_high)) * A_t * logprobs_t / num_tokens
 
-    The gradient flows only through `logprobs` (the clipped ratio is a detached weight), so
-    d loss / d logprobs_t = -clip(ratio_t) * A_t / num_tokens. Example: ratio 1.5, eps_high 0.28, A = 1,
-    num_tokens = 1 -> gradient -1.28.
-
-    Args:
-        logprobs: [B, T] log pi(token) under the current policy (nats), requires grad.
-        old_logprobs: [B, T] log-probs under the rollout policy (nats); no gradient.
-        advantages: [B, T] per-token advantages; no gradient.
-        response_mask: [B, T], nonzero on valid tokens; masked entries of the inputs may hold garbage.
-        eps_low, eps_high: relative clip bounds: the weight is clipped to [1 - eps_low, 1 + eps_high].
-        num_tokens: normaliser (int, float or scalar Tensor). Default: valid tokens in this call (at least 1).
-            With gradient accumulation pass the valid-token count of the WHOLE batch, so the micro-batch losses
-            add up to the token mean over the batch.
-    Returns:
-        (pg_loss, metrics): pg_loss a scalar fp32 tensor; metrics holds detached scalars, each a sum over valid
-        tokens divided by num_tokens (so they too add up over micro-batches):
-        "pg_clipfrac" share of tokens whose ratio lies outside [1 - eps_low, 1 + eps_high];
-        "approx_kl" mean of (ratio - 1) - log(ratio), the k3 estimate of KL(old || new).
-    Raises:
-        ValueError if the four tensors are not of one shape [B, T].
+    logprobs, old_logprobs, advantages, response_mask: [B, T]; eps_low, eps_high relative to 1; num_tokens default
+    the valid tokens (at least 1). Returns (pg_loss, {"pg_clipfrac", "approx_kl"}), as s3ac.cispo_loss.
+    Raises ValueError if the four tensors are not of one shape [B, T]; RuntimeError when Triton cannot run here.
     """
     _check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages,
                       response_mask=response_mask)
-    if _use_triton(logprobs):
-        n = _num_tokens(response_mask, num_tokens)
-        return _cispo_loss_triton(logprobs, old_logprobs, advantages, response_mask, eps_low, eps_high, n)
-    return cispo_loss_ref(logprobs, old_logprobs, advantages, response_mask, eps_low, eps_high, num_tokens)
+    _require_triton(logprobs)
+    n = _num_tokens(response_mask, num_tokens)
+    return _cispo_loss_triton(logprobs, old_logprobs, advantages, response_mask, eps_low, eps_high, n)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -447,6 +333,7 @@ def cispo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, respo
 #
 # Soft BCE value loss on a sigmoid critic (PACT, "unique token credit and policy-aligned critic training"):
 #     L = softplus(z) - y * z  = BCE(sigmoid(z), y),   d L / d z = sigmoid(z) - y
+# The readable definitions are s3ac.value_loss and s3ac.bce_value_loss.
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -510,51 +397,20 @@ def _value_loss_triton(values, old_values, returns, response_mask, eps_v, num_to
     return loss, {"v_clipfrac": sums[1] / num_tokens}
 
 
-def value_loss_ref(values, old_values, returns, response_mask, eps_v: float, num_tokens=None) -> tuple[Tensor, dict]:
-    """Clipped value loss in PyTorch autograd (see `value_loss` for the contract)."""
-    _check_same_shape(values=values, old_values=old_values, returns=returns, response_mask=response_mask)
-    n = _num_tokens(response_mask, num_tokens)
-    valid = response_mask != 0  # [B, T]
-    v = torch.where(valid, values.float(), 0.0)  # [B, T]
-    v_old = torch.where(valid, old_values.float(), 0.0)  # [B, T]
-    ret = torch.where(valid, returns.float(), 0.0)  # [B, T]
-    v_clip = torch.clamp(v, v_old - eps_v, v_old + eps_v)  # [B, T]  V_old + clip(V - V_old, -eps, eps)
-    loss_unclipped = (v - ret) ** 2  # [B, T]
-    loss_clipped = (v_clip - ret) ** 2  # [B, T]
-    v_loss = 0.5 * torch.where(valid, torch.maximum(loss_unclipped, loss_clipped), 0.0).sum() / n
-    with torch.no_grad():
-        metrics = {"v_clipfrac": (valid & (loss_clipped > loss_unclipped)).sum() / n}
-    return v_loss, metrics
-
-
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, response_mask: Tensor, eps_v: float,
                num_tokens=None) -> tuple[Tensor, dict]:
-    """Clipped value loss (PPO value clipping, OpenAI baselines ppo2; Engstrom et al. 2020, Sec. 3).
+    """Clipped value loss fused into one kernel: s3ac.value_loss's signature and contract.
 
-        L_t  = 0.5 * max((V_t - R_t)^2, (V_old_t + clip(V_t - V_old_t, -eps_v, eps_v) - R_t)^2)
-        loss = sum_{valid t} L_t / num_tokens
+        loss = sum_{valid t} 0.5 * max((V - R)^2, (V_old + clip(V - V_old, -eps_v, eps_v) - R)^2)_t / num_tokens
 
-    Examples (R = 10, V_old = 5, eps_v = 0.2, one token): V = 9 -> loss 11.52, gradient 0 (the clipped branch
-    wins and is flat); V = 1 -> loss 40.5, gradient -9.
-
-    Args:
-        values: [B, T] current critic values (reward units), requires grad.
-        old_values: [B, T] critic values at rollout time; no gradient.
-        returns: [B, T] regression targets R; no gradient.
-        response_mask: [B, T], nonzero on valid tokens; masked entries of the inputs may hold garbage.
-        eps_v: absolute clip range around old_values, in reward units.
-        num_tokens: normaliser, as in `cispo_loss` (pass the whole batch's token count with accumulation).
-    Returns:
-        (v_loss, metrics): scalar fp32 loss; metrics["v_clipfrac"] = (valid tokens where the clipped branch is
-        strictly larger) / num_tokens, detached.
-    Raises:
-        ValueError if the four tensors are not of one shape [B, T].
+    values, old_values, returns, response_mask: [B, T]; eps_v absolute (reward units). Returns (v_loss,
+    {"v_clipfrac"}), as s3ac.value_loss. Source: OpenAI baselines ppo2; Engstrom et al. 2020, sec. 3.
+    Raises ValueError if the four tensors are not of one shape [B, T]; RuntimeError when Triton cannot run here.
     """
     _check_same_shape(values=values, old_values=old_values, returns=returns, response_mask=response_mask)
-    if _use_triton(values):
-        n = _num_tokens(response_mask, num_tokens)
-        return _value_loss_triton(values, old_values, returns, response_mask, eps_v, n)
-    return value_loss_ref(values, old_values, returns, response_mask, eps_v, num_tokens)
+    _require_triton(values)
+    n = _num_tokens(response_mask, num_tokens)
+    return _value_loss_triton(values, old_values, returns, response_mask, eps_v, n)
 
 
 @_jit(do_not_specialize=["n_elements"])
@@ -604,37 +460,17 @@ def _bce_value_loss_triton(value_logits, targets, response_mask, num_tokens):
     return _BceValueLossFn.apply(value_logits, targets, response_mask, num_tokens), {}
 
 
-def bce_value_loss_ref(value_logits, targets, response_mask, num_tokens=None) -> tuple[Tensor, dict]:
-    """Soft BCE value loss in PyTorch autograd (see `bce_value_loss` for the contract)."""
-    _check_same_shape(value_logits=value_logits, targets=targets, response_mask=response_mask)
-    n = _num_tokens(response_mask, num_tokens)
-    valid = response_mask != 0  # [B, T]
-    z = torch.where(valid, value_logits.float(), 0.0)  # [B, T]
-    y = torch.where(valid, targets.float(), 0.0)  # [B, T]
-    per_token = F.softplus(z) - y * z  # [B, T]  = BCE(sigmoid(z), y)
-    return torch.where(valid, per_token, 0.0).sum() / n, {}
-
-
 def bce_value_loss(value_logits: Tensor, targets: Tensor, response_mask: Tensor, num_tokens=None) -> tuple[Tensor, dict]:
-    """Soft binary cross-entropy loss for a sigmoid critic (PACT: V = sigmoid(z) trained with soft BCE).
+    """Soft BCE value loss fused into one kernel: s3ac.bce_value_loss's signature and contract.
 
-        L_t  = softplus(z_t) - y_t * z_t      (= -y log sigmoid(z) - (1 - y) log(1 - sigmoid(z)))
-        loss = sum_{valid t} L_t / num_tokens,     d L_t / d z_t = sigmoid(z_t) - y_t
+        loss = sum_{valid t} (softplus(z_t) - y_t * z_t) / num_tokens,     d loss / d z_t = (sigmoid(z_t) - y_t) / n
 
-    Args:
-        value_logits: [B, T] critic logits z (the value is sigmoid(z)), requires grad.
-        targets: [B, T] soft targets y, any real numbers (normally in [0, 1]); no gradient.
-        response_mask: [B, T], nonzero on valid tokens; masked entries of the inputs may hold garbage.
-        num_tokens: normaliser, as in `cispo_loss`.
-    Returns:
-        (v_loss, {}): scalar fp32 loss (nats per token) and an empty metrics dict.
-    Raises:
-        ValueError if the three tensors are not of one shape [B, T].
+    value_logits, targets, response_mask: [B, T]. Returns (v_loss, {}). Source: PACT's sigmoid critic.
+    Raises ValueError if the three tensors are not of one shape [B, T]; RuntimeError when Triton cannot run here.
     """
     _check_same_shape(value_logits=value_logits, targets=targets, response_mask=response_mask)
-    if _use_triton(value_logits):
-        return _bce_value_loss_triton(value_logits, targets, response_mask, _num_tokens(response_mask, num_tokens))
-    return bce_value_loss_ref(value_logits, targets, response_mask, num_tokens)
+    _require_triton(value_logits)
+    return _bce_value_loss_triton(value_logits, targets, response_mask, _num_tokens(response_mask, num_tokens))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -841,7 +677,7 @@ def logprobs_from_hidden(hidden: Tensor, weight: Tensor, targets: Tensor, temper
     Example: logits [2, 1, 0] at temperature 0.5, target 0 -> log softmax([4, 2, 0])[0] = -0.14293.
     """
     _check_logprob_args(hidden, weight, targets, temperature)
-    if _use_triton(hidden):
+    if use_triton(hidden):
         return _logprobs_from_hidden_triton(hidden, weight, targets, temperature)
     return logprobs_from_hidden_ref(hidden, weight, targets, temperature)
 
@@ -908,13 +744,16 @@ def _timed(fn, *args):
 
 
 def _bench_gae_cpu(print_json):
+    """GAE on the CPU: "ref" is s3ac.gae (the reverse loop the training run uses there) against verl's loop."""
     import statistics
+
+    import s3ac
 
     gamma, lam = 1.0, 0.95
     for B, T in [(64, 512), (256, 2048), (512, 4096), (512, 8192)]:
         rewards, values, masks = _bench_gae_inputs(B, T)
         reps = 7 if B * T <= 2**20 else 3
-        impls = {"ref": lambda m: gae_ref(rewards, values, m, gamma, lam),
+        impls = {"ref": lambda m: s3ac.gae(rewards, values, m, gamma, lam),
                  "verl_loop": lambda m: _gae_verl_loop(rewards, values, m, gamma, lam)}
         if B * T <= 64 * 512:
             impls["elementwise_loop"] = lambda m: _gae_elementwise_loop(rewards, values, m, gamma, lam)
@@ -926,7 +765,7 @@ def _bench_gae_cpu(print_json):
                 for k in order:
                     times[k].append(_timed(impls[k], mask))
             gold, _ = _gae_verl_loop(rewards.double(), values.double(), mask.double(), gamma, lam)
-            err_ref = (gae_ref(rewards, values, mask, gamma, lam)[0].double() - gold).abs().max().item()
+            err_ref = (s3ac.gae(rewards, values, mask, gamma, lam)[0].double() - gold).abs().max().item()
             err_loop = (_gae_verl_loop(rewards, values, mask, gamma, lam)[0].double() - gold).abs().max().item()
             row = {"op": "gae", "device": "cpu", "B": B, "T": T, "mask": name, "reps": reps,
                    "threads": torch.get_num_threads()}
@@ -1056,8 +895,10 @@ GAE_TARGET_PCT_OF_COPY_BW = 70.0  # GAE reads and writes every element once, so 
 def _bench_gpu(print_json):
     """The GPU section, one JSON line per op: copy bandwidth, GAE at [512, 8192], the fused losses forward and
     forward + backward, log-prob peak memory against the naive path. A section that raises prints
-    {"op": ..., "error": ...} and the next section runs."""
+    {"op": ..., "error": ...} and the next section runs. "ref" is the s3ac.py function of the same math."""
     import traceback
+
+    import s3ac
 
     dev = torch.device("cuda")
     name = torch.cuda.get_device_name(dev)
@@ -1091,11 +932,11 @@ def _bench_gpu(print_json):
         mask = masks["with_gaps"].to(dev).bool()
         lam = 0.95
         adv_t, _ = _gae_triton(rewards, values, mask, 1.0, lam)
-        adv_r, _ = gae_ref(rewards, values, mask, 1.0, lam)
+        adv_r, _ = s3ac.gae(rewards, values, mask, 1.0, lam)
         err = (adv_t - adv_r).abs().max().item()
         nbytes = B * T * (4 + 4 + 1 + 4 + 4)  # read rewards, values, mask; write advantages, returns
         us_t = _cuda_time_us(lambda: _gae_triton(rewards, values, mask, 1.0, lam))
-        us_r = _cuda_time_us(lambda: gae_ref(rewards, values, mask, 1.0, lam))
+        us_r = _cuda_time_us(lambda: s3ac.gae(rewards, values, mask, 1.0, lam), warmup=1, reps=3)  # a loop over T
         us_loop = _cuda_time_us(lambda: _gae_verl_loop(rewards, values, mask.float(), 1.0, lam), warmup=1, reps=3)
         pct = pct_of_copy(nbytes, us_t)
         copy = state.get("copy_GB_s")
@@ -1128,9 +969,9 @@ def _bench_gpu(print_json):
 
         bce_targets = torch.rand(B, T, device=dev, generator=g)
         for op, fn_t, fn_r, args, n_in in [
-            ("cispo_loss", _cispo_loss_triton, cispo_loss_ref, (old, other, mask, 0.2, 0.28), 3),
-            ("value_loss", _value_loss_triton, value_loss_ref, (old, other, mask, 0.2), 3),
-            ("bce_value_loss", _bce_value_loss_triton, bce_value_loss_ref, (bce_targets, mask), 2),
+            ("cispo_loss", _cispo_loss_triton, s3ac.cispo_loss, (old, other, mask, 0.2, 0.28), 3),
+            ("value_loss", _value_loss_triton, s3ac.value_loss, (old, other, mask, 0.2), 3),
+            ("bce_value_loss", _bce_value_loss_triton, s3ac.bce_value_loss, (bce_targets, mask), 2),
         ]:
             fwd_bytes = B * T * (4 * n_in + 1 + 4)  # fp32 inputs and the mask in, the gradient coefficient out
             bwd_bytes = B * T * (4 + 4)  # the coefficient in, the gradient out

@@ -1500,6 +1500,56 @@ def micro_batches(n: int, size: int):
 # ---------------------------------------------------------------------------------------------------------------
 # 6. Advantages (decoupled GAE or a critic-free baseline) and critic diagnostics [algorithm]
 # ---------------------------------------------------------------------------------------------------------------
+def gae(rewards, values, response_mask, gamma: float, lam):
+    """Generalized Advantage Estimation (Schulman et al. 2016, eq. 16) over response tokens, skipping padding.
+
+    A reverse loop over T, vectorised over the B rows; per row, with V = 0 and A = 0 after the last valid token:
+        delta_t = r_t + gamma * V(s_{t+1}) - V(s_t),   A_t = delta_t + gamma * lam * A_{t+1},   R_t = A_t + V(s_t)
+    where s_{t+1} is the next VALID token: a masked step carries the next value and the running advantage across
+    unchanged (verl's compute_gae_advantage_return), so left padding or a masked span changes nothing.
+    rewards, values: [B, T] (any float dtype; padding may hold NaN or inf: it is never read into a result);
+    response_mask: [B, T], nonzero on valid tokens; lam: a float or a Tensor [B], one lambda per row.
+    Returns (advantages [B, T], returns [B, T]), fp32, raw (no whitening), exactly 0 on padding.
+    Raises ValueError when the tensors are not of one shape [B, T] or lam has neither 1 nor B entries.
+    Example (gamma 1, lam 0.95): mask [1, 1, 0], rewards [0, 1, 0], values [0, 0, 100] -> advantages and
+    returns [0.95, 1.0, 0.0]. kernels.gae is the Triton kernel of the same math (see kernel_or).
+    """
+    if rewards.dim() != 2 or not rewards.shape == values.shape == response_mask.shape:
+        raise ValueError(f"expected rewards, values, response_mask of one shape [B, T], got "
+                         f"{tuple(rewards.shape)}, {tuple(values.shape)}, {tuple(response_mask.shape)}")
+    B, T = rewards.shape
+    lam = torch.as_tensor(lam, dtype=torch.float32, device=rewards.device).reshape(-1)  # [B] or [1]
+    if lam.numel() not in (1, B):
+        raise ValueError(f"per-row lambda has {lam.numel()} entries for {B} rows")
+    valid = response_mask != 0  # [B, T]
+    r = torch.where(valid, rewards.float(), 0.0)  # [B, T]  padding garbage dropped here
+    v = torch.where(valid, values.float(), 0.0)  # [B, T]
+    advantages = torch.zeros(B, T, device=rewards.device)  # [B, T]
+    next_value = torch.zeros(B, device=rewards.device)  # [B]  V(s_{t+1}), 0 after the last valid token
+    lastgaelam = torch.zeros(B, device=rewards.device)  # [B]  A_{t+1}
+    for t in reversed(range(T)):
+        delta = r[:, t] + gamma * next_value - v[:, t]  # [B]  delta_t = r_t + gamma V(s_{t+1}) - V(s_t)
+        lastgaelam = torch.where(valid[:, t], delta + gamma * lam * lastgaelam, lastgaelam)  # [B]  A_t
+        next_value = torch.where(valid[:, t], v[:, t], next_value)  # [B]  a masked step carries V and A across
+        advantages[:, t] = torch.where(valid[:, t], lastgaelam, 0.0)
+    return advantages, advantages + v  # returns R_t = A_t + V(s_t), 0 on padding
+
+
+def kernel_or(fn):
+    """The one dispatch point between the math here and kernels.py: fn, or its Triton kernel where that applies.
+
+    fn: gae, cispo_loss, value_loss or bce_value_loss; kernels.py holds a function of the same name, signature
+    and contract (test_s3ac.py compares the two with each other and with fp64). Returns a function with fn's
+    signature that, per call, runs the kernel when kernels.use_triton(first tensor argument) holds (--kernels
+    auto: a CUDA tensor and Triton importable; --kernels triton: always; --kernels torch: never), else fn.
+    """
+    def dispatch(*args, **kwargs):
+        kernel = getattr(kernels, fn.__name__)
+        return (kernel if kernels.use_triton(args[0]) else fn)(*args, **kwargs)
+
+    return functools.wraps(fn)(dispatch)
+
+
 def outcome_rewards_to_tokens(rewards, response_mask):
     """Token rewards [B, T]: the outcome reward R [B] on the last valid token, 0 elsewhere."""
     last = (response_mask.sum(1).long() - 1).clamp(min=0)  # [B]
@@ -1514,18 +1564,20 @@ def adaptive_lambda(response_mask, alpha: float):
     return (1.0 - 1.0 / (alpha * lengths)).clamp(0.0, 1.0)  # [B]
 
 
-def decoupled_gae(rewards, values, response_mask, gamma: float, critic_lam: float, actor_lam):
+def decoupled_gae(rewards, values, response_mask, gamma: float, critic_lam: float, actor_lam, gae_fn=gae):
     """Actor advantages with lambda = actor_lam and critic targets with lambda = critic_lam (VAPO/S3AC; PPO with
     one lambda for both).
 
     rewards: [B] outcome rewards; values: [B, T] V(s_t) (padding may hold anything, it never reaches a valid
-    token); response_mask: [B, T]; actor_lam: a float or [B] per-sequence lambdas (see adaptive_lambda).
+    token); response_mask: [B, T]; actor_lam: a float or [B] per-sequence lambdas (see adaptive_lambda);
+    gae_fn: `gae`, or the training loop's kernel_or(gae) (same result, Triton on a GPU).
     Returns (advantages [B, T], returns [B, T], metrics {adv/lambda_mean}). Advantages are raw: any whitening
     belongs at the call site. Source: GAE, Schulman et al. 2016 eq. 16; decoupled lambdas, VAPO (Yue et al. 2025).
+    Needs: outcome_rewards_to_tokens, gae.
     """
     token_rewards = outcome_rewards_to_tokens(rewards, response_mask)  # [B, T]
-    _, returns = kernels.gae(token_rewards, values, response_mask, gamma, critic_lam)  # [B, T] critic targets
-    advantages, _ = kernels.gae(token_rewards, values, response_mask, gamma, actor_lam)  # [B, T]
+    _, returns = gae_fn(token_rewards, values, response_mask, gamma, critic_lam)  # [B, T] critic targets
+    advantages, _ = gae_fn(token_rewards, values, response_mask, gamma, actor_lam)  # [B, T]
     lam_mean = actor_lam.mean().item() if torch.is_tensor(actor_lam) else float(actor_lam)
     return advantages, returns, {"adv/lambda_mean": lam_mean}
 
@@ -1556,7 +1608,7 @@ def grpo_advantages(rewards, prompt_index, response_mask, use_std: bool = True):
     A group whose rewards are all equal gets exactly 0 (fp64 statistics; std below 1e-6 counts as 0).
     Example: rewards [1, 0, 1, 1], prompt_index [0, 0, 1, 1] -> [1, -1, 0, 0] on every token.
     rewards: [B]; prompt_index: [B]; response_mask: [B, T]. Returns (advantages [B, T] fp32, metrics).
-    Raises ValueError when a group has fewer than 2 sequences.
+    Raises ValueError when a group has fewer than 2 sequences. Needs: group_stats, _require_groups.
     """
     mean, var, count = group_stats(rewards, prompt_index)  # [B] each
     _require_groups(count, "grpo")
@@ -1659,9 +1711,9 @@ def critic_efficiency(ev: float, c: float) -> float:
 
     EV: share of the advantage (outcome) variance the critic removes; c: critic compute / actor compute. The
     critic pays for itself (efficiency > 1) when EV > c / (1 + c). Published rows: c = 0.083, EV = 0.248 -> 1.23;
-    c = 0.75, EV = 0.354 -> 0.88. Returns nan when EV is nan or 1.
+    c = 0.75, EV = 0.354 -> 0.88. Returns nan when EV is nan, infinite or >= 1.
     """
-    if not math.isfinite(ev) or ev >= 1:
+    if not -float("inf") < ev < 1:  # False for nan too
         return float("nan")
     return 1.0 / ((1.0 - ev) * (1.0 + c))
 
@@ -1689,7 +1741,7 @@ def critic_metrics(values, returns, rewards, response_mask, critic_s: float, act
 # ---------------------------------------------------------------------------------------------------------------
 def ppo_clip_loss(logprobs, old_logprobs, advantages, response_mask, eps_low: float, eps_high: float,
                   num_tokens=None):
-    """PPO clipped surrogate (Schulman et al. 2017, eq. 7), same contract as kernels.cispo_loss.
+    """PPO clipped surrogate (Schulman et al. 2017, eq. 7), same contract as cispo_loss.
 
         ratio = exp(logprobs - old_logprobs)
         J_t   = min(ratio_t * A_t, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A_t)   (bounds relative to 1)
@@ -1713,7 +1765,39 @@ def ppo_clip_loss(logprobs, old_logprobs, advantages, response_mask, eps_low: fl
     return pg_loss, {"pg_clipfrac": clipped.sum() / n, "approx_kl": approx_kl}
 
 
-ACTOR_LOSSES = {"cispo": kernels.cispo_loss, "ppo": ppo_clip_loss}  # same signature, chosen by --actor-loss
+def cispo_loss(logprobs, old_logprobs, advantages, response_mask, eps_low: float, eps_high: float,
+               num_tokens=None):
+    """CISPO policy loss (MiniMax-M1, 2025, sec. 3.1 / eq. 4): the clipped ratio is a detached weight, so every
+    token keeps a gradient (unlike PPO clipping).
+
+        ratio = exp(logprobs - old_logprobs)
+        J_t   = sg(clip(ratio_t, 1 - eps_low, 1 + eps_high)) * A_t * logprobs_t      (bounds relative to 1)
+        loss  = -sum_{valid t} J_t / num_tokens      (num_tokens default: valid tokens in this call, at least 1)
+
+    logprobs [B, T] (nats, requires grad), old_logprobs / advantages / response_mask [B, T]; padding may hold
+    garbage. With gradient accumulation pass the WHOLE batch's token count as num_tokens, so the micro-batch
+    losses and metrics add up to the token mean. Returns (pg_loss scalar fp32, metrics, detached, summed over
+    valid tokens / num_tokens): "pg_clipfrac" share of ratios outside [1 - eps_low, 1 + eps_high], "approx_kl" the
+    k3 estimate (ratio - 1) - log(ratio) of KL(old || new). Raises ValueError when the shapes differ or are not 2-D.
+    Example: ratio 1.5, eps_high 0.28, A = 1, num_tokens 1 -> d loss / d logprobs = -1.28.
+    """
+    if logprobs.dim() != 2 or not logprobs.shape == old_logprobs.shape == advantages.shape == response_mask.shape:
+        raise ValueError("expected logprobs, old_logprobs, advantages, response_mask of one shape [B, T]")
+    valid = response_mask != 0  # [B, T]
+    n = valid.sum().clamp(min=1).float() if num_tokens is None else num_tokens
+    logp = torch.where(valid, logprobs.float(), 0.0)  # [B, T]  padding garbage dropped, gradient kept on valid
+    log_ratio = logp - torch.where(valid, old_logprobs.float(), 0.0)  # [B, T]
+    ratio = log_ratio.exp()  # [B, T]  pi / mu
+    adv = torch.where(valid, advantages.float(), 0.0)  # [B, T]
+    weight = ratio.clamp(1.0 - eps_low, 1.0 + eps_high).detach()  # [B, T]  sg(clip(r, 1 - eps_low, 1 + eps_high))
+    pg_loss = -(weight * adv * logp).sum() / n  # CISPO: J = sg(clip(r)) * A * log pi;  loss = -sum J / n
+    with torch.no_grad():
+        clipped = valid & ((ratio < 1.0 - eps_low) | (ratio > 1.0 + eps_high))  # [B, T]
+        approx_kl = torch.where(valid, (ratio - 1.0) - log_ratio, 0.0).sum() / n  # k3 estimator of KL(old || new)
+    return pg_loss, {"pg_clipfrac": clipped.sum() / n, "approx_kl": approx_kl}
+
+
+ACTOR_LOSSES = {"cispo": kernel_or(cispo_loss), "ppo": ppo_clip_loss}  # same signature, chosen by --actor-loss
 
 
 def pact_targets(returns, logprobs, old_logprobs, response_mask, rho_min: float, rho_max: float):
@@ -1739,17 +1823,69 @@ def pact_targets(returns, logprobs, old_logprobs, response_mask, rho_min: float,
     return (rho * (returns + 1) - 1) * critic_mask, critic_mask, metrics  # [B, T], [B, T]
 
 
+def value_loss(values, old_values, returns, response_mask, eps_v: float, num_tokens=None):
+    """Clipped value loss (PPO value clipping of OpenAI baselines' ppo2; Engstrom et al. 2020, sec. 3; VAPO).
+
+        L_t  = 0.5 * max((V_t - R_t)^2, (V_old_t + clip(V_t - V_old_t, -eps_v, eps_v) - R_t)^2)
+        loss = sum_{valid t} L_t / num_tokens        (num_tokens as in cispo_loss)
+
+    values [B, T] (reward units, requires grad), old_values [B, T] (the clip anchor), returns [B, T] (targets R),
+    response_mask [B, T]; padding may hold garbage. eps_v: ABSOLUTE clip range around old_values, reward units.
+    Returns (v_loss scalar fp32, {"v_clipfrac": valid tokens where the clipped branch is strictly larger /
+    num_tokens}). Raises ValueError when the shapes differ or are not 2-D.
+    Examples (R = 10, V_old = 5, eps_v = 0.2, one token): V = 9 -> loss 11.52, gradient 0 (the clipped branch
+    wins and is flat there); V = 1 -> loss 40.5, gradient -9.
+    """
+    if values.dim() != 2 or not values.shape == old_values.shape == returns.shape == response_mask.shape:
+        raise ValueError("expected values, old_values, returns, response_mask of one shape [B, T]")
+    valid = response_mask != 0  # [B, T]
+    n = valid.sum().clamp(min=1).float() if num_tokens is None else num_tokens
+    v = torch.where(valid, values.float(), 0.0)  # [B, T]
+    v_old = torch.where(valid, old_values.float(), 0.0)  # [B, T]
+    ret = torch.where(valid, returns.float(), 0.0)  # [B, T]
+    # clip(V, V_old - eps, V_old + eps) = V_old + clip(V - V_old, -eps, eps), and is V itself (bit for bit) inside
+    # the range, so there the two branches tie exactly
+    v_clip = torch.clamp(v, v_old - eps_v, v_old + eps_v)  # [B, T]
+    loss_unclipped = (v - ret) ** 2  # [B, T]
+    loss_clipped = (v_clip - ret) ** 2  # [B, T]
+    v_loss = 0.5 * torch.where(valid, torch.maximum(loss_unclipped, loss_clipped), 0.0).sum() / n  # L = sum L_t / n
+    with torch.no_grad():
+        v_clipfrac = (valid & (loss_clipped > loss_unclipped)).sum() / n
+    return v_loss, {"v_clipfrac": v_clipfrac}
+
+
+def bce_value_loss(value_logits, targets, response_mask, num_tokens=None):
+    """Soft binary cross-entropy for a sigmoid critic (PACT: V = sigmoid(z) trained with soft BCE).
+
+        L_t  = softplus(z_t) - y_t * z_t      (= -y log sigmoid(z) - (1 - y) log(1 - sigmoid(z)))
+        loss = sum_{valid t} L_t / num_tokens,      dL_t / dz_t = sigmoid(z_t) - y_t   (num_tokens as in cispo_loss)
+
+    value_logits [B, T] (z, requires grad), targets [B, T] (soft y, normally in [0, 1]), response_mask [B, T];
+    padding may hold garbage. Returns (v_loss scalar fp32 in nats per token, {}).
+    Raises ValueError when the shapes differ or are not 2-D.
+    """
+    if value_logits.dim() != 2 or not value_logits.shape == targets.shape == response_mask.shape:
+        raise ValueError("expected value_logits, targets, response_mask of one shape [B, T]")
+    valid = response_mask != 0  # [B, T]
+    n = valid.sum().clamp(min=1).float() if num_tokens is None else num_tokens
+    z = torch.where(valid, value_logits.float(), 0.0)  # [B, T]
+    y = torch.where(valid, targets.float(), 0.0)  # [B, T]
+    per_token = torch.nn.functional.softplus(z) - y * z  # [B, T]  L_t = BCE(sigmoid(z), y)
+    return torch.where(valid, per_token, 0.0).sum() / n, {}
+
+
 def critic_loss_fn(raw, old_values, targets, response_mask, critic_loss: str, eps_v: float, num_tokens=None):
     """Critic loss toward targets on the +-1 scale, token-mean (summed over valid tokens / num_tokens).
 
-    mse: L = 0.5 * max((V - R)^2, (V_old + clip(V - V_old, -eps_v, eps_v) - R)^2) with V = raw (PPO2 / VAPO).
-    bce: L = BCE(sigmoid(z), clamp((R + 1) / 2, 0, 1)) with z = raw (PACT's sigmoid critic); old_values unused.
-    Returns (v_loss, metrics) as kernels.value_loss / kernels.bce_value_loss.
+    mse: value_loss, L = 0.5 * max((V - R)^2, (V_old + clip(V - V_old, -eps_v, eps_v) - R)^2), V = raw (PPO2/VAPO).
+    bce: bce_value_loss, L = BCE(sigmoid(z), clamp((R + 1) / 2, 0, 1)), z = raw (PACT's sigmoid critic);
+    old_values unused. Both through kernel_or. Returns (v_loss, metrics) as value_loss / bce_value_loss.
     """
     if critic_loss == "bce":
         # a soft target above 1 (PACT's rho_t > 1 on a right answer) has no minimum under BCE: clamp to [0, 1]
-        return kernels.bce_value_loss(raw, ((targets + 1) / 2).clamp(0.0, 1.0), response_mask, num_tokens=num_tokens)
-    return kernels.value_loss(raw, old_values, targets, response_mask, eps_v, num_tokens=num_tokens)
+        soft_targets = ((targets + 1) / 2).clamp(0.0, 1.0)  # [B, T]
+        return kernel_or(bce_value_loss)(raw, soft_targets, response_mask, num_tokens=num_tokens)
+    return kernel_or(value_loss)(raw, old_values, targets, response_mask, eps_v, num_tokens=num_tokens)
 
 
 def optimize(module, optimizer, batch: Batch, loss_fn, token_mask, epochs: int, minibatches: int,
@@ -1923,7 +2059,7 @@ def rows_to_batch(rows: list, pad_id: int):
 def mc_returns(rewards, response_mask, gamma: float):
     """Monte-Carlo returns [B, T]: GAE with lambda = 1 (V is irrelevant then), R on every token when gamma = 1."""
     token_rewards = outcome_rewards_to_tokens(rewards, response_mask)  # [B, T]
-    return kernels.gae(token_rewards, torch.zeros_like(token_rewards), response_mask, gamma, 1.0)[1]  # [B, T]
+    return kernel_or(gae)(token_rewards, torch.zeros_like(token_rewards), response_mask, gamma, 1.0)[1]  # [B, T]
 
 
 def critic_fit(values, raw, returns, response_mask, critic_loss: str) -> dict:
@@ -2436,7 +2572,8 @@ def train(args: Args):
             advantages, m = outcome_baselines[args.algo](rewards, batch.prompt_index.to(device), mask)  # [B, T]
         else:
             lam = adaptive_lambda(mask, args.alpha) if args.actor_lam == 0 else args.actor_lam  # [B] or float
-            advantages, returns, m = decoupled_gae(rewards, values, mask, args.gamma, args.critic_lam, lam)
+            advantages, returns, m = decoupled_gae(rewards, values, mask, args.gamma, args.critic_lam, lam,
+                                                   gae_fn=kernel_or(gae))
         metrics.update(m)
 
         # actor update (behaviour log-probs first when the actor takes several steps)

@@ -7,11 +7,14 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
 
+import inspect
 import json
 import math
+import re
 import subprocess
 import sys
 import threading
+import types
 
 import pytest
 import torch
@@ -1016,7 +1019,7 @@ def test_ppo_clip_loss_matches_loop_and_gradient():
     assert m["approx_kl"].item() == pytest.approx((((ratio - 1) - (logp - old)) * mask).sum().item() / 8, abs=1e-5)
 
 
-@pytest.mark.parametrize("loss_fn,sign", [(s3ac.ppo_clip_loss, -1.0), (K.cispo_loss, 1.0)])
+@pytest.mark.parametrize("loss_fn,sign", [(s3ac.ppo_clip_loss, -1.0), (s3ac.cispo_loss, 1.0)])
 def test_loss_aggregation_is_token_mean(loss_fn, sign):
     # per-token losses [1, 1] and [3, 3, 3, 3]: with log pi = -1 and ratio 1, PPO's is -A and CISPO's is A
     mask = torch.tensor([[1.0, 1, 0, 0], [1, 1, 1, 1]])
@@ -1915,7 +1918,103 @@ def test_compare_table_arithmetic(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# kernels.py: every op on both backends against independent golds
+# Copy-paste: each math function of s3ac.py runs on its own, with only torch and the helpers its docstring names
+# ---------------------------------------------------------------------------------------------------------------
+def _pasted(name):
+    """s3ac.<name> as a reader who copies it gets it: its source and that of each helper named after "Needs:" in
+    its docstring, exec'd in a fresh namespace that holds only torch (helpers first: a default may name one)."""
+    doc = inspect.getdoc(getattr(s3ac, name))
+    needs = re.search(r"Needs: ([\w, ]+)", doc)
+    namespace = {"torch": torch}
+    for part in (needs.group(1).split(", ") if needs else []) + [name]:
+        fn = getattr(s3ac, part)
+        assert not {"math", "kernels", "args", "all_reduce"} & set(fn.__code__.co_names), part  # no module state
+        exec(inspect.getsource(fn), namespace)
+    assert set(namespace) - {"torch", "__builtins__"} == set((needs.group(1).split(", ") if needs else []) + [name])
+    return namespace[name]
+
+
+def test_pasted_gae_and_decoupled_gae_hand_cases():
+    gae = _pasted("gae")
+    nan = float("nan")
+    # deltas 0.1, 0.1, 0.3 -> A_2 = 0.3, A_1 = 0.1 + 0.95 * 0.3 = 0.385, A_0 = 0.1 + 0.95 * 0.385 = 0.46575
+    adv, ret = gae(torch.tensor([[0.0, 0.0, 1.0, nan]]), torch.tensor([[0.5, 0.6, 0.7, float("inf")]]),
+                   torch.tensor([[1, 1, 1, 0]]), 1.0, 0.95)
+    assert torch.allclose(adv, torch.tensor([[0.46575, 0.385, 0.3, 0.0]]), atol=1e-6)
+    assert torch.allclose(ret, torch.tensor([[0.96575, 0.985, 1.0, 0.0]]), atol=1e-6)
+    # per-row lambda; row 1 has an interior gap (skipped: V after it is the next value) and row 2 is all padding
+    rewards = torch.tensor([[0.0, 0.0, 0.0, 1.0], [0.0, 5.0, 0.0, 1.0], [nan, nan, nan, nan]])
+    values = torch.tensor([[0.5, 0.5, 0.5, 0.5], [0.2, -7.0, 0.4, 0.5], [nan, nan, nan, nan]])
+    mask = torch.tensor([[1.0, 1, 1, 1], [1, 0, 1, 1], [0, 0, 0, 0]])
+    adv, _ = gae(rewards, values, mask, 0.9, torch.tensor([0.0, 0.5, 0.7]))
+    a3 = 1.0 - 0.5  # row 1: delta_3 = 1 - 0.5
+    a2 = 0.9 * 0.5 - 0.4 + 0.45 * a3
+    a0 = 0.9 * 0.4 - 0.2 + 0.45 * a2
+    row0 = [0.9 * 0.5 - 0.5, 0.9 * 0.5 - 0.5, 0.9 * 0.5 - 0.5, 0.5]  # lambda 0: A_t = delta_t
+    assert torch.allclose(adv, torch.tensor([row0, [a0, 0.0, a2, a3], [0.0] * 4]), atol=1e-6)
+    with pytest.raises(ValueError):
+        gae(rewards, values, mask, 0.9, torch.tensor([0.5, 0.5]))
+
+    decoupled_gae = _pasted("decoupled_gae")  # its default gae_fn is the pasted gae
+    adv, ret, m = decoupled_gae(torch.tensor([1.0]), torch.tensor([[0.5, 0.6, 0.7, nan]]),
+                                torch.tensor([[1.0, 1, 1, 0]]), 1.0, 1.0, 0.95)
+    assert torch.allclose(adv, torch.tensor([[0.46575, 0.385, 0.3, 0.0]]), atol=1e-6)
+    assert torch.allclose(ret, torch.tensor([[1.0, 1.0, 1.0, 0.0]]), atol=1e-6)  # lambda 1: the outcome R
+    assert m == {"adv/lambda_mean": 0.95}
+
+
+def test_pasted_losses_hand_cases():
+    cispo_loss = _pasted("cispo_loss")
+    nan = float("nan")
+    logprobs = torch.tensor([[math.log(1.5), 0.3]], requires_grad=True)  # old logprob 0 -> ratio 1.5
+    loss, m = cispo_loss(logprobs, torch.tensor([[0.0, nan]]), torch.tensor([[1.0, nan]]),
+                         torch.tensor([[1.0, 0.0]]), 0.2, 0.28)
+    loss.backward()
+    assert loss.item() == pytest.approx(-1.28 * math.log(1.5))  # weight clip(1.5) = 1.28, one token
+    assert torch.allclose(logprobs.grad, torch.tensor([[-1.28, 0.0]]))
+    assert m["pg_clipfrac"].item() == 1.0 and m["approx_kl"].item() == pytest.approx(0.5 - math.log(1.5), rel=1e-5)
+
+    value_loss = _pasted("value_loss")
+    values = torch.tensor([[9.0, 1.0, 3.0]], requires_grad=True)  # R = 10, V_old = 5, eps_v = 0.2
+    loss, m = value_loss(values, torch.tensor([[5.0, 5.0, nan]]), torch.tensor([[10.0, 10.0, nan]]),
+                         torch.tensor([[1.0, 1.0, 0.0]]), 0.2)
+    loss.backward()
+    # V = 9: max(1, 4.8^2 = 23.04) -> 11.52, clipped branch flat; V = 1: max(81, 5.2^2) -> 40.5, gradient V - R = -9
+    assert loss.item() == pytest.approx((11.52 + 40.5) / 2)
+    assert torch.allclose(values.grad, torch.tensor([[0.0, -4.5, 0.0]]))
+    assert m["v_clipfrac"].item() == 0.5
+
+
+def test_pasted_pact_daps_grpo_and_efficiency_hand_cases():
+    pact_targets = _pasted("pact_targets")
+    logprobs = torch.tensor([[math.log(2.0), math.log(8.0)], [math.log(0.5), 0.0]])
+    targets, critic_mask, m = pact_targets(torch.tensor([[1.0, 1.0], [-1.0, -1.0]]), logprobs, torch.zeros(2, 2),
+                                           torch.ones(2, 2), 0.0, 6.0)
+    # rho = [[2, 8], [0.5, 1]]; rho 8 > 6 is left out; target rho * (R + 1) - 1 = 3 on the right answer, -1 on wrong
+    assert torch.allclose(critic_mask, torch.tensor([[1.0, 0.0], [1.0, 1.0]]))
+    assert torch.allclose(targets, torch.tensor([[3.0, 0.0], [-1.0, -1.0]]))
+    assert m["critic/rho_mean"] == pytest.approx((2 + 8 + 0.5 + 1) / 4) and m["critic/rho_masked_frac"] == 0.25
+
+    p_hat = _pasted("daps_estimate")(torch.tensor([3.0, 0.0]), torch.tensor([4.0, 0.0]), torch.tensor([0.5, 0.3]), 2.0)
+    assert torch.allclose(p_hat, torch.tensor([4 / 6, 0.3]))  # (3 + 2 * 0.5) / (4 + 2); a new prompt gets p_c
+    a = _pasted("daps_accept_prob")(torch.tensor([2 / 3, 0.5, 0.0, 1.0]), 0.1)
+    assert torch.allclose(a, torch.tensor([0.9, 1.0, 0.1, 0.1]))  # 0.1 + 0.9 * 4 * (2/3) * (1/3) = 0.9
+
+    grpo_advantages = _pasted("grpo_advantages")
+    mask = torch.tensor([[1.0, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 1]])
+    adv, m = grpo_advantages(torch.tensor([1.0, 0, 1, 1]), torch.tensor([0, 0, 1, 1]), mask)
+    assert torch.equal(adv, torch.tensor([[1.0], [-1.0], [0.0], [0.0]]) * mask)  # (R - 0.5) / 0.5; equal group: 0
+    assert m == {"adv/zero_groups": 0.5}
+    with pytest.raises(ValueError):
+        grpo_advantages(torch.tensor([1.0, 0, 1]), torch.tensor([0, 0, 1]), torch.ones(3, 1))
+
+    critic_efficiency = _pasted("critic_efficiency")
+    assert critic_efficiency(0.5, 0.25) == pytest.approx(1 / (0.5 * 1.25))
+    assert all(math.isnan(critic_efficiency(ev, 0.1)) for ev in (float("nan"), 1.0, float("inf"), -float("inf")))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# kernels.py: every Triton kernel against the s3ac.py function of the same math and against independent golds
 # ---------------------------------------------------------------------------------------------------------------
 _K_BACKENDS = ["torch"]  # the backends that run on CPU tensors here
 if K.HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1":
@@ -1927,8 +2026,7 @@ if torch.cuda.is_available():
     _K_CASES.append(("torch", "cuda"))
     if K.HAS_TRITON and os.environ.get("TRITON_INTERPRET") != "1":
         _K_CASES.append(("triton", "cuda"))
-_K_OPS = ("gae", "gae_ref", "cispo_loss", "value_loss", "bce_value_loss", "logprobs_from_hidden",
-          "logprobs_from_hidden_ref")  # the kernels.py functions the tests call
+_K_MATH = ("gae", "cispo_loss", "value_loss", "bce_value_loss")  # s3ac.py functions with a kernels.py twin
 
 
 def _k_on_device(fn, device):
@@ -1948,29 +2046,31 @@ def _k_on_device(fn, device):
     return on_device
 
 
-def _k_case(backend, device, monkeypatch):
-    """Select `backend`; for a device other than the CPU, route the kernels.py functions through it."""
-    if device != "cpu":
-        for name in _K_OPS:
-            monkeypatch.setattr(K, name, _k_on_device(getattr(K, name), device))
+def _k_ops(backend, device):
+    """The ops under test in one (backend, device) case: the _K_MATH ops as s3ac.py's function ("torch") or as
+    kernels.py's Triton kernel ("triton"), and kernels.logprobs_from_hidden(_ref) with that backend selected; all
+    run on `device` with CPU tensors in and out."""
     K.set_backend(backend)
+    ops = {name: getattr(K if backend == "triton" else s3ac, name) for name in _K_MATH}
+    ops.update(logprobs_from_hidden=K.logprobs_from_hidden, logprobs_from_hidden_ref=K.logprobs_from_hidden_ref)
+    if device != "cpu":
+        ops = {name: _k_on_device(fn, device) for name, fn in ops.items()}
+    return types.SimpleNamespace(backend=backend, **ops)
 
 
 @pytest.fixture(params=_K_CASES, ids=[b if d == "cpu" else f"{b}-{d}" for b, d in _K_CASES])
-def kbackend(request, monkeypatch):
-    """Runs the test once per (backend, device) case and restores "auto" afterwards; yields the backend name."""
-    _k_case(*request.param, monkeypatch)
-    yield request.param[0]
+def kops(request):
+    """Runs the test once per (backend, device) case and restores "auto" afterwards; yields its ops (_k_ops)."""
+    yield _k_ops(*request.param)
     K.set_backend("auto")
 
 
 @pytest.fixture(params=[d for b, d in _K_CASES if b == "triton"] or ["none"])
-def ktriton(request, monkeypatch):
-    """Forces the Triton backend, once per device it runs on (skips where it runs on none), and restores "auto"."""
+def ktriton(request):
+    """The Triton ops (_k_ops), once per device they run on (skips where they run on none); restores "auto"."""
     if request.param == "none":
         pytest.skip("triton runs here neither under TRITON_INTERPRET=1 nor on a CUDA device")
-    _k_case("triton", request.param, monkeypatch)
-    yield
+    yield _k_ops("triton", request.param)
     K.set_backend("auto")
 
 
@@ -2033,48 +2133,83 @@ def test_kernels_set_backend_rejects_unknown_name():
     assert K.get_backend() in ("auto", "triton", "torch")
 
 
-@pytest.mark.parametrize("name", ["gae", "cispo_loss", "value_loss", "bce_value_loss", "logprobs_from_hidden"])
-def test_kernels_dispatch_follows_backend(monkeypatch, name):
+_K_ARGS = {  # small valid arguments per op
+    "gae": (torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3), 1.0, 0.95),
+    "cispo_loss": (torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3), 0.2, 0.28),
+    "value_loss": (torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3), 0.2),
+    "bce_value_loss": (torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3)),
+}
+
+
+@pytest.mark.parametrize("name", _K_MATH)
+def test_kernels_dispatch_point_follows_backend(monkeypatch, name):
     calls = []
-    monkeypatch.setattr(K, f"_{name}_triton", lambda *a, **k: calls.append("triton"))
-    monkeypatch.setattr(K, f"{name}_ref", lambda *a, **k: calls.append("torch"))
-    x = torch.zeros(2, 3)
-    args = {
-        "gae": (x, x, x, 1.0, 0.95),
-        "cispo_loss": (x, x, x, x, 0.2, 0.28),
-        "value_loss": (x, x, x, x, 0.2),
-        "bce_value_loss": (x, x, x),
-        "logprobs_from_hidden": (x, torch.zeros(5, 3), torch.zeros(2, dtype=torch.long)),
-    }[name]
-    fn = getattr(K, name)
+    monkeypatch.setattr(K, name, lambda *a, **k: calls.append("triton"))
+
+    def math_fn(*a, **k):
+        calls.append("torch")
+    math_fn.__name__ = name
+    fn = s3ac.kernel_or(math_fn)  # the kernel is looked up by name at each call
     try:
         K.set_backend("torch")
-        fn(*args)
-        K.set_backend("auto")  # CPU tensors: reference
-        fn(*args)
+        fn(*_K_ARGS[name])
+        K.set_backend("auto")  # CPU tensors: the s3ac.py function
+        fn(*_K_ARGS[name])
         if "triton" in _K_BACKENDS:
             K.set_backend("triton")
-            fn(*args)
+            fn(*_K_ARGS[name])
     finally:
         K.set_backend("auto")
     assert calls == ["torch", "torch"] + (["triton"] if "triton" in _K_BACKENDS else [])
 
 
+def test_kernels_logprobs_dispatch_follows_backend(monkeypatch):
+    calls = []
+    monkeypatch.setattr(K, "_logprobs_from_hidden_triton", lambda *a, **k: calls.append("triton"))
+    monkeypatch.setattr(K, "logprobs_from_hidden_ref", lambda *a, **k: calls.append("torch"))
+    args = (torch.zeros(2, 3), torch.zeros(5, 3), torch.zeros(2, dtype=torch.long))
+    try:
+        K.set_backend("torch")
+        K.logprobs_from_hidden(*args)
+        K.set_backend("auto")
+        K.logprobs_from_hidden(*args)
+        if "triton" in _K_BACKENDS:
+            K.set_backend("triton")
+            K.logprobs_from_hidden(*args)
+    finally:
+        K.set_backend("auto")
+    assert calls == ["torch", "torch"] + (["triton"] if "triton" in _K_BACKENDS else [])
+
+
+@pytest.mark.parametrize("name", _K_MATH)
+def test_kernels_signatures_match_s3ac_and_refuse_cpu_without_interpreter(monkeypatch, name):
+    params = lambda fn: [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+    assert params(getattr(K, name)) == params(getattr(s3ac, name))
+    if K.HAS_TRITON:  # the kernel never falls back silently: CPU tensors need the interpreter
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+            getattr(K, name)(*_K_ARGS[name])
+    with pytest.raises(ValueError):  # both check shapes the same way
+        getattr(s3ac, name)(torch.zeros(2, 4), *_K_ARGS[name][1:])
+    with pytest.raises(ValueError):
+        getattr(K, name)(torch.zeros(2, 4), *_K_ARGS[name][1:])
+
+
 # ------------------------------------------------------------------------------------------------- GAE
 
 
-def test_kernels_gae_hand_cases(kbackend):
-    adv, ret = K.gae(torch.tensor([[0.0, 1.0, 0.0]]), torch.tensor([[0.0, 0.0, 100.0]]),
+def test_kernels_gae_hand_cases(kops):
+    adv, ret = kops.gae(torch.tensor([[0.0, 1.0, 0.0]]), torch.tensor([[0.0, 0.0, 100.0]]),
                      torch.tensor([[1.0, 1.0, 0.0]]), 1.0, 0.95)
     assert torch.allclose(adv, torch.tensor([[0.95, 1.0, 0.0]]), atol=1e-6)
     assert torch.allclose(ret, torch.tensor([[0.95, 1.0, 0.0]]), atol=1e-6)
-    adv, ret = K.gae(torch.tensor([[0.0, 0.0, 1.0, 0.0, 0.0]]), torch.tensor([[0.5, 0.6, 0.7, 9.0, 9.0]]),
+    adv, ret = kops.gae(torch.tensor([[0.0, 0.0, 1.0, 0.0, 0.0]]), torch.tensor([[0.5, 0.6, 0.7, 9.0, 9.0]]),
                      torch.tensor([[1, 1, 1, 0, 0]]), 1.0, 0.95)
     # deltas: 0.1, 0.1, 0.3  ->  A_2 = 0.3, A_1 = 0.1 + 0.95 * 0.3 = 0.385, A_0 = 0.1 + 0.95 * 0.385 = 0.46575
     assert torch.allclose(adv, torch.tensor([[0.46575, 0.385, 0.30, 0.0, 0.0]]), atol=1e-6)
     assert torch.allclose(ret, torch.tensor([[0.96575, 0.985, 1.0, 0.0, 0.0]]), atol=1e-6)
     # interior masked span: the value after the gap is the next value, the advantage crosses the gap
-    adv, _ = K.gae(torch.tensor([[0.0, 5.0, 0.0, 1.0]]), torch.tensor([[0.2, -7.0, 0.4, 0.5]]),
+    adv, _ = kops.gae(torch.tensor([[0.0, 5.0, 0.0, 1.0]]), torch.tensor([[0.2, -7.0, 0.4, 0.5]]),
                    torch.tensor([[True, False, True, True]]), 0.9, 0.5)
     a3 = 1.0 - 0.5
     a2 = 0.9 * 0.5 - 0.4 + 0.45 * a3
@@ -2084,10 +2219,10 @@ def test_kernels_gae_hand_cases(kbackend):
 
 @pytest.mark.parametrize("gap", [True, False])
 @pytest.mark.parametrize("B,T", [(3, 1), (4, 63), (3, 1000)])
-def test_kernels_gae_matches_python_loop(kbackend, B, T, gap):
+def test_kernels_gae_matches_python_loop(kops, B, T, gap):
     rewards, values, mask = _k_rl_batch(B, T, seed=T, gap=gap)
     for gamma, lam in [(1.0, 0.95), (0.99, 0.9), (1.0, torch.linspace(0.5, 0.999, B))]:
-        adv, ret = K.gae(rewards, values, mask, gamma, lam)
+        adv, ret = kops.gae(rewards, values, mask, gamma, lam)
         gold_adv, gold_ret = _k_gae_loop(rewards, values, mask, gamma, lam)
         assert adv.dtype == torch.float32 and adv.shape == (B, T)
         assert torch.isfinite(adv).all() and torch.isfinite(ret).all()  # no padding garbage leaked
@@ -2104,42 +2239,44 @@ def test_kernels_gae_kernel_does_not_specialize_on_length():
     assert "T" in [fn.arg_names[i] if isinstance(i, int) else i for i in names]  # a new length reuses the binary
 
 
-def test_kernels_gae_triton_matches_reference(ktriton):
-    rewards, values, mask = _k_rl_batch(5, 700, seed=7)
+@pytest.mark.parametrize("B,T", [(5, 1), (5, 700)])
+def test_kernels_gae_triton_matches_s3ac_gae(ktriton, B, T):
+    rewards, values, mask = _k_rl_batch(B, T, seed=7)
     lam = torch.tensor([0.9, 0.95, 1.0, 0.0, 0.5])
-    adv_t, ret_t = K.gae(rewards, values, mask, 0.99, lam)
-    adv_r, ret_r = K.gae_ref(rewards, values, mask, 0.99, lam)
+    adv_t, ret_t = ktriton.gae(rewards, values, mask, 0.99, lam)
+    adv_r, ret_r = s3ac.gae(rewards, values, mask, 0.99, lam)  # the reverse loop, on the CPU
     assert torch.allclose(adv_t, adv_r, atol=1e-5) and torch.allclose(ret_t, ret_r, atol=1e-5)
+    assert (adv_t[mask == 0] == 0).all() and (adv_r[mask == 0] == 0).all()
 
 
-def test_kernels_gae_fully_masked_and_single_token(kbackend):
-    adv, ret = K.gae(torch.tensor([[2.0], [float("nan")]]), torch.tensor([[3.0], [float("inf")]]),
+def test_kernels_gae_fully_masked_and_single_token(kops):
+    adv, ret = kops.gae(torch.tensor([[2.0], [float("nan")]]), torch.tensor([[3.0], [float("inf")]]),
                      torch.tensor([[1.0], [0.0]]), 1.0, 0.95)
     assert torch.equal(adv, torch.tensor([[-1.0], [0.0]])) and torch.equal(ret, torch.tensor([[2.0], [0.0]]))
-    adv, ret = K.gae(torch.ones(3, 70), torch.ones(3, 70), torch.zeros(3, 70), 1.0, 1.0)
+    adv, ret = kops.gae(torch.ones(3, 70), torch.ones(3, 70), torch.zeros(3, 70), 1.0, 1.0)
     assert (adv == 0).all() and (ret == 0).all()
 
 
 @pytest.mark.parametrize("gap", [True, False])
-def test_kernels_gae_huge_early_values_do_not_change_late_advantages(kbackend, gap):
+def test_kernels_gae_huge_early_values_do_not_change_late_advantages(kops, gap):
     # gamma * lam = 1: an exact scan needs no 1 / (gamma * lam)^t rescaling, and late positions never see
     # early ones. T spans several chunks of both implementations.
     B, T, early = 3, 600, 5
     rewards, values, mask = _k_rl_batch(B, T, seed=3, garbage=False, gap=gap)
     mask[:, :early] = 1.0
     mask[0, early:] = 1.0  # row 0 was left padded
-    adv, _ = K.gae(rewards, values, mask, 1.0, 1.0)
+    adv, _ = kops.gae(rewards, values, mask, 1.0, 1.0)
     huge_r, huge_v = rewards.clone(), values.clone()
     huge_r[:, :early] += 1e8
     huge_v[:, :early] -= 1e8
-    adv_huge, _ = K.gae(huge_r, huge_v, mask, 1.0, 1.0)
+    adv_huge, _ = kops.gae(huge_r, huge_v, mask, 1.0, 1.0)
     assert torch.equal(adv_huge[:, early:], adv[:, early:])  # bit-exact
     assert (adv_huge[:, :early] - adv[:, :early]).abs().min() > 1e7  # the early change did happen
     gold, _ = _k_gae_loop(rewards, values, mask, 1.0, 1.0)
     assert torch.allclose(adv.double(), gold, atol=1e-5, rtol=1e-5)
 
 
-def test_kernels_gae_long_rows_with_gamma_lambda_one(kbackend):
+def test_kernels_gae_long_rows_with_gamma_lambda_one(kops):
     # T = 8192 (32 chunks of the Triton kernel) and gamma * lambda = 1, PACT's setting: every advantage is an
     # undiscounted sum over up to 8192 tokens, so a chunk carry dropped or applied twice shows at O(1). Row 0 is
     # valid end to end, row 1 has an interior masked span and right padding holding garbage.
@@ -2150,9 +2287,9 @@ def test_kernels_gae_long_rows_with_gamma_lambda_one(kbackend):
     rewards[0] = 0.01 * torch.randn(T, generator=g)  # [T] dense shaping reward
     rewards[0, -1] += 1.0  # and the outcome on the last token
     values[0] = torch.rand(T, generator=g) * 2 - 1  # [T]
-    adv, ret = K.gae(rewards, values, mask, 1.0, 1.0)
+    adv, ret = kops.gae(rewards, values, mask, 1.0, 1.0)
     gold_adv, gold_ret = _k_gae_loop(rewards, values, mask, 1.0, 1.0)
-    ref_adv, _ = K.gae_ref(rewards, values, mask, 1.0, 1.0)
+    ref_adv, _ = s3ac.gae(rewards, values, mask, 1.0, 1.0)  # the s3ac.py loop on the CPU
     # fp32 sums of up to 8192 terms against fp64: about 2e-6 measured on CPU (both backends)
     assert torch.allclose(adv.double(), gold_adv, atol=5e-5, rtol=1e-5)
     assert torch.allclose(ret.double(), gold_ret, atol=5e-5, rtol=1e-5)
@@ -2179,9 +2316,9 @@ def _k_loss_batch(B, T, seed):
     return g, mask, field
 
 
-def test_kernels_cispo_hand_case(kbackend):
+def test_kernels_cispo_hand_case(kops):
     logprobs = torch.tensor([[math.log(1.5), 0.3]], requires_grad=True)  # old logprob 0 -> ratio 1.5
-    loss, metrics = K.cispo_loss(logprobs, torch.tensor([[0.0, 9.0]]), torch.tensor([[1.0, 9.0]]),
+    loss, metrics = kops.cispo_loss(logprobs, torch.tensor([[0.0, 9.0]]), torch.tensor([[1.0, 9.0]]),
                                  torch.tensor([[1.0, 0.0]]), 0.2, 0.28, num_tokens=1)
     loss.backward()
     assert torch.allclose(logprobs.grad, torch.tensor([[-1.28, 0.0]]))
@@ -2191,14 +2328,14 @@ def test_kernels_cispo_hand_case(kbackend):
 
 
 @pytest.mark.parametrize("B,T", [(3, 1), (4, 63), (2, 1000), (2, 8192)])
-def test_kernels_cispo_matches_fp64_gold(kbackend, B, T):
+def test_kernels_cispo_matches_fp64_gold(kops, B, T):
     g, mask, field = _k_loss_batch(B, T, seed=T)
     old = -torch.rand(B, T, generator=g) * 3
     new = old + 0.4 * torch.randn(B, T, generator=g)  # ratios on both sides of the clip range
     adv = torch.randn(B, T, generator=g)
     eps_low, eps_high, n_tokens, upstream = 0.2, 0.28, 777.0, 0.37
     logprobs = field(new).requires_grad_()
-    loss, metrics = K.cispo_loss(logprobs, field(old), field(adv), mask, eps_low, eps_high, num_tokens=n_tokens)
+    loss, metrics = kops.cispo_loss(logprobs, field(old), field(adv), mask, eps_low, eps_high, num_tokens=n_tokens)
     (loss * upstream).backward()
 
     valid = mask.bool()
@@ -2218,15 +2355,15 @@ def test_kernels_cispo_matches_fp64_gold(kbackend, B, T):
     assert not metrics["approx_kl"].requires_grad
 
 
-def test_kernels_cispo_microbatches_add_up(kbackend):
+def test_kernels_cispo_microbatches_add_up(kops):
     g, mask, field = _k_loss_batch(4, 50, seed=1)
     old = -torch.rand(4, 50, generator=g)
     new = (old + 0.3 * torch.randn(4, 50, generator=g)).requires_grad_()
     adv = torch.randn(4, 50, generator=g)
-    full, m_full = K.cispo_loss(new, old, adv, mask, 0.2, 0.28)
+    full, m_full = kops.cispo_loss(new, old, adv, mask, 0.2, 0.28)
     (g_full,) = torch.autograd.grad(full, new)
     n = mask.sum()
-    parts = [K.cispo_loss(new[i:i + 2], old[i:i + 2], adv[i:i + 2], mask[i:i + 2], 0.2, 0.28, num_tokens=n)
+    parts = [kops.cispo_loss(new[i:i + 2], old[i:i + 2], adv[i:i + 2], mask[i:i + 2], 0.2, 0.28, num_tokens=n)
              for i in (0, 2)]
     (g_parts,) = torch.autograd.grad(parts[0][0] + parts[1][0], new)
     assert torch.allclose(parts[0][0] + parts[1][0], full, atol=1e-6)
@@ -2235,10 +2372,34 @@ def test_kernels_cispo_microbatches_add_up(kbackend):
         assert torch.allclose(parts[0][1][key] + parts[1][1][key], m_full[key], atol=1e-6)
 
 
-def test_kernels_value_loss_hand_cases(kbackend):
+@pytest.mark.parametrize("name", ["cispo_loss", "value_loss", "bce_value_loss"])
+@pytest.mark.parametrize("B,T", [(3, 1), (4, 63), (2, 1000)])
+def test_kernels_losses_triton_match_s3ac_functions(ktriton, name, B, T):
+    g, mask, field = _k_loss_batch(B, T, seed=T + 3)
+    old = -torch.rand(B, T, generator=g) * 2
+    new = old + 0.4 * torch.randn(B, T, generator=g)  # ratios / values on both sides of the clip ranges
+    other = torch.randn(B, T, generator=g)  # advantages or returns
+    extra = {"cispo_loss": (field(old), field(other), mask, 0.2, 0.28),
+             "value_loss": (field(old), field(other), mask, 0.2),
+             "bce_value_loss": (field(torch.rand(B, T, generator=g)), mask)}[name]
+    results = []
+    for fn in (getattr(ktriton, name), getattr(s3ac, name)):
+        x = field(new).requires_grad_()
+        loss, metrics = fn(x, *extra, num_tokens=97.0)
+        (loss * 1.3).backward()
+        results.append((loss.detach(), metrics, x.grad))
+    (loss_t, m_t, grad_t), (loss_r, m_r, grad_r) = results
+    assert torch.allclose(loss_t, loss_r, atol=1e-6, rtol=1e-5)
+    assert torch.allclose(grad_t, grad_r, atol=1e-7, rtol=1e-5) and torch.isfinite(grad_t).all()
+    assert m_t.keys() == m_r.keys()
+    for key in m_r:
+        assert torch.allclose(m_t[key], m_r[key], atol=1e-6, rtol=1e-5), key
+
+
+def test_kernels_value_loss_hand_cases(kops):
     for v, want_loss, want_grad, want_clip in [(9.0, 11.52, 0.0, 1.0), (1.0, 40.5, -9.0, 0.0)]:
         values = torch.tensor([[v]], requires_grad=True)
-        loss, metrics = K.value_loss(values, torch.tensor([[5.0]]), torch.tensor([[10.0]]), torch.ones(1, 1), 0.2)
+        loss, metrics = kops.value_loss(values, torch.tensor([[5.0]]), torch.tensor([[10.0]]), torch.ones(1, 1), 0.2)
         loss.backward()
         assert math.isclose(loss.item(), want_loss, rel_tol=1e-6)
         assert math.isclose(values.grad.item(), want_grad, abs_tol=1e-6)
@@ -2246,14 +2407,14 @@ def test_kernels_value_loss_hand_cases(kbackend):
 
 
 @pytest.mark.parametrize("B,T", [(3, 1), (4, 63), (2, 1000), (2, 8192)])
-def test_kernels_value_loss_matches_fp64_gold(kbackend, B, T):
+def test_kernels_value_loss_matches_fp64_gold(kops, B, T):
     g, mask, field = _k_loss_batch(B, T, seed=T + 1)
     old_v = torch.randn(B, T, generator=g)
     v = old_v + 0.3 * torch.randn(B, T, generator=g)  # about half the tokens move more than eps_v
     ret = torch.randn(B, T, generator=g)
     eps_v, upstream = 0.2, -1.7
     values = field(v).requires_grad_()
-    loss, metrics = K.value_loss(values, field(old_v), field(ret), mask, eps_v)
+    loss, metrics = kops.value_loss(values, field(old_v), field(ret), mask, eps_v)
     (loss * upstream).backward()
 
     valid = mask.bool()
@@ -2273,13 +2434,13 @@ def test_kernels_value_loss_matches_fp64_gold(kbackend, B, T):
 
 
 @pytest.mark.parametrize("B,T", [(3, 1), (4, 63), (2, 1000), (2, 8192)])
-def test_kernels_bce_value_loss_matches_fp64_gold(kbackend, B, T):
+def test_kernels_bce_value_loss_matches_fp64_gold(kops, B, T):
     g, mask, field = _k_loss_batch(B, T, seed=T + 2)
     z = 4 * torch.randn(B, T, generator=g)
     z[-1, -1] = 60.0  # far in the saturated region
     y = torch.rand(B, T, generator=g)
     logits = field(z).requires_grad_()
-    loss, _ = K.bce_value_loss(logits, field(y), mask)
+    loss, _ = kops.bce_value_loss(logits, field(y), mask)
     grad_up = 2.5
     (loss * grad_up).backward()
 
@@ -2296,9 +2457,9 @@ def test_kernels_bce_value_loss_matches_fp64_gold(kbackend, B, T):
     assert torch.allclose(logits.grad.double(), gold_grad, atol=1e-7, rtol=1e-5)
 
 
-def test_kernels_bce_value_loss_hand_case(kbackend):
+def test_kernels_bce_value_loss_hand_case(kops):
     z = torch.tensor([[0.0, 2.0]], requires_grad=True)
-    loss, _ = K.bce_value_loss(z, torch.tensor([[1.0, 0.25]]), torch.ones(1, 2), num_tokens=1)
+    loss, _ = kops.bce_value_loss(z, torch.tensor([[1.0, 0.25]]), torch.ones(1, 2), num_tokens=1)
     loss.backward()
     want = math.log(2) + (math.log1p(math.exp(2.0)) - 0.5)
     assert math.isclose(loss.item(), want, rel_tol=1e-6)
@@ -2340,15 +2501,15 @@ def _k_logprob_gold(hidden, weight, targets, temperature):
     return h, w, logp, entropy
 
 
-def test_kernels_logprobs_hand_case(kbackend):
-    logp, entropy = K.logprobs_from_hidden(torch.tensor([[2.0, 1.0, 0.0]]), torch.eye(3), torch.tensor([0]), 0.5)
+def test_kernels_logprobs_hand_case(kops):
+    logp, entropy = kops.logprobs_from_hidden(torch.tensor([[2.0, 1.0, 0.0]]), torch.eye(3), torch.tensor([0]), 0.5)
     assert math.isclose(logp.item(), -0.14293, abs_tol=1e-5)
     p = torch.softmax(torch.tensor([4.0, 2.0, 0.0], dtype=torch.float64), 0)
     assert math.isclose(entropy.item(), -(p * p.log()).sum().item(), abs_tol=2e-6)  # lse - E[z] in fp32
 
 
 @pytest.mark.parametrize("N,H,V,rows_per_chunk", [(37, 16, 1000, 8), (5, 16, 49152, 2), (3, 8, 151936, 2)])
-def test_kernels_logprobs_match_fp64_gold(kbackend, monkeypatch, N, H, V, rows_per_chunk):
+def test_kernels_logprobs_match_fp64_gold(kops, monkeypatch, N, H, V, rows_per_chunk):
     monkeypatch.setattr(K, "LOGITS_CHUNK_ELEMENTS", rows_per_chunk * V)  # several chunks, last one partial
     g = torch.Generator().manual_seed(V)
     hidden = torch.randn(N, H, generator=g).requires_grad_()
@@ -2357,7 +2518,7 @@ def test_kernels_logprobs_match_fp64_gold(kbackend, monkeypatch, N, H, V, rows_p
     temperature = 0.7
     upstream = torch.randn(N, generator=g)
     with _KLargestTensors(V, H) as probe:
-        logp, entropy = K.logprobs_from_hidden(hidden, weight, targets, temperature)
+        logp, entropy = kops.logprobs_from_hidden(hidden, weight, targets, temperature)
         (logp * upstream).sum().backward()
     assert 0 < probe.logit_rows <= rows_per_chunk < N  # logits exist only a chunk of rows at a time
     assert probe.max_bytes <= rows_per_chunk * V * 4 < N * V * 4  # nothing as large as the fp32 [N, V] logits
@@ -2371,13 +2532,13 @@ def test_kernels_logprobs_match_fp64_gold(kbackend, monkeypatch, N, H, V, rows_p
     assert torch.allclose(weight.grad.double(), w.grad, atol=1e-5, rtol=1e-4)
 
 
-def test_kernels_logprobs_bf16(kbackend, monkeypatch):
+def test_kernels_logprobs_bf16(kops, monkeypatch):
     monkeypatch.setattr(K, "LOGITS_CHUNK_ELEMENTS", 4 * 3000)
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(11, 32, generator=g).bfloat16().requires_grad_()
     weight = (torch.randn(3000, 32, generator=g) / 6).bfloat16().requires_grad_()
     targets = torch.randint(0, 3000, (11,), generator=g)
-    logp, entropy = K.logprobs_from_hidden(hidden, weight, targets)
+    logp, entropy = kops.logprobs_from_hidden(hidden, weight, targets)
     logp.sum().backward()
     assert logp.dtype == torch.float32 and hidden.grad.dtype == torch.bfloat16 and weight.grad.dtype == torch.bfloat16
     h, w, gold_logp, gold_entropy = _k_logprob_gold(hidden, weight, targets, 1.0)  # gold from the bf16 inputs
@@ -2395,7 +2556,7 @@ def test_kernels_logprobs_triton_matches_reference(ktriton, monkeypatch):
     hidden = torch.randn(10, 24, generator=g).requires_grad_()
     weight = torch.randn(5000, 24, generator=g).requires_grad_()  # large logits: a peaked softmax
     targets = torch.randint(0, 5000, (10,), generator=g)
-    logp_t, ent_t = K.logprobs_from_hidden(hidden, weight, targets, 1.3)
+    logp_t, ent_t = ktriton.logprobs_from_hidden(hidden, weight, targets, 1.3)
     (gh_t, gw_t) = torch.autograd.grad(logp_t.sum(), (hidden, weight))
     logp_r, ent_r = K.logprobs_from_hidden_ref(hidden, weight, targets, 1.3)
     (gh_r, gw_r) = torch.autograd.grad(logp_r.sum(), (hidden, weight))

@@ -10,7 +10,7 @@
 Parts, in this order; each runs as a subprocess with its own time budget, and a part that fails or runs out of
 time is reported and the next one runs:
 
-    1. kernels  pytest -k kernels with TRITON_INTERPRET=0: every kernels.py op against its PyTorch reference and
+    1. kernels  pytest -k kernels with TRITON_INTERPRET=0: every kernels.py op against the s3ac.py function and
                 fp64, T = 8192 and gamma * lambda = 1 included, on the GPU through Triton's compiler (CUDA only)
     2. bench    python kernels.py --bench-gpu: GAE at [512, 8192] fp32 in us and as % of the copy bandwidth
                 measured in the same run, the fused losses forward and backward, log-prob peak memory against
@@ -246,8 +246,8 @@ def step_check(argv) -> int:
     from transformers import AutoModel, Qwen2Config, Qwen2ForCausalLM
     sys.path.insert(0, HERE)  # s3ac.py, at the repository root
     from s3ac import (Args, Critic, Policy, VLLMRollout, adaptive_lambda, autocast, compute_dtype, decoupled_gae,
-                      generate_hf, grpo_advantages, resolve_args, synced_time, update_actor, update_critic, value_pass,
-                      vllm_available)
+                      gae, generate_hf, grpo_advantages, kernel_or, resolve_args, synced_time, update_actor,
+                      update_critic, value_pass, vllm_available)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     def report(row: dict):
@@ -319,7 +319,7 @@ def step_check(argv) -> int:
                     values, _ = value_pass(critic, batch, "mse", args.micro_batch_size)  # [B, T]
                 times["values"], t = synced_time(device) - t, synced_time(device)
                 advantages, returns, _ = decoupled_gae(rewards, values, mask, args.gamma, args.critic_lam,
-                                                       adaptive_lambda(mask, args.alpha))
+                                                       adaptive_lambda(mask, args.alpha), gae_fn=kernel_or(gae))
             else:
                 advantages, _ = grpo_advantages(rewards, batch.prompt_index.to(device), mask)
             times["advantages"], t = synced_time(device) - t, synced_time(device)
