@@ -21,7 +21,7 @@ torchrun, checkpoints, plots), in the order of one training step:
     10 plumbing   Evaluation and checkpoints: evaluate_sources, save_checkpoint, latest_checkpoint, Tracker
     11 algorithm  Training loop: TrainState, train_step, collect_rollouts, choose_prompts, train
     12 plumbing   Curves and comparison: plot_runs, compare_table, compare; main
-kernels.py makes the math fast (Triton kernels and CPU paths, one dispatch point each); .ci/gpu_check.py times a step.
+kernels.py makes the math fast (Triton kernels, reached through kernel_or); .ci/gpu_check.py times a step on a GPU.
 
 Equations (shape letters: B sequences, T response tokens, P prompt tokens, H hidden size, V vocabulary):
 
@@ -112,6 +112,7 @@ Run:
 """
 
 import argparse
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -166,9 +167,9 @@ class Args:
     max_prompt_tokens: int = 1024  # longer prompts (template included) are dropped at load time, never truncated
     prompt_template: str = ""  # overrides the chat template: a string with {question}
     instruction: str = INSTRUCTION  # appended to the question in the chat (or plain) template
-    # algorithm (the flags left at "by algorithm" are resolved once by resolve_args and printed)
+    # algorithm (the flags left at "auto" are resolved once by resolve_args and printed)
     algo: str = "s3ac"  # advantages: s3ac | ppo (critic, GAE) | grpo | rloo | reinforce_pp (critic-free)
-    actor_loss: str = ""  # cispo | ppo (clipped surrogate); empty = by algorithm: ppo for --algo ppo, else cispo
+    actor_loss: str = "auto"  # cispo | ppo (clipped surrogate) | auto: ppo for --algo ppo, else cispo
     grpo_std: bool = True  # grpo: divide by the group's population std (false: mean-centring only)
     dynamic_sampling: bool = False  # drop groups whose rewards are all equal, refill with new prompts (K >= 2)
     max_refills: int = 3  # dynamic sampling: extra generation rounds per step, at most
@@ -194,14 +195,14 @@ class Args:
     log_samples: int = 4  # rollouts per step appended to <out_dir>/samples.jsonl (every evaluation writes all)
     # GAE
     gamma: float = 1.0  # discount
-    critic_lam: float = -1.0  # lambda of the critic's targets; -1 = by algorithm: 0.95 for ppo, else 1 (MC returns)
-    actor_lam: float = -1.0  # actor lambda in (0, 1]; 0 = length-adaptive 1 - 1/(alpha*T_i); -1 = by algorithm:
-    #                          0.95 for ppo, 1 with --critic-sync pact (PACT's choice), else 0 (adaptive)
+    critic_lam: str | float = "auto"  # lambda of the critic's targets in (0, 1] | auto: 0.95 for ppo, else 1
+    actor_lam: str | float = "auto"  # a number in (0, 1] | adaptive: 1 - 1/(alpha*T_i) | auto: 0.95 for ppo,
+    #                                  1 with --critic-sync pact (PACT's choice), else adaptive
     alpha: float = 1.5  # adaptive actor lambda_i = 1 - 1/(alpha * T_i); VAPO itself uses alpha = 0.05
     # actor
     lr: float = 1e-6  # actor learning rate
-    eps_low: float = -1.0  # lower clip, relative: ratio (ppo) or weight (cispo) >= 1 - eps_low; -1 = by actor
-    #                        loss: 1.0 for cispo (no lower clip), 0.2 for ppo
+    eps_low: str | float = "auto"  # lower clip, relative: ratio (ppo) or weight (cispo) >= 1 - eps_low, in [0, 1]
+    #                                | auto: by actor loss, 1.0 for cispo (no lower clip), 0.2 for ppo
     eps_high: float = 0.28  # upper clip, relative: ratio (ppo) or weight (cispo) <= 1 + eps_high
     actor_grad_clip: float = 1.0  # global grad-norm clip of the actor
     actor_epochs: int = 1  # passes over each rollout batch
@@ -259,8 +260,8 @@ class Args:
 
 def parse_args(argv=None) -> Args:
     """Build argparse flags from the fields of Args (one --flag-name per field, its comment as the help)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog="python s3ac.py gpu-check --help: "
-                                     "rollout throughput and per-phase step times on random weights",
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog="python s3ac.py plot --help, "
+                                     "python s3ac.py compare --help: curves and side-by-side runs",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.error = lambda message: parser.exit(2, f"s3ac.py: error: {message}\n")  # one line, no usage block
     helps, name = {}, None
@@ -288,25 +289,29 @@ CRITIC_ALGOS = ("s3ac", "ppo")  # the algorithms that train a critic; grpo, rloo
 
 
 def resolve_args(args: Args) -> Args:
-    """A copy of args with every "by algorithm" flag (-1 or empty) replaced by its value, after checking the
-    combination. The resolved values depend on --algo / --critic-sync / --actor-loss only, never silently:
-    train() prints them.
+    """A copy of args with every "auto" flag replaced by its value and the numeric ones parsed to floats, after
+    checking the combination. The resolved values depend on --algo / --critic-sync / --actor-loss only, never
+    silently: train() prints them.
 
-        actor_loss  ppo for --algo ppo, else cispo      actor_lam   0.95 ppo, 1 pact, else 0 (length-adaptive)
+        actor_loss  ppo for --algo ppo, else cispo      actor_lam   0.95 ppo, 1 pact, else "adaptive"
         critic_lam  0.95 for --algo ppo, else 1          eps_low     0.2 for the ppo loss, 1.0 for cispo
 
     Raises ValueError for an unknown choice, a numeric flag outside its domain (temperature > 0, 0 < gamma <= 1,
-    eps_low in [0, 1], sizes >= 1, ...; the sentinels -1 and 0 above stay allowed) or a combination that cannot
-    run (a critic feature on a critic-free algorithm, a group baseline or dynamic sampling with K < 2).
+    eps_low in [0, 1], sizes >= 1, ...) or a combination that cannot run (a critic feature on a critic-free
+    algorithm, a group baseline or dynamic sampling with K < 2). Resolving a resolved copy changes nothing.
     """
-    choices = {"algo": ("s3ac", "ppo", "grpo", "rloo", "reinforce_pp"), "actor_loss": ("", "cispo", "ppo"),
+    choices = {"algo": ("s3ac", "ppo", "grpo", "rloo", "reinforce_pp"), "actor_loss": ("auto", "cispo", "ppo"),
                "rollout": ("auto", "vllm", "hf"), "report_to": ("none", "tensorboard", "wandb"),
                "critic_loss": ("mse", "bce"), "critic_sync": ("s3ac", "pact"), "prompt_selection": ("uniform", "daps"),
                "answer_fallback": ANSWER_FALLBACKS}
     for name, allowed in choices.items():
         if getattr(args, name) not in allowed:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)!r}: expected one of {allowed}")
+    named = {"actor_lam": ("auto", "adaptive"), "critic_lam": ("auto",), "eps_low": ("auto",)}  # or a number
+    args = dataclasses.replace(args, **{name: _word_or_float(name, getattr(args, name), words)
+                                        for name, words in named.items()})
     unit = lambda x: 0 < x <= 1  # in (0, 1]
+    number = lambda x: isinstance(x, float)  # not a named value
     domains = {  # every numeric flag: (holds, what it must be); a NaN fails every test
         **{name: (getattr(args, name) >= 1, "at least 1") for name in (
             "k", "batch_prompts", "max_new_tokens", "minibatches", "micro_batch_size", "actor_epochs", "critic_epochs",
@@ -321,10 +326,9 @@ def resolve_args(args: Args) -> Args:
             "eps_v")},
         **{name: (unit(getattr(args, name)), "in (0, 1]") for name in (
             "top_p", "vllm_gpu_memory_utilization", "gamma", "daps_a_min", "daps_decay")},
-        "critic_lam": (args.critic_lam == -1 or unit(args.critic_lam), "in (0, 1], or -1 (by algorithm)"),
-        "actor_lam": (args.actor_lam in (-1, 0) or unit(args.actor_lam),
-                      "in (0, 1], or 0 (length-adaptive), or -1 (by algorithm)"),
-        "eps_low": (args.eps_low == -1 or 0 <= args.eps_low <= 1, "in [0, 1], or -1 (by algorithm)"),
+        "critic_lam": (not number(args.critic_lam) or unit(args.critic_lam), "in (0, 1], or auto"),
+        "actor_lam": (not number(args.actor_lam) or unit(args.actor_lam), "in (0, 1], or adaptive, or auto"),
+        "eps_low": (not number(args.eps_low) or 0 <= args.eps_low <= 1, "in [0, 1], or auto"),
         "rho_max": (args.rho_max > args.rho_min, f"above --rho-min {args.rho_min}")}
     for name, (holds, rule) in domains.items():
         if not holds:
@@ -343,12 +347,22 @@ def resolve_args(args: Args) -> Args:
         raise ValueError(f"--critic-layers {args.critic_layers}: with k >= 1 the critic reads the actor's trunk, so "
                          f"--critic-model must stay empty")
     ppo, pact = args.algo == "ppo", args.critic_sync == "pact"
-    actor_loss = args.actor_loss or ("ppo" if ppo else "cispo")
+    actor_loss = ("ppo" if ppo else "cispo") if args.actor_loss == "auto" else args.actor_loss
+    auto = lambda value, resolved: resolved if value == "auto" else value
     return dataclasses.replace(
-        args, actor_loss=actor_loss,
-        actor_lam=args.actor_lam if args.actor_lam >= 0 else 0.95 if ppo else 1.0 if pact else 0.0,
-        critic_lam=args.critic_lam if args.critic_lam >= 0 else 0.95 if ppo else 1.0,
-        eps_low=args.eps_low if args.eps_low >= 0 else 0.2 if actor_loss == "ppo" else 1.0)
+        args, actor_loss=actor_loss, actor_lam=auto(args.actor_lam, 0.95 if ppo else 1.0 if pact else "adaptive"),
+        critic_lam=auto(args.critic_lam, 0.95 if ppo else 1.0),
+        eps_low=auto(args.eps_low, 0.2 if actor_loss == "ppo" else 1.0))
+
+
+def _word_or_float(name: str, value, words: tuple):
+    """value itself when it is one of the named values `words`, else value as a float; ValueError naming --name."""
+    if value in words:
+        return value
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"--{name.replace('_', '-')} {value!r}: expected a number or one of {words}") from None
 
 
 def uses_coverage(args: Args) -> bool:
@@ -1110,9 +1124,11 @@ def vllm_available() -> bool:
 # ---------------------------------------------------------------------------------------------------------------
 # 4. Verify: the reward. An answer policy picks the answer; math-verify and exact arithmetic compare it [algorithm]
 # ---------------------------------------------------------------------------------------------------------------
-# The reward convention, stated once: R = +1 when the response is finished and its final answer equals the gold,
-# R = -1 otherwise (wrong, no answer, an expression where a number is due, cut off at the length limit, a check
-# that failed or hung). Every algorithm here assumes +-1 (PACT's [0, 1] scale is (R + 1) / 2).
+# The reward contract, stated once: reward_fn(golds: list[str], completions: list[str], truncated: list[bool]) ->
+# (rewards: list[float], statuses: list[str]), one each per completion, R = +1 or -1. Verifier below is the default
+# (train(args, reward_fn) takes any other): R = +1 when the response is finished and its final answer equals the
+# gold, R = -1 otherwise (wrong, no answer, an expression where a number is due, cut off at the length limit, a
+# check that failed or hung). Every algorithm here assumes +-1 (PACT's [0, 1] scale is (R + 1) / 2).
 #
 # Answer policy (what counts as the answer), applied before any comparison:
 #   1. A response cut off at --max-new-tokens (no stop token) has no final answer: status "truncated".
@@ -1337,10 +1353,7 @@ def _verify_worker(conn):
 
 
 class Verifier:
-    """The reward function: R = +1 when `grade` says 'correct', else -1 (the convention at the top of section 4).
-
-    Contract (any replacement for it must keep it): __call__(golds, completions, truncated) -> (rewards, statuses),
-    rewards a list of +-1 floats and statuses a list of strings, one per completion.
+    """The default reward function (the contract at the top of section 4): +1 when `grade` says 'correct', else -1.
     Checks run in one worker process: math-verify's own timeouts use signal.alarm, which works only in a main
     thread, so a hung check is instead killed from here after `timeout` seconds and counted as 'timeout'. Safe to
     call from any thread. The worker is started with multiprocessing's "spawn", so a script that uses it must
@@ -1889,27 +1902,31 @@ def critic_loss_fn(raw, old_values, targets, response_mask, critic_loss: str, ep
 
 
 def optimize(module, optimizer, batch: Batch, loss_fn, token_mask, epochs: int, minibatches: int,
-             micro_batch_size: int, grad_clip: float, generator, amp_dtype) -> dict:
+             micro_batch_size: int, grad_clip: float, generator, amp_dtype):
     """The update loop shared by actor and critic: `epochs` passes over the batch, each split into `minibatches`
     optimizer steps; a mini-batch runs in micro-batches of micro_batch_size sequences whose gradients accumulate.
 
-    loss_fn(rows, mbatch, num_tokens) -> (loss, metrics): rows [b] indexes the batch, mbatch = batch.rows(rows),
-    num_tokens = the tokens of token_mask [B, T] in the whole mini-batch; the loss must be a sum over tokens
-    divided by num_tokens, so the accumulated gradient is the token-mean over the mini-batch, and so must its
-    per-token metrics. Returns the metrics averaged over optimizer steps, with grad_norm (before clipping) and
-    clipped (share of clipped steps). Under torchrun each rank passes its own rows: num_tokens is summed over ranks
-    and FSDP sums the gradients, so the step is the token-mean over the global mini-batch.
+    loss_fn(rows, mbatch, num_tokens) -> (loss, metrics, row_outputs): rows [b] indexes the batch, mbatch =
+    batch.rows(rows), num_tokens = the tokens of token_mask [B, T] in the whole mini-batch; the loss must be a sum
+    over tokens divided by num_tokens, so the accumulated gradient is the token-mean over the mini-batch, and so
+    must its per-token metrics; row_outputs: a detached [b, ...] tensor per row (or None) handed back in batch
+    order. Returns (metrics averaged over optimizer steps, with grad_norm (before clipping) and clipped (share of
+    clipped steps); the row_outputs of the last pass, [B, ...], or None). Under torchrun each rank passes its own
+    rows: num_tokens is summed over ranks and FSDP sums the gradients, so the step is the token-mean over the global
+    mini-batch.
     """
     device = next(module.parameters()).device
     sums, steps = {"grad_norm": 0.0, "clipped": 0.0}, 0
     for _ in range(epochs):
         perm = torch.randperm(token_mask.shape[0], generator=generator)  # [B]
+        outputs = []  # (rows, row_outputs) of this pass's micro-batches
         for mb in perm.chunk(minibatches):
             num_tokens = all_reduce(token_mask[mb.to(token_mask.device)].sum().to(device)).clamp(min=1)
             for rows in mb.split(micro_batch_size):
                 with autocast(device, amp_dtype):  # forward only; backward runs outside autocast
-                    loss, metrics = loss_fn(rows.to(device), batch.rows(rows), num_tokens)
+                    loss, metrics, row_outputs = loss_fn(rows.to(device), batch.rows(rows), num_tokens)
                 loss.backward()
+                outputs.append((rows, row_outputs))
                 for key, value in metrics.items():
                     sums[key] = sums.get(key, 0.0) + float(value)
             grad_norm = torch.nn.utils.clip_grad_norm_(module.parameters(), grad_clip)
@@ -1921,8 +1938,12 @@ def optimize(module, optimizer, batch: Batch, loss_fn, token_mask, epochs: int, 
             steps += 1
     keys = [k for k in sums if k not in ("grad_norm", "clipped")]  # per-rank shares of global token means
     totals = all_reduce(torch.tensor([sums[k] for k in keys], dtype=torch.float64)).tolist()
-    return {"grad_norm": sums["grad_norm"] / steps, "clipped": sums["clipped"] / steps,
-            **{k: t / steps for k, t in zip(keys, totals)}}
+    metrics = {"grad_norm": sums["grad_norm"] / steps, "clipped": sums["clipped"] / steps,
+               **{k: t / steps for k, t in zip(keys, totals)}}
+    if any(out is None for _, out in outputs):
+        return metrics, None
+    order = torch.cat([rows for rows, _ in outputs]).argsort()  # [B] each row once per pass: back to batch order
+    return metrics, torch.cat([out for _, out in outputs])[order.to(device)]  # [B, ...]
 
 
 def update_actor(model, optimizer, batch: Batch, advantages, old_logprobs, args: Args, generator, actor_mask=None):
@@ -1932,27 +1953,27 @@ def update_actor(model, optimizer, batch: Batch, advantages, old_logprobs, args:
 
     advantages [B, T] (on the model's device); old_logprobs [B, T]: log mu, the behaviour policy, or None when the
     actor takes one optimizer step in all, so that mu is the current policy and its log-probs are the detached
-    log-probs of the same forward pass (ratio exactly 1).
-    Returns (metrics, behaviour log-probs [B, T]: old_logprobs, or those detached log-probs when it was None).
+    log-probs of the same forward pass (ratio exactly 1; no extra forward pass).
+    Returns (metrics, behaviour log-probs [B, T]: the log mu each row's loss used, i.e. old_logprobs, or those
+    detached log-probs when it was None).
     """
     device = advantages.device
-    behaviour = torch.zeros_like(advantages) if old_logprobs is None else old_logprobs  # [B, T]
     pg_loss_fn = ACTOR_LOSSES[args.actor_loss]
     actor_mask = batch.response_mask.to(device) if actor_mask is None else actor_mask  # [B, T]
 
     def loss_fn(rows, mbatch, num_tokens):
         logprobs, entropy = actor_logprobs(model, mbatch, args.temperature)  # [b, T]
         mask = actor_mask[rows]  # [b, T]
-        if old_logprobs is None:
-            behaviour[rows] = logprobs.detach()  # one step in all: every row is visited exactly once
+        behaviour = logprobs.detach() if old_logprobs is None else old_logprobs[rows]  # [b, T] log mu
         # CISPO: J = sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * log pi; PPO: J = min(r A, clip(r) A);
         # loss = -(sum of J) / num_tokens
-        pg_loss, m = pg_loss_fn(logprobs, behaviour[rows], advantages[rows], mask, args.eps_low, args.eps_high,
+        pg_loss, m = pg_loss_fn(logprobs, behaviour, advantages[rows], mask, args.eps_low, args.eps_high,
                                 num_tokens=num_tokens)
-        return pg_loss, dict(m, pg_loss=pg_loss.detach(), entropy=(entropy * mask).sum() / num_tokens)
+        return pg_loss, dict(m, pg_loss=pg_loss.detach(), entropy=(entropy * mask).sum() / num_tokens), behaviour
 
-    metrics = optimize(model, optimizer, batch, loss_fn, actor_mask, args.actor_epochs, args.minibatches,
-                       args.micro_batch_size, args.actor_grad_clip, generator, compute_dtype(args.dtype, device))
+    metrics, behaviour = optimize(model, optimizer, batch, loss_fn, actor_mask, args.actor_epochs, args.minibatches,
+                                  args.micro_batch_size, args.actor_grad_clip, generator,
+                                  compute_dtype(args.dtype, device))  # behaviour [B, T]
     return {f"actor/{k}": v for k, v in metrics.items()}, behaviour
 
 
@@ -1971,10 +1992,10 @@ def update_critic(critic, optimizer, batch: Batch, old_values, targets, critic_m
         raw = critic_values(critic, mbatch, None if features is None else features[rows])  # [b, T] V or z
         v_loss, m = critic_loss_fn(raw, old_values[rows], targets[rows], critic_mask[rows], args.critic_loss,
                                    args.eps_v, num_tokens)
-        return v_loss, dict(m, v_loss=v_loss.detach())
+        return v_loss, dict(m, v_loss=v_loss.detach()), None
 
-    metrics = optimize(critic, optimizer, batch, loss_fn, critic_mask, args.critic_epochs, args.minibatches,
-                       args.micro_batch_size, args.critic_grad_clip, generator, compute_dtype(args.dtype, device))
+    metrics, _ = optimize(critic, optimizer, batch, loss_fn, critic_mask, args.critic_epochs, args.minibatches,
+                          args.micro_batch_size, args.critic_grad_clip, generator, compute_dtype(args.dtype, device))
     return {f"critic/{k}": v for k, v in metrics.items()}
 
 
@@ -2000,17 +2021,19 @@ def daps_accept_prob(p_hat, a_min: float):
     return a_min + (1 - a_min) * 4 * p_hat * (1 - p_hat)  # [n]
 
 
-def daps_select(sampler: PromptSampler, count: int, p_c_of, S, N, n_c: float, a_min: float, generator):
+def daps_select(sampler: PromptSampler, count: int, p_c_of, successes, attempts, n_c: float, a_min: float,
+                generator):
     """Draw candidates from the sampler until `count` are accepted, each with probability daps_accept_prob.
 
-    p_c_of(candidates) -> [n] critic estimates for a list of prompt indices; S, N: [n_prompts] counts.
+    p_c_of(candidates) -> [n] critic estimates for a list of prompt indices; successes, attempts: [n_prompts]
+    decayed counts (the paper's S and N).
     Returns (accepted prompt indices, {"drawn", "accepted", "p_hat_sum"} summed over the accepted).
     Terminates since a >= a_min > 0.
     """
     chosen, drawn, p_hat_sum = [], 0, 0.0
     while len(chosen) < count:
         candidates = sampler.draw(count - len(chosen))
-        p_hat = daps_estimate(S[candidates], N[candidates], p_c_of(candidates).double(), n_c)  # [n]
+        p_hat = daps_estimate(successes[candidates], attempts[candidates], p_c_of(candidates).double(), n_c)  # [n]
         a = daps_accept_prob(p_hat, a_min)  # [n]
         accept = torch.rand(len(candidates), generator=generator, dtype=torch.float64) < a  # [n] bool
         chosen += [i for i, ok in zip(candidates, accept.tolist()) if ok]
@@ -2021,10 +2044,10 @@ def daps_select(sampler: PromptSampler, count: int, p_c_of, S, N, n_c: float, a_
 # ---------------------------------------------------------------------------------------------------------------
 # 9. Critic pretraining: coverage trajectories from several policies (S3AC), Monte-Carlo returns [algorithm]
 # ---------------------------------------------------------------------------------------------------------------
-def generate_coverage(actor, prompts: list, prompt_index: list, golds: list, tokenizer, verifier, eos_ids, pad_id,
+def generate_coverage(actor, prompts: list, prompt_index: list, golds: list, tokenizer, reward_fn, eos_ids, pad_id,
                       args: Args, amp_dtype, device) -> list:
     """Trajectories of every coverage policy, K per prompt: rows {policy, prompt_index, prompt_ids,
-    response_ids (stop token included, no padding), reward (+-1)}. Models other than --model are loaded one at
+    response_ids (stop token included, no padding), reward (reward_fn's: the contract at the top of section 4)}. Models other than --model are loaded one at
     a time and must share the actor's tokenizer. Policies: every --coverage-models entry (the actor when empty)
     at every --coverage-temperatures entry (--temperature when empty)."""
     models = [m for m in args.coverage_models.split(",") if m] or [args.model]
@@ -2038,7 +2061,7 @@ def generate_coverage(actor, prompts: list, prompt_index: list, golds: list, tok
             batch = generate_hf(model, [prompts[j] for j in idx], [prompt_index[j] for j in idx], eos_ids, pad_id,
                                 args.max_new_tokens, temperature, args.gen_batch_size)
         texts = tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
-        rewards, _ = verifier([golds[j] for j in idx], texts, batch.truncated.tolist())
+        rewards, _ = reward_fn([golds[j] for j in idx], texts, batch.truncated.tolist())
         lengths = batch.response_mask.sum(1).long().tolist()
         rows += [{"policy": f"{name}@{temperature}", "prompt_index": prompt_index[j], "prompt_ids": prompts[j],
                   "response_ids": batch.response_ids[r, :lengths[r]].tolist(), "reward": rewards[r]}
@@ -2163,7 +2186,7 @@ def save_checkpoint(out_dir: str, step: int, model, tokenizer, critic, actor_opt
     """Write checkpoints/step_N atomically: everything goes to a temporary directory that is renamed when
     complete, then the `latest` pointer is replaced. A kill at any moment leaves the previous checkpoint.
     model: the Policy (or its causal LM) the actor optimizer was built on; critic / critic_opt may be None
-    (critic-free algorithms); prompt_counts: the per-prompt (S, N) of DAPS. Under torchrun every rank calls this:
+    (critic-free algorithms); prompt_counts: the per-prompt (successes, attempts) of DAPS. Under torchrun every rank calls this:
     weights and optimizer states are gathered whole (Hugging Face format, optimizer keyed by parameter name), so
     the checkpoint loads on any number of ranks, and rank 0 writes it with every rank's RNG state. train_s: the
     seconds of training so far (--max-minutes). A partial-trunk critic is saved as its k blocks and norm
@@ -2270,50 +2293,278 @@ class Tracker:
 # ---------------------------------------------------------------------------------------------------------------
 # 11. Training loop [algorithm]
 # ---------------------------------------------------------------------------------------------------------------
-def train(args: Args):
-    """Run S3AC (or the algorithm --algo names) as configured by args; returns the path of metrics.jsonl.
+@dataclass
+class TrainState:
+    """What a training step reads and moves on (a checkpoint saves it), and what the run fixes once."""
+    policy: nn.Module  # the Policy the actor trains through (FSDP2's root under torchrun); policy.lm is the LM
+    critic: nn.Module  # Critic, or None for the critic-free algorithms
+    actor_opt: torch.optim.Optimizer
+    critic_opt: torch.optim.Optimizer  # None without a critic
+    engine: object  # VLLMRollout, or None when Hugging Face generate samples
+    sampler: PromptSampler  # the data order
+    successes: torch.Tensor  # [n_prompts] fp64 decayed count of rollouts with reward > 0 (DAPS's S)
+    attempts: torch.Tensor  # [n_prompts] fp64 decayed count of rollouts (DAPS's N)
+    update_gen: torch.Generator  # mini-batch order in the updates
+    # fixed for the run
+    tokenizer: object
+    problems: list  # the training Problems
+    prompts: list  # [n_prompts] token ids of each training problem's prompt (build_prompt)
+    eos_ids: set  # token ids that end a response
+    pad_id: int
+    device: torch.device
+    rank: int  # this process among `world` (torchrun); 0 of 1 in a single process
+    world: int
+    step: int = 0  # training steps done
+    train_s: float = 0.0  # seconds of training so far, evaluations left out (--max-minutes)
 
-    Raises ValueError for an invalid flag combination, a bad data row or a checkpoint that does not fit the run.
-    """
-    from tqdm import tqdm
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()  # one tqdm bar: the training steps
-    args = resolve_args(args)
-    use_critic = args.algo in CRITIC_ALGOS
-    rank, world, device = init_distributed(args.device)
-    main = rank == 0  # rank 0 prints, logs and writes checkpoints
-    say = tqdm.write if main else (lambda *a, **k: None)
-    if world > 1 and (args.dynamic_sampling or uses_coverage(args)):
-        raise ValueError("--dynamic-sampling and coverage pretraining run in a single process in this version")
-    if args.batch_prompts % world:
-        raise ValueError(f"--batch-prompts {args.batch_prompts}: must be a multiple of the {world} ranks")
-    if main:
-        print(f"s3ac: --algo {args.algo} --actor-loss {args.actor_loss} --eps-low {args.eps_low}" +
-              (f" --actor-lam {args.actor_lam} ({'adaptive' if args.actor_lam == 0 else 'fixed'}) --critic-lam "
-               f"{args.critic_lam} --critic-loss {args.critic_loss} --critic-sync {args.critic_sync}"
-               if use_critic else " (no critic)") + (f" on {world} ranks" if world > 1 else ""), file=sys.stderr)
-    kernels.set_backend(args.kernels)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    amp_dtype = compute_dtype(args.dtype, device)
-    if main:
-        os.makedirs(args.out_dir, exist_ok=True)
 
-    # data (before any model loads); prompts longer than max_prompt_tokens dropped, once the tokenizer is there
-    train_problems, eval_sources = split_problems(
-        load_problems(args.data, args.prompt_key, args.answer_key, args.split, args.seed), args.eval_data, args)
-    ckpt = latest_checkpoint(args.out_dir) if args.resume else None
-    if args.resume and ckpt is None and main:
-        print(f"--resume: no checkpoint in {args.out_dir}, starting from step 0", file=sys.stderr)
-    try:  # a missing or unknown model, or no network: one line that names the model
-        model_path = resolve_model(args.model, args.cache_dir)
-        critic_path = resolve_model(args.critic_model, args.cache_dir) if args.critic_model else model_path
-        actor_src = os.path.join(ckpt, "actor") if ckpt else model_path
-        tokenizer = AutoTokenizer.from_pretrained(actor_src)
-    except (OSError, ValueError) as e:
-        raise OSError(f"--model {args.model}: cannot load it ({(str(e).splitlines() or [repr(e)])[0]})") from e
-    ids = lambda q: build_prompt(tokenizer, q, args.prompt_template, args.instruction)
+def generate_responses(args: Args, state: TrainState, prompts: list, index: list, greedy: bool = False,
+                       max_new_tokens: int = 0) -> Batch:
+    """The current policy's responses (a Batch) to token-id prompts of problems `index`, from vLLM (weights synced
+    first when stale) or Hugging Face generate; max_new_tokens 0 = args.max_new_tokens."""
+    max_new_tokens = max_new_tokens or args.max_new_tokens
+    if state.engine is not None:
+        return state.engine.generate(prompts, index, state.eos_ids, state.pad_id, max_new_tokens, args.temperature,
+                                     greedy, args.top_p, args.top_k, policy=state.policy if args.vllm_sync else None)
+    state.policy.lm.eval()
+    with gathered(state.policy), autocast(state.device, compute_dtype(args.dtype, state.device)):
+        return generate_hf(state.policy.lm, prompts, index, state.eos_ids, state.pad_id, max_new_tokens,
+                           args.temperature, args.gen_batch_size, greedy, args.top_p, args.top_k)
+
+
+def choose_prompts(args: Args, state: TrainState, count: int, generator):
+    """`count` training prompt indices, the same on every rank: uniform draws, or DAPS (daps_select, generator its
+    accept/reject draws) once state.step is past daps_start. Returns (indices, DAPS's counters or {})."""
+    if args.prompt_selection == "uniform" or state.step <= args.daps_start:
+        return state.sampler.draw(count), {}
+
+    def p_c_of(candidates):  # [n] the critic's success probability from the prompt alone
+        with autocast(state.device, compute_dtype(args.dtype, state.device)):
+            v0 = prompt_values(state.critic, [state.prompts[i] for i in candidates], state.pad_id, args.critic_loss,
+                               args.gen_batch_size)  # [n]
+        # every rank must take the same accept/reject decisions (each draw is a sharded critic forward)
+        return (all_reduce(success_prob(v0).double()) / state.world).cpu()  # the counts live on the CPU
+
+    return daps_select(state.sampler, count, p_c_of, state.successes, state.attempts, args.daps_n_c, args.daps_a_min,
+                       generator)
+
+
+def collect_rollouts(args: Args, state: TrainState, prompt_list: list, reward_fn):
+    """K responses to each prompt index of prompt_list, rewarded by reward_fn (contract: top of section 4). Returns
+    (batch, rewards [B], statuses, texts, successes [n_prompts], attempts [n_prompts], metrics): this round's
+    per-prompt counts over all ranks (success: reward > 0), for the caller to add."""
+    t0 = time.time()
+    index = [i for i in prompt_list for _ in range(args.k)]
+    batch = generate_responses(args, state, [state.prompts[i] for i in index], index)
+    t1 = time.time()
+    texts = state.tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
+    reward_list, statuses = reward_fn([state.problems[i].answer for i in index], texts, batch.truncated.tolist())
+    rewards = torch.tensor([float(r) for r in reward_list])  # [B]
+    correct = (rewards > 0).double()  # [B] raw correctness, never a shaped reward
+    counts = torch.zeros(2, len(state.problems), dtype=torch.float64)  # [2, n_prompts] successes, attempts
+    counts[0].index_add_(0, batch.prompt_index, correct)
+    counts[1].index_add_(0, batch.prompt_index, torch.ones_like(correct))
+    counts = all_reduce(counts)  # every rank's rollouts
+    metrics = {"time/rollout": t1 - t0, "rollout/generated_tokens": int(batch.response_mask.sum()),  # all generated
+               "rollout/samples": len(index), "time/verify": time.time() - t1}
+    return batch, rewards, statuses, texts, counts[0], counts[1], metrics
+
+
+def sample_rollouts(args: Args, state: TrainState, reward_fn):
+    """choose_prompts, then collect_rollouts (counted in state); --dynamic-sampling drops the groups whose rewards
+    are all equal and refills, for at most max_refills more rounds. Returns (batch, rewards [B], statuses, sample
+    records of a few first-round rollouts, metrics)."""
+    daps_gen = torch.Generator().manual_seed(args.seed * 1_000_003 + state.step)  # resume replays the same draws
+    parts, statuses, records, kept, dropped = [], [], [], 0, 0
+    metrics, selection = collections.Counter(), collections.Counter()  # summed over the rounds
+    for _ in range(1 + (args.max_refills if args.dynamic_sampling else 0)):
+        chosen, stats = choose_prompts(args, state, args.batch_prompts - kept, daps_gen)  # the same on every rank
+        batch, rewards, s, texts, successes, attempts, m = collect_rollouts(
+            args, state, chosen[state.rank::state.world], reward_fn)  # this rank's share
+        state.successes, state.attempts = state.successes + successes, state.attempts + attempts
+        metrics.update(m)
+        selection.update(stats)
+        if not statuses:  # a few of the first round's rollouts, to read what is rewarded
+            problems = [state.problems[int(i)] for i in batch.prompt_index[:args.log_samples]]
+            records = [sample_record(p.question, texts[j], p.answer, s[j], rewards[j].item(), args.answer_fallback)
+                       for j, p in enumerate(problems)]
+        statuses += s
+        last = (batch, rewards)
+        if args.dynamic_sampling:
+            keep = mixed_groups(rewards, batch.prompt_index)  # [b]
+            dropped += int((~keep).sum()) // args.k
+            batch, rewards = batch.rows(keep), rewards[keep]
+        parts.append((batch, rewards))
+        kept += len(rewards) // args.k
+        if kept == args.batch_prompts:
+            break
+    parts = parts if kept else [last]  # every group dropped: train on the last round as it is
+    metrics = dict(metrics)
+    metrics["perf/tokens_per_s"] = metrics["rollout/generated_tokens"] / metrics["time/rollout"]  # every round
+    if args.dynamic_sampling:
+        metrics.update({"rollout/dropped_groups": dropped, "rollout/kept_groups": kept})
+    if selection:
+        metrics.update({"prompts/accept_rate": selection["accepted"] / selection["drawn"],
+                        "prompts/p_hat_mean": selection["p_hat_sum"] / selection["accepted"]})
+    return cat_batches([b for b, _ in parts], state.pad_id), torch.cat([r for _, r in parts]), statuses, records, metrics
+
+
+def critic_pass(args: Args, state: TrainState, batch: Batch):
+    """(values [B, T] on the +-1 scale, 0 on padding; raw head outputs [B, T]; a partial-trunk critic's features
+    [B, P + T, H], reused by its update, or None) of a rollout batch, without gradient."""
+    with autocast(state.device, compute_dtype(args.dtype, state.device)):
+        features = trunk_features(state.critic, batch, args.micro_batch_size)  # [B, P + T, H]; None for k = 0
+        values, raw = value_pass(state.critic, batch, args.critic_loss, args.micro_batch_size, features)  # [B, T]
+    return values, raw, features
+
+
+def compute_advantages(args: Args, batch: Batch, rewards, values, mask):
+    """(advantages [B, T], raw; returns [B, T] or None; metrics): decoupled GAE from values [B, T], or the outcome
+    baseline of a critic-free --algo when values is None. rewards [B], mask [B, T]."""
+    if values is None:
+        baseline = {"grpo": functools.partial(grpo_advantages, use_std=args.grpo_std), "rloo": rloo_advantages,
+                    "reinforce_pp": reinforce_pp_advantages}[args.algo]
+        advantages, metrics = baseline(rewards, batch.prompt_index.to(mask.device), mask)  # [B, T]
+        return advantages, None, metrics
+    lam = adaptive_lambda(mask, args.alpha) if args.actor_lam == "adaptive" else args.actor_lam  # [B] or float
+    return decoupled_gae(rewards, values, mask, args.gamma, args.critic_lam, lam,
+                         gae_fn=kernel_or(gae))  # [B, T], [B, T], metrics; Triton on a GPU
+
+
+def train_actor(args: Args, state: TrainState, batch: Batch, advantages, mask):
+    """update_actor on the batch (advantages, mask [B, T]); log mu computed first only for several optimizer steps.
+    Marks the vLLM engine stale. Returns (metrics, behaviour log-probs [B, T])."""
+    t0 = synced_time(state.device)
+    old_logprobs = None  # one optimizer step in all: update_actor takes log mu from its own forward pass
+    if args.actor_epochs * args.minibatches > 1:
+        with autocast(state.device, compute_dtype(args.dtype, state.device)):
+            old_logprobs = policy_logprobs(state.policy, batch, args.temperature, args.micro_batch_size)  # [B, T]
+    actor_mask = mask  # [B, T] the tokens the actor loss averages over
+    if args.overlong_filter:  # DAPO's overlong filtering: a response cut off at the limit is not trained on
+        actor_mask = mask * (~batch.truncated).to(state.device)[:, None].float()  # [B, T]
+    state.policy.train()
+    metrics, behaviour_logprobs = update_actor(state.policy, state.actor_opt, batch, advantages, old_logprobs, args,
+                                               state.update_gen, actor_mask)  # [B, T]
+    if state.engine is not None:
+        state.engine.stale = True
+    if batch.sampler_logprobs is not None:  # trainer vs sampler: |log mu_trainer - log mu_vllm| per token
+        gap = (behaviour_logprobs - batch.sampler_logprobs.to(state.device)).abs()[mask.bool()]  # [N]
+        metrics.update({"rollout/logprob_gap_mean": gap.mean().item() if gap.numel() else 0.0,
+                        "rollout/logprob_gap_max": gap.max().item() if gap.numel() else 0.0})
+    metrics["time/actor"] = synced_time(state.device) - t0
+    return metrics, behaviour_logprobs
+
+
+def train_critic(args: Args, state: TrainState, batch: Batch, values, features, returns, rewards, behaviour_logprobs):
+    """update_critic from values [B, T] toward returns [B, T] (s3ac) or PACT's targets, rho_t = pi_new / mu from one
+    more forward pass of the UPDATED actor, mu = behaviour_logprobs [B, T]. Returns metrics."""
+    t0 = synced_time(state.device)
+    mask = batch.response_mask.to(state.device)  # [B, T]
+    targets, critic_mask, metrics = returns, mask, {}  # [B, T] each
+    if args.critic_sync == "pact":
+        with autocast(state.device, compute_dtype(args.dtype, state.device)):
+            new_logprobs = policy_logprobs(state.policy, batch, args.temperature, args.micro_batch_size)  # [B, T]
+        mc = mc_returns(rewards, mask, args.gamma)  # [B, T] PACT weights the Monte-Carlo return
+        targets, critic_mask, metrics = pact_targets(mc, new_logprobs, behaviour_logprobs, mask, args.rho_min,
+                                                     args.rho_max)
+    state.critic.train()
+    metrics.update(update_critic(state.critic, state.critic_opt, batch, values, targets, critic_mask, args,
+                                 state.update_gen, features))
+    metrics["time/critic"] = synced_time(state.device) - t0
+    return metrics
+
+
+def train_step(args: Args, state: TrainState, reward_fn):
+    """One step of --algo: choose prompts -> rollout (generate + reward) -> values -> advantages -> actor update ->
+    critic update -> metrics. Moves state on one step. Returns (metrics, sample records of a few rollouts)."""
+    state.step += 1
+    metrics = {"step": state.step}
+    state.successes, state.attempts = state.successes * args.daps_decay, state.attempts * args.daps_decay
+    batch, rewards, statuses, records, m = sample_rollouts(args, state, reward_fn)  # choose prompts, rollout, reward
+    metrics.update(m)
+    rewards, mask = rewards.to(state.device), batch.response_mask.to(state.device)  # [B], [B, T]
+    values = features = None
+    if state.critic is not None:  # V(s_t) on the +-1 scale, 0 on padding
+        t0 = synced_time(state.device)
+        values, _, features = critic_pass(args, state, batch)  # [B, T]; features reused by the critic update
+        metrics["time/values"] = synced_time(state.device) - t0
+    advantages, returns, m = compute_advantages(args, batch, rewards, values, mask)  # [B, T] raw, no whitening
+    metrics.update(m)
+    m, behaviour_logprobs = train_actor(args, state, batch, advantages, mask)  # behaviour_logprobs [B, T] log mu
+    metrics.update(m)
+    if state.critic is not None:
+        metrics.update(train_critic(args, state, batch, values, features, returns, rewards, behaviour_logprobs))
+        metrics.update(critic_metrics(values, returns, rewards, mask, metrics["time/values"] + metrics["time/critic"],
+                                      metrics["time/actor"], args.credit_eps))
+    trained = batch.prompt_index.unique()  # prompts of this step's training batch
+    rate = state.successes[trained] / state.attempts[trained].clamp(min=1e-12)  # running success rate
+    metrics.update({"rollout/reward": rewards.mean().item(), "rollout/acc": (rewards > 0).float().mean().item(),
+                    "rollout/response_len": mask.sum(1).mean().item(),
+                    "rollout/truncated": batch.truncated.float().mean().item(),
+                    **{f"verify/{s}": statuses.count(s) for s in Verifier.STATUSES[2:]},
+                    "adv/mean": masked_mean(advantages, mask).item(),
+                    "prompts/share_mid": ((rate > 0.2) & (rate <= 0.8)).double().mean().item()})
+    return metrics, records
+
+
+def run_evaluation(args: Args, state: TrainState, eval_sets: list, verifier, samples_path: str, say) -> dict:
+    """evaluate_sources on eval_sets [(name, problems, prompts)]; rank 0 logs every completion to samples_path and
+    says one line. Returns the eval/* metrics."""
+    t0 = time.time()
+    generate = functools.partial(generate_responses, args, state, max_new_tokens=args.eval_max_new_tokens)
+    m, samples = evaluate_sources(generate, state.tokenizer, eval_sets, verifier, args.eval_k, state.rank, state.world)
+    m["time/eval"] = time.time() - t0
+    samples = gather_records(samples)  # every rank's completions, on rank 0
+    for record in samples if state.rank == 0 else ():
+        log_metrics(samples_path, {"step": state.step, "split": "eval", **record})
+    say(f"step {state.step:4d} | eval " + " | ".join(f"{name} " + " ".join(
+        f"{key.rsplit('/', 1)[1]} {value:.3f}" for key, value in m.items() if key.startswith(f"eval/{name}/")
+        and "@" in key) + f" on {m[f'eval/{name}/n']}" for name, _, _ in eval_sets) + f" | sample: {shorten(samples[0])}")
+    return m
+
+
+def coverage_pretraining(args: Args, state: TrainState, reward_fn) -> list:
+    """pretrain_critic on coverage trajectories, generated (into <out_dir>/coverage.jsonl) or --coverage-data.
+    Returns its metrics per epoch; the last has time/pretrain."""
+    t0 = time.time()
+    path = args.coverage_data or os.path.join(args.out_dir, "coverage.jsonl")
+    if not args.coverage_data:
+        n = len(state.problems)
+        chosen = random.Random(args.seed + 7).sample(range(n), min(args.coverage_prompts, n))
+        rows = generate_coverage(state.policy.lm, [state.prompts[i] for i in chosen], chosen,
+                                 [state.problems[i].answer for i in chosen], state.tokenizer, reward_fn, state.eos_ids,
+                                 state.pad_id, args, compute_dtype(args.dtype, state.device), state.device)
+        _write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    epochs = pretrain_critic(state.critic, state.critic_opt, rows, args, state.pad_id, state.update_gen)
+    epochs[-1]["time/pretrain"] = time.time() - t0
+    return [{"pretrain/trajectories": len(rows), **m} for m in epochs]
+
+
+def critic_warmup_step(args: Args, state: TrainState, reward_fn) -> dict:
+    """One critic update toward the Monte-Carlo returns of fresh rollouts (counted in state), actor frozen, with
+    the fit before it (fresh data: held out). Returns this rank's metrics."""
+    t0 = time.time()
+    prompts = state.sampler.draw(args.batch_prompts)[state.rank::state.world]
+    batch, rewards, _, _, successes, attempts, metrics = collect_rollouts(args, state, prompts, reward_fn)
+    state.successes, state.attempts = state.successes + successes, state.attempts + attempts
+    values, raw, features = critic_pass(args, state, batch)  # [B, T] each
+    mask = batch.response_mask.to(state.device)  # [B, T]
+    returns = mc_returns(rewards.to(state.device), mask, args.gamma)  # [B, T]
+    metrics.update(critic_fit(values, raw, returns, mask, args.critic_loss))
+    state.critic.train()
+    metrics.update(update_critic(state.critic, state.critic_opt, batch, values, returns, mask, args, state.update_gen,
+                                 features))
+    metrics["time/pretrain"] = time.time() - t0
+    return metrics
+
+
+def prepare_prompts(args: Args, tokenizer, train_problems: list, eval_sources: list, main: bool):
+    """Token ids of every prompt, those over --max-prompt-tokens dropped. Returns (train_problems, their prompts,
+    eval_sets [(name, problems, prompts)]); ValueError when a source has none left."""
+    ids = functools.lru_cache(maxsize=None)(lambda q: build_prompt(tokenizer, q, args.prompt_template,
+                                                                   args.instruction))
     train_problems, dropped = drop_long_prompts(train_problems, ids, args.max_prompt_tokens)
     eval_sources = [(name, *drop_long_prompts(problems, ids, args.max_prompt_tokens)) for name, problems in
                     eval_sources]
@@ -2323,12 +2574,13 @@ def train(args: Args):
     empty = [name for name, problems, _ in [("--data", train_problems, 0), *eval_sources] if not problems]
     if empty:
         raise ValueError(f"--max-prompt-tokens {args.max_prompt_tokens}: every prompt of {', '.join(empty)} is longer")
-    # per-prompt decayed success and attempt counts (DAPS uses them, every run logs them)
-    sampler = PromptSampler(len(train_problems), args.seed)
-    S = torch.zeros(len(train_problems), dtype=torch.float64)  # [n_prompts] successes (reward > 0)
-    N = torch.zeros(len(train_problems), dtype=torch.float64)  # [n_prompts] attempts
+    eval_sets = [(name, problems, [ids(p.question) for p in problems]) for name, problems, _ in eval_sources]
+    return train_problems, [ids(p.question) for p in train_problems], eval_sets
 
-    # models (no critic for the critic-free algorithms)
+
+def load_models(args: Args, actor_src: str, critic_src: str, ckpt, tokenizer, device, rank: int, world: int):
+    """(policy, critic or None, vLLM engine or None, eos_ids, pad_id), from ckpt when given, sharded with FSDP2
+    under torchrun. Raises ValueError for --rollout vllm without vllm."""
     model = load_actor(actor_src, device)
     if args.rollout == "vllm" and not vllm_available():
         raise ValueError("--rollout vllm: the vllm package is not installed here (on a CUDA machine: pip install "
@@ -2337,12 +2589,10 @@ def train(args: Args):
     engine = VLLMRollout(actor_src, args, device, rank, world) if use_vllm else None  # before seeding: it seeds
     policy = Policy(model)  # the module the actor trains through (FSDP2's root under torchrun)
     critic = None
-    if use_critic:
-        critic = load_critic(os.path.join(ckpt, "critic") if ckpt else critic_path, device, args.critic_seed,
+    if args.algo in CRITIC_ALGOS:
+        critic = load_critic(os.path.join(ckpt, "critic") if ckpt else critic_src, device, args.critic_seed,
                              os.path.join(ckpt, "critic", "value_head.safetensors") if ckpt else "",
                              args.critic_layers, policy)  # k >= 1: the critic reads the actor's trunk
-    random.seed(args.seed)  # after loading: a one-time .gguf conversion draws from the global RNG
-    torch.manual_seed(args.seed + rank)  # each rank samples its own rollouts
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         if critic is not None:
@@ -2357,304 +2607,160 @@ def train(args: Args):
             actor_logprobs(policy, rows_to_batch(one_token, pad_id)[0], 1.0)
         if critic is not None:
             shard(critic, critic.backbone)
-    actor_opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
-    critic_opt = (torch.optim.AdamW(critic.parameters(), lr=args.lr * args.critic_lr_ratio, weight_decay=0.0)
-                  if critic is not None else None)
-    update_gen = torch.Generator().manual_seed(args.seed)  # mini-batch order in the updates
-    start_step, train_s = 0, 0.0  # train_s: seconds of training so far, evaluations left out (--max-minutes)
+    return policy, critic, engine, eos_ids, pad_id
+
+
+def restore_checkpoint(state: TrainState, ckpt: str, args: Args) -> bool:
+    """Load ckpt's trainer state into state and this rank's RNGs (another number of ranks: sampling reseeded).
+    Returns whether the ranks matched. ValueError: an older format, a critic-free run, other data."""
+    saved = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False, map_location="cpu")
+    if isinstance(saved["rng"], dict) or any(isinstance(k, int) for k in saved["actor_opt"]["state"]):
+        raise ValueError(f"{ckpt}: written by an older s3ac.py (optimizer states keyed by position); "
+                         f"start a new run from its weights with --model {os.path.join(ckpt, 'actor')}")
+    optimizer_state(state.policy, state.actor_opt, saved["actor_opt"])
+    if state.critic_opt is not None:
+        if saved["critic_opt"] is None:
+            raise ValueError(f"{ckpt}: a checkpoint of a critic-free run; resume it with the same --algo")
+        optimizer_state(state.critic, state.critic_opt, saved["critic_opt"])
+    state.sampler.epoch, state.sampler.pos = saved["sampler"]
+    if saved.get("prompt_counts") is not None:
+        state.successes, state.attempts = saved["prompt_counts"]
+        if len(state.successes) != len(state.problems):
+            raise ValueError(f"{ckpt}: prompt counts for {len(state.successes)} problems, the data now has "
+                             f"{len(state.problems)}; resume with the same --data and --eval-size")
+    state.step, state.train_s = saved["step"], saved.get("train_s", 0.0)
+    same_ranks = len(saved["rng"]) == state.world
+    rng = saved["rng"][state.rank] if same_ranks else dict(  # one state per rank; else fresh sampling seeds
+        saved["rng"][0], torch=torch.Generator().manual_seed(args.seed + state.rank + state.world * state.step)
+        .get_state(), cuda=None)
+    random.setstate(rng["python"])
+    torch.set_rng_state(rng["torch"])
+    if rng.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    state.update_gen.set_state(rng["update"])
+    return same_ranks
+
+
+def train(args: Args, reward_fn=None):
+    """Run S3AC (or the algorithm --algo names) as configured by args; returns the path of metrics.jsonl.
+
+    reward_fn(golds, completions, truncated) -> (rewards, statuses): the training reward, with the contract and the
+    +-1 convention stated at the top of section 4; default Verifier(args.verify_timeout, args.answer_fallback).
+    It rewards the rollouts, the critic warm-up and the coverage trajectories; evaluations always grade with the
+    Verifier, so eval/pass@1 stays the benchmark's accuracy. train never closes a reward_fn it was given.
+    Raises ValueError for an invalid flag combination, a bad data row or a checkpoint that does not fit the run.
+    """
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()  # one tqdm bar: the training steps
+    args = resolve_args(args)
+    rank, world, device = init_distributed(args.device)
+    main = rank == 0  # rank 0 prints, logs and writes checkpoints
+    say = tqdm.write if main else (lambda *a, **k: None)
+    if world > 1 and (args.dynamic_sampling or uses_coverage(args)):
+        raise ValueError("--dynamic-sampling and coverage pretraining run in a single process in this version")
+    if args.batch_prompts % world:
+        raise ValueError(f"--batch-prompts {args.batch_prompts}: must be a multiple of the {world} ranks")
+    if main:
+        print(f"s3ac: --algo {args.algo} --actor-loss {args.actor_loss} --eps-low {args.eps_low}" +
+              (f" --actor-lam {args.actor_lam} --critic-lam {args.critic_lam} --critic-loss {args.critic_loss} "
+               f"--critic-sync {args.critic_sync}" if args.algo in CRITIC_ALGOS else " (no critic)") +
+              (f" on {world} ranks" if world > 1 else ""), file=sys.stderr)
+        os.makedirs(args.out_dir, exist_ok=True)
+    kernels.set_backend(args.kernels)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    # data (before any model loads), the tokenizer, then the prompts (too long ones dropped) and the models
+    train_problems, eval_sources = split_problems(
+        load_problems(args.data, args.prompt_key, args.answer_key, args.split, args.seed), args.eval_data, args)
+    ckpt = latest_checkpoint(args.out_dir) if args.resume else None
+    if args.resume and ckpt is None and main:
+        print(f"--resume: no checkpoint in {args.out_dir}, starting from step 0", file=sys.stderr)
+    try:  # a missing or unknown model, or no network: one line that names the model
+        model_path = resolve_model(args.model, args.cache_dir)
+        critic_src = resolve_model(args.critic_model, args.cache_dir) if args.critic_model else model_path
+        actor_src = os.path.join(ckpt, "actor") if ckpt else model_path
+        tokenizer = AutoTokenizer.from_pretrained(actor_src)
+    except (OSError, ValueError) as e:
+        raise OSError(f"--model {args.model}: cannot load it ({(str(e).splitlines() or [repr(e)])[0]})") from e
+    train_problems, train_prompts, eval_sets = prepare_prompts(args, tokenizer, train_problems, eval_sources, main)
+    policy, critic, engine, eos_ids, pad_id = load_models(args, actor_src, critic_src, ckpt, tokenizer, device, rank,
+                                                          world)
+    random.seed(args.seed)  # after loading: a one-time .gguf conversion draws from the global RNG
+    torch.manual_seed(args.seed + rank)  # each rank samples its own rollouts
+    n = len(train_problems)
+    state = TrainState(
+        policy, critic, torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0),
+        torch.optim.AdamW(critic.parameters(), lr=args.lr * args.critic_lr_ratio, weight_decay=0.0) if critic else None,
+        engine, PromptSampler(n, args.seed), torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64),
+        torch.Generator().manual_seed(args.seed), tokenizer, train_problems, train_prompts, eos_ids, pad_id, device,
+        rank, world)
     metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
     samples_path = os.path.join(args.out_dir, "samples.jsonl")  # rollouts and eval completions, with statuses
-    if ckpt:
-        state = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False, map_location="cpu")
-        if isinstance(state["rng"], dict) or any(isinstance(k, int) for k in state["actor_opt"]["state"]):
-            raise ValueError(f"{ckpt}: written by an older s3ac.py (optimizer states keyed by position); "
-                             f"start a new run from its weights with --model {os.path.join(ckpt, 'actor')}")
-        optimizer_state(policy, actor_opt, state["actor_opt"])
-        if critic_opt is not None:
-            if state["critic_opt"] is None:
-                raise ValueError(f"{ckpt}: a checkpoint of a critic-free run; resume it with the same --algo")
-            optimizer_state(critic, critic_opt, state["critic_opt"])
-        sampler.epoch, sampler.pos = state["sampler"]
-        if state.get("prompt_counts") is not None:
-            S, N = state["prompt_counts"]
-            if len(S) != len(train_problems):
-                raise ValueError(f"{ckpt}: prompt counts for {len(S)} problems, the data now has "
-                                 f"{len(train_problems)}; resume with the same --data and --eval-size")
-        start_step, train_s = state["step"], state.get("train_s", 0.0)
-        rng = state["rng"][rank] if len(state["rng"]) == world else None  # one state per rank
-        if rng is None:  # resumed on another number of ranks: fresh sampling seeds, same data order
-            rng = dict(state["rng"][0],
-                       torch=torch.Generator().manual_seed(args.seed + rank + world * start_step).get_state())
-            rng.pop("cuda", None)
-        random.setstate(rng["python"])
-        torch.set_rng_state(rng["torch"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
-        update_gen.set_state(rng["update"])
-        if main:
-            _drop_records_after(metrics_path, start_step)  # records of steps that the kill threw away
-            _drop_records_after(samples_path, start_step)
-            print(f"resumed from {ckpt} at step {start_step}" + (" (RNG states of another number of ranks: "
-                  "sampling reseeded)" if len(state["rng"]) != world else ""), file=sys.stderr)
-    elif main:
-        for path in (metrics_path, samples_path):  # a fresh run starts fresh logs
-            if os.path.exists(path):
-                os.remove(path)
-    tracker = Tracker(args if main else dataclasses.replace(args, report_to="none"), start_step + 1 if ckpt else 0)
+    same_ranks = restore_checkpoint(state, ckpt, args) if ckpt else True
+    for path in (metrics_path, samples_path) if main else ():
+        if ckpt:
+            _drop_records_after(path, state.step)  # records of steps that the kill threw away
+        elif os.path.exists(path):
+            os.remove(path)  # a fresh run starts fresh logs
+    if ckpt and main:
+        print(f"resumed from {ckpt} at step {state.step}" + ("" if same_ranks else " (RNG states of another number "
+              "of ranks: sampling reseeded)"), file=sys.stderr)
+    tracker = Tracker(args if main else dataclasses.replace(args, report_to="none"), state.step + 1 if ckpt else 0)
+    verifier = Verifier(args.verify_timeout, args.answer_fallback)  # evaluations; the training reward by default
+    reward_fn = reward_fn or verifier
 
-    prompt_cache = {}
-
-    def prompt_ids(i, problems, tag):
-        if (tag, i) not in prompt_cache:
-            prompt_cache[(tag, i)] = build_prompt(tokenizer, problems[i].question, args.prompt_template,
-                                                  args.instruction)
-        return prompt_cache[(tag, i)]
-
-    eval_sets = [(name, problems, [prompt_ids(i, problems, f"eval/{name}") for i in range(len(problems))])
-                 for name, problems, _ in eval_sources]
-    verifier = Verifier(args.verify_timeout, args.answer_fallback)
-
-    def generate(prompts, index, temperature=args.temperature, greedy=False, max_new_tokens=args.max_new_tokens):
-        """Responses to token-id prompts (one each) from the current policy, as a Batch."""
-        if engine is not None:  # copies the weights in first when the actor has changed since the last sync
-            return engine.generate(prompts, index, eos_ids, pad_id, max_new_tokens, temperature, greedy, args.top_p,
-                                   args.top_k, policy=policy if args.vllm_sync else None)
-        model.eval()
-        with gathered(policy), autocast(device, amp_dtype):
-            return generate_hf(model, prompts, index, eos_ids, pad_id, max_new_tokens, temperature,
-                               args.gen_batch_size, greedy, args.top_p, args.top_k)
-
-    def run_eval(step):
-        t0 = time.time()
-        eval_generate = functools.partial(generate, max_new_tokens=args.eval_max_new_tokens or args.max_new_tokens)
-        m, samples = evaluate_sources(eval_generate, tokenizer, eval_sets, verifier, args.eval_k, rank, world)
-        m["time/eval"] = time.time() - t0
-        samples = gather_records(samples)  # every rank's completions, on rank 0
-        if main:
-            for record in samples:
-                log_metrics(samples_path, {"step": step, "split": "eval", **record})
-            say(f"step {step:4d} | eval " + " | ".join(f"{name} " + " ".join(
-                f"{key.rsplit('/', 1)[1]} {value:.3f}" for key, value in m.items() if key.startswith(f"eval/{name}/")
-                and "@" in key) + f" on {m[f'eval/{name}/n']}" for name, _, _ in eval_sets) +
-                f" | sample: {shorten(samples[0])}")
-        return m
-
-    def rollout(prompt_list, metrics):
-        """K responses per prompt, verified and counted in S, N (over all ranks): (batch, rewards [B], statuses)."""
-        t0 = time.time()
-        index = [i for i in prompt_list for _ in range(args.k)]
-        batch = generate([prompt_ids(i, train_problems, "train") for i in index], index)
-        t1 = time.time()
-        texts = tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
-        reward_list, statuses = verifier([train_problems[i].answer for i in index], texts, batch.truncated.tolist())
-        rewards = torch.tensor(reward_list)  # [B]
-        correct = (rewards > 0).double()  # [B] raw correctness, never a shaped reward
-        counts = torch.zeros(2, len(S), dtype=torch.float64)  # [2, n_prompts] this round's successes, attempts
-        counts[0].index_add_(0, batch.prompt_index, correct)
-        counts[1].index_add_(0, batch.prompt_index, torch.ones_like(correct))
-        counts = all_reduce(counts)  # every rank's rollouts
-        S.add_(counts[0])
-        N.add_(counts[1])
-        metrics["time/rollout"] = metrics.get("time/rollout", 0.0) + t1 - t0
-        generated = int(batch.response_mask.sum())  # tokens of this round, kept or dropped by dynamic sampling
-        metrics["rollout/generated_tokens"] = metrics.get("rollout/generated_tokens", 0) + generated
-        metrics["rollout/samples"] = metrics.get("rollout/samples", 0) + len(index)
-        metrics["time/verify"] = metrics.get("time/verify", 0.0) + time.time() - t1
-        return batch, rewards, statuses, texts
-
-    def choose_prompts(count, step, selection, generator):
-        """Uniform draws, or DAPS after daps_start steps; DAPS counters are added to `selection`."""
-        if args.prompt_selection == "uniform" or step <= args.daps_start:
-            return sampler.draw(count)
-
-        def p_c_of(candidates):  # [n] the critic's success probability from the prompt alone
-            prompts = [prompt_ids(i, train_problems, "train") for i in candidates]
-            with autocast(device, amp_dtype):
-                v0 = prompt_values(critic, prompts, pad_id, args.critic_loss, args.gen_batch_size)  # [n]
-            # every rank must take the same accept/reject decisions (each draw is a sharded critic forward)
-            return (all_reduce(success_prob(v0).double()) / world).cpu()  # S and N live on the CPU
-
-        index, stats = daps_select(sampler, count, p_c_of, S, N, args.daps_n_c, args.daps_a_min, generator)
-        for key, value in stats.items():
-            selection[key] = selection.get(key, 0) + value
-        return index
-
-    if start_step == 0:
-        m = run_eval(0)
+    # step 0: evaluation, then critic pretraining (actor frozen): coverage trajectories, on-policy warm-up batches
+    if state.step == 0:
+        m = run_evaluation(args, state, eval_sets, verifier, samples_path, say)
         if main:
             log_metrics(metrics_path, {"step": 0, **m}, tracker)
-    # critic pretraining before step 1 (actor frozen): coverage trajectories, then on-policy warm-up batches
-    if start_step == 0 and critic is not None and uses_coverage(args):
-        t0 = time.time()
-        path = args.coverage_data or os.path.join(args.out_dir, "coverage.jsonl")
-        if not args.coverage_data:
-            chosen = random.Random(args.seed + 7).sample(range(len(train_problems)),
-                                                         min(args.coverage_prompts, len(train_problems)))
-            rows = generate_coverage(model, [prompt_ids(i, train_problems, "train") for i in chosen], chosen,
-                                     [train_problems[i].answer for i in chosen], tokenizer, verifier, eos_ids,
-                                     pad_id, args, amp_dtype, device)
-            _write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
-        with open(path) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-        epochs = pretrain_critic(critic, critic_opt, rows, args, pad_id, update_gen)  # fp32 forward passes
-        epochs[-1]["time/pretrain"] = time.time() - t0  # generation (unless --coverage-data) and every epoch
-        train_s += epochs[-1]["time/pretrain"]
+    if state.step == 0 and critic is not None and uses_coverage(args):
+        epochs = coverage_pretraining(args, state, reward_fn)
+        state.train_s += epochs[-1]["time/pretrain"]  # generation (unless --coverage-data) and every epoch
         for m in epochs:
-            log_metrics(metrics_path, {"step": 0, "pretrain/trajectories": len(rows), **m}, tracker)
+            log_metrics(metrics_path, {"step": 0, **m}, tracker)
             say(f"coverage epoch {m['pretrain/epoch']} | held-out EV {m['pretrain/explained_var']:+.3f} "
-                       f"v_loss {m['pretrain/v_loss']:.4f}")
-    warmup_steps = args.critic_warmup_steps if start_step == 0 and critic is not None else 0
-    for i in range(warmup_steps):  # on-policy warm-up; its rollouts count toward S, N
-        m, t0 = {}, time.time()
-        batch, rewards, _, _ = rollout(sampler.draw(args.batch_prompts)[rank::world], m)
-        with autocast(device, amp_dtype):
-            features = trunk_features(critic, batch, args.micro_batch_size)  # [B, P + T, H]; None for k = 0
-            values, raw = value_pass(critic, batch, args.critic_loss, args.micro_batch_size, features)  # [B, T]
-        mask = batch.response_mask.to(device)  # [B, T]
-        returns = mc_returns(rewards.to(device), mask, args.gamma)  # [B, T]
-        m.update(critic_fit(values, raw, returns, mask, args.critic_loss))  # fresh data: held out
-        critic.train()
-        m.update(update_critic(critic, critic_opt, batch, values, returns, mask, args, update_gen, features))
-        m["time/pretrain"] = time.time() - t0
-        m = mean_over_ranks(m)
-        train_s += m["time/pretrain"]
+                f"v_loss {m['pretrain/v_loss']:.4f}")
+    for i in range(args.critic_warmup_steps if state.step == 0 and critic is not None else 0):
+        m = mean_over_ranks(critic_warmup_step(args, state, reward_fn))  # its rollouts count toward the counts
+        state.train_s += m["time/pretrain"]
         if main:
             log_metrics(metrics_path, {"step": 0, "pretrain/warmup_step": i + 1, **m}, tracker)
         say(f"critic warm-up {i + 1} | EV {m['pretrain/explained_var']:+.3f} v_loss {m['critic/v_loss']:.4f}")
 
-    outcome_baselines = {"grpo": functools.partial(grpo_advantages, use_std=args.grpo_std),
-                         "rloo": rloo_advantages, "reinforce_pp": reinforce_pp_advantages}  # critic-free algos
-    bar = tqdm(range(start_step + 1, args.steps + 1), initial=start_step, total=args.steps, desc=args.algo,
-               file=sys.stderr, disable=not main)
-    for step in bar:
-        timer, metrics, selection = time.time(), {"step": step}, {}
-        S.mul_(args.daps_decay)
-        N.mul_(args.daps_decay)
-        daps_gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)  # resume replays the same draws
-
-        # rollout: K samples for each of batch_prompts prompts; dynamic sampling drops the groups whose rewards
-        # are all equal and refills with new prompts, for at most max_refills extra rounds
-        parts, statuses, kept, dropped = [], [], 0, 0
-        for _ in range(1 + (args.max_refills if args.dynamic_sampling else 0)):
-            chosen = choose_prompts(args.batch_prompts - kept, step, selection, daps_gen)  # same on every rank
-            batch, rewards, s, texts = rollout(chosen[rank::world], metrics)  # this rank's share
-            if main and not statuses:  # a few of the first round's rollouts, to read what is rewarded
-                for j in range(min(args.log_samples, len(texts))):
-                    problem = train_problems[int(batch.prompt_index[j])]
-                    log_metrics(samples_path, {"step": step, "split": "train", **sample_record(
-                        problem.question, texts[j], problem.answer, s[j], rewards[j].item(), args.answer_fallback)})
-            statuses += s
-            last = (batch, rewards)
-            if args.dynamic_sampling:
-                keep = mixed_groups(rewards, batch.prompt_index)  # [b]
-                dropped += int((~keep).sum()) // args.k
-                batch, rewards = batch.rows(keep), rewards[keep]
-            parts.append((batch, rewards))
-            kept += len(rewards) // args.k
-            if kept == args.batch_prompts:
-                break
-        parts = parts if kept else [last]  # every group dropped: train on the last round as it is
-        batch = cat_batches([b for b, _ in parts], pad_id)
-        rewards = torch.cat([r for _, r in parts]).to(device)  # [B]
-        mask = batch.response_mask.to(device)  # [B, T]
-
-        # values V(s_t) from the critic (+-1 scale, 0 on padding); a partial-trunk critic's input (the actor's
-        # hidden states) is computed once here and reused by the critic update
-        if critic is not None:
-            t0 = synced_time(device)
-            with autocast(device, amp_dtype):
-                features = trunk_features(critic, batch, args.micro_batch_size)  # [B, P + T, H]; None for k = 0
-                values, _ = value_pass(critic, batch, args.critic_loss, args.micro_batch_size, features)  # [B, T]
-            metrics["time/values"] = synced_time(device) - t0
-
-        # advantages, raw (no whitening here): GAE with the critic, or an outcome baseline without one
-        if critic is None:
-            advantages, m = outcome_baselines[args.algo](rewards, batch.prompt_index.to(device), mask)  # [B, T]
-        else:
-            lam = adaptive_lambda(mask, args.alpha) if args.actor_lam == 0 else args.actor_lam  # [B] or float
-            advantages, returns, m = decoupled_gae(rewards, values, mask, args.gamma, args.critic_lam, lam,
-                                                   gae_fn=kernel_or(gae))
-        metrics.update(m)
-
-        # actor update (behaviour log-probs first when the actor takes several steps)
-        t0 = synced_time(device)
-        old_logprobs = None
-        if args.actor_epochs * args.minibatches > 1:
-            with autocast(device, amp_dtype):
-                old_logprobs = policy_logprobs(policy, batch, args.temperature, args.micro_batch_size)  # [B, T]
-        actor_mask = mask  # [B, T] the tokens the actor loss averages over
-        if args.overlong_filter:  # DAPO's overlong filtering: a response cut off at the limit is not trained on
-            actor_mask = mask * (~batch.truncated).to(device)[:, None].float()  # [B, T]
-        policy.train()
-        m, behaviour_logprobs = update_actor(policy, actor_opt, batch, advantages, old_logprobs, args, update_gen,
-                                             actor_mask)
-        metrics.update(m)
-        if engine is not None:
-            engine.stale = True  # synced before the next generation
-        if batch.sampler_logprobs is not None:  # trainer vs sampler: |log mu_trainer - log mu_vllm| per token
-            gap = (behaviour_logprobs - batch.sampler_logprobs.to(device)).abs()[mask.bool()]  # [N]
-            metrics.update({"rollout/logprob_gap_mean": gap.mean().item() if gap.numel() else 0.0,
-                            "rollout/logprob_gap_max": gap.max().item() if gap.numel() else 0.0})
-        metrics["time/actor"] = synced_time(device) - t0
-
-        # critic update on the same batch, toward the rollout returns (s3ac) or PACT's rho_t-weighted ones, where
-        # rho_t = pi_new / mu comes from one more forward pass of the UPDATED actor (no new generation)
-        if critic is not None:
-            t0 = synced_time(device)
-            targets, critic_mask = returns, mask  # [B, T] each
-            if args.critic_sync == "pact":
-                with autocast(device, amp_dtype):
-                    new_logprobs = policy_logprobs(policy, batch, args.temperature, args.micro_batch_size)  # [B,T]
-                mc = mc_returns(rewards, mask, args.gamma)  # [B, T] PACT weights the Monte-Carlo return
-                targets, critic_mask, m = pact_targets(mc, new_logprobs, behaviour_logprobs, mask, args.rho_min,
-                                                       args.rho_max)
-                metrics.update(m)
-            critic.train()
-            metrics.update(update_critic(critic, critic_opt, batch, values, targets, critic_mask, args, update_gen,
-                                         features))
-            metrics["time/critic"] = synced_time(device) - t0
-            metrics.update(critic_metrics(values, returns, rewards, mask, metrics["time/values"] +
-                                          metrics["time/critic"], metrics["time/actor"], args.credit_eps))
-
-        # log (before the checkpoint, so that a checkpointed step always has its record)
-        trained = batch.prompt_index.unique()  # prompts of this step's training batch
-        rate = S[trained] / N[trained].clamp(min=1e-12)  # running success rate S / N
-        metrics.update({
-            "rollout/reward": rewards.mean().item(),
-            "rollout/acc": (rewards > 0).float().mean().item(),
-            "rollout/response_len": mask.sum(1).mean().item(),
-            "rollout/truncated": batch.truncated.float().mean().item(),
-            **{f"verify/{s}": statuses.count(s) for s in Verifier.STATUSES[2:]},
-            "adv/mean": masked_mean(advantages, mask).item(),
-            "prompts/share_mid": ((rate > 0.2) & (rate <= 0.8)).double().mean().item(),
-            "perf/tokens_per_s": metrics["rollout/generated_tokens"] / metrics["time/rollout"],  # every round
-        })
-        if args.dynamic_sampling:
-            metrics.update({"rollout/dropped_groups": dropped, "rollout/kept_groups": kept})
-        if selection:
-            metrics.update({"prompts/accept_rate": selection["accepted"] / selection["drawn"],
-                            "prompts/p_hat_mean": selection["p_hat_sum"] / selection["accepted"]})
-        spent = torch.tensor(train_s + time.time() - timer)  # this step's evaluation not begun
+    # the loop: a step, evaluation every eval_every steps, one log record, a checkpoint every save_every steps
+    for step in tqdm(range(state.step + 1, args.steps + 1), initial=state.step, total=args.steps, desc=args.algo,
+                     file=sys.stderr, disable=not main):
+        timer = time.time()
+        metrics, records = train_step(args, state, reward_fn)
+        for record in records if main else ():
+            log_metrics(samples_path, {"step": step, "split": "train", **record})
+        spent = torch.tensor(state.train_s + time.time() - timer)  # this step's evaluation not begun
         out_of_time = args.max_minutes > 0 and all_reduce(spent, "max").item() >= 60 * args.max_minutes
         last = step == args.steps or out_of_time
         if last or (args.eval_every and step % args.eval_every == 0):
-            metrics.update(run_eval(step))
+            metrics.update(run_evaluation(args, state, eval_sets, verifier, samples_path, say))
         metrics["perf/step_s"] = time.time() - timer
         metrics = mean_over_ranks(metrics)
-        train_s += metrics["perf/step_s"] - metrics.get("time/eval", 0.0)
+        state.train_s += metrics["perf/step_s"] - metrics.get("time/eval", 0.0)
         if main:
             log_metrics(metrics_path, metrics, tracker)
         critic_part = (f"v_loss {metrics['critic/v_loss']:.4f} EV {metrics['critic/explained_var']:+.3f} "
                        f"V0 {metrics['critic/v0_mean']:+.3f} | " if critic is not None else "")
         say(f"step {step:4d} | reward {metrics['rollout/reward']:+.3f} acc {metrics['rollout/acc']:.3f} "
-                   f"len {metrics['rollout/response_len']:.0f} | pg_loss {metrics['actor/pg_loss']:+.4f} "
-                   f"clipfrac {metrics['actor/pg_clipfrac']:.3f} entropy {metrics['actor/entropy']:.3f} | "
-                   f"{critic_part}{metrics['perf/step_s']:.0f}s")
+            f"len {metrics['rollout/response_len']:.0f} | pg_loss {metrics['actor/pg_loss']:+.4f} "
+            f"clipfrac {metrics['actor/pg_clipfrac']:.3f} entropy {metrics['actor/entropy']:.3f} | "
+            f"{critic_part}{metrics['perf/step_s']:.0f}s")
         if last or (args.save_every and step % args.save_every == 0):
-            save_checkpoint(args.out_dir, step, policy, tokenizer, critic, actor_opt, critic_opt, sampler,
-                            update_gen, args.keep_checkpoints, prompt_counts=(S, N), train_s=train_s)
+            save_checkpoint(args.out_dir, step, policy, tokenizer, critic, state.actor_opt, state.critic_opt,
+                            state.sampler, state.update_gen, args.keep_checkpoints,
+                            prompt_counts=(state.successes, state.attempts), train_s=state.train_s)
         if out_of_time:
-            say(f"--max-minutes {args.max_minutes}: stopped after step {step}, {train_s / 60:.1f} minutes of training")
+            say(f"--max-minutes {args.max_minutes}: stopped after step {step}, {state.train_s / 60:.1f} minutes of "
+                f"training")
             break
     verifier.close()
     tracker.close()

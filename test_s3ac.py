@@ -594,7 +594,7 @@ def test_args_flags_generated_from_dataclass():
     assert (d.gamma, d.critic_lam, d.alpha, d.actor_grad_clip, d.critic_grad_clip, d.critic_lr_ratio,
             d.actor_epochs, d.critic_epochs, d.temperature) == (1.0, 1.0, 1.5, 1.0, 10.0, 5.0, 1, 2, 1.0)
     assert (d.algo, d.actor_loss, d.actor_lam, d.eps_low, d.critic_sync, d.critic_loss) == (
-        "s3ac", "cispo", 0.0, 1.0, "s3ac", "mse")  # paper setting: adaptive actor lambda, no lower clip
+        "s3ac", "cispo", "adaptive", 1.0, "s3ac", "mse")  # paper setting: adaptive actor lambda, no lower clip
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -785,7 +785,11 @@ def test_resolve_args_per_algorithm_defaults_and_errors():
     assert (ppo.actor_loss, ppo.actor_lam, ppo.critic_lam, ppo.eps_low) == ("ppo", 0.95, 0.95, 0.2)
     pact = resolve("--critic-sync", "pact")
     assert (pact.actor_loss, pact.actor_lam, pact.critic_lam) == ("cispo", 1.0, 1.0)  # PACT: actor lambda 1
-    assert resolve("--critic-sync", "pact", "--actor-lam", "0").actor_lam == 0.0  # explicit flag wins
+    assert resolve("--critic-sync", "pact", "--actor-lam", "adaptive").actor_lam == "adaptive"  # explicit flag wins
+    assert resolve("--actor-lam", "0.9", "--critic-lam", "0.8", "--eps-low", "0.1").actor_lam == 0.9  # parsed once
+    assert (resolve("--critic-lam", "0.8").critic_lam, resolve("--eps-low", "0").eps_low) == (0.8, 0.0)
+    resolved = resolve("--algo", "ppo", "--eps-low", "auto")
+    assert s3ac.resolve_args(resolved) == resolved  # resolving a resolved copy changes nothing
     assert resolve("--algo", "grpo", "--k", "4").actor_loss == "cispo"
     assert resolve("--algo", "ppo", "--actor-loss", "cispo").eps_low == 1.0
     for fields, needle in [({"algo": "grpo"}, "k >= 2"), ({"algo": "rloo", "k": 1}, "k >= 2"),
@@ -806,6 +810,8 @@ def test_parse_args_stops_a_bad_combination_with_one_line(capsys):
 
 BAD_FLAGS = [("--temperature", "0"), ("--temperature", "-1"), ("--gamma", "0"), ("--gamma", "1.5"),
              ("--critic-lam", "0"), ("--critic-lam", "1.2"), ("--actor-lam", "-0.5"), ("--actor-lam", "2"),
+             ("--actor-lam", "0"), ("--actor-lam", "-1"), ("--actor-lam", "fast"), ("--critic-lam", "-1"),
+             ("--critic-lam", "adaptive"), ("--eps-low", "-1"), ("--actor-loss", ""), ("--actor-lam", "nan"),
              ("--eps-high", "-1"), ("--eps-low", "-0.5"), ("--eps-low", "1.5"), ("--lr", "0"), ("--lr", "nan"),
              ("--critic-lr-ratio", "0"), ("--k", "0"), ("--batch-prompts", "0"), ("--max-new-tokens", "0"),
              ("--max-prompt-tokens", "0"), ("--micro-batch-size", "0"), ("--eval-size", "0"), ("--eval-k", "0"),
@@ -822,9 +828,10 @@ def test_bad_flag_value_stops_in_one_line(capsys, flag, value):
     assert stop.value.code == 2 and err.count("\n") == 1 and flag in err, err  # no usage block, the flag named
 
 
-def test_sentinels_and_domain_edges_still_parse():
-    for argv in (["--actor-lam", "0"], ["--actor-lam", "-1"], ["--actor-lam", "1"], ["--critic-lam", "-1"],
-                 ["--eps-low", "-1"], ["--eps-low", "0"], ["--eps-low", "1"], ["--eps-high", "0"], ["--gamma", "1"],
+def test_named_values_and_domain_edges_still_parse():
+    for argv in (["--actor-lam", "adaptive"], ["--actor-lam", "auto"], ["--actor-lam", "1"], ["--critic-lam", "auto"],
+                 ["--eps-low", "auto"], ["--eps-low", "0"], ["--eps-low", "1"], ["--eps-high", "0"], ["--gamma", "1"],
+                 ["--actor-loss", "auto"], ["--actor-loss", "ppo"], ["--critic-lam", "1"],
                  ["--steps", "0"], ["--eval-every", "0"], ["--report-to", "tensorboard"]):
         s3ac.parse_args(argv)
 
@@ -1282,6 +1289,41 @@ def test_smoke_every_algorithm(tiny, tmp_path, algo, extra):
         assert records[1]["verify/no_answer"] + records[1]["verify/error"] <= 4 * 2 * 4
     ckpt = s3ac.latest_checkpoint(out)
     assert os.path.isdir(os.path.join(ckpt, "critic")) == (algo == "ppo")
+
+
+class EvenLengthReward:
+    """A reward with the contract of section 4: +1 iff the completion has an even number of characters."""
+
+    def __init__(self):
+        self.calls, self.closed = [], False
+
+    def __call__(self, golds, completions, truncated):
+        rewards = [1.0 if len(c) % 2 == 0 else -1.0 for c in completions]
+        self.calls.append(rewards)
+        return rewards, ["even" if r > 0 else "odd" for r in rewards]
+
+    def close(self):
+        self.closed = True
+
+
+def test_train_with_a_custom_reward_function(tiny, tmp_path):
+    """s3ac.train(args, reward_fn): the logged rollout/reward and rollout/acc are those of the rewards the function
+    gave that step (one call per step; evaluations grade with the Verifier), the logged rollouts carry its rewards
+    and statuses, checked against the completions themselves, and train leaves open a function it did not create."""
+    reward, out = EvenLengthReward(), str(tmp_path / "even")
+    path = s3ac.train(s3ac.parse_args(smoke_flags(tiny[0], out, "--steps", "2", "--threads", "0")), reward_fn=reward)
+    records = read_jsonl(path)
+    assert [r["step"] for r in records] == [0, 1, 2] and len(reward.calls) == 2
+    for r, given in zip(records[1:], reward.calls):
+        assert len(given) == 4 * 2  # batch_prompts x k
+        assert r["rollout/reward"] == pytest.approx(sum(given) / len(given), abs=1e-6)
+        assert r["rollout/acc"] == pytest.approx(sum(x > 0 for x in given) / len(given), abs=1e-6)
+    rollouts = [x for x in read_jsonl(os.path.join(out, "samples.jsonl")) if x["split"] == "train"]
+    assert len(rollouts) == 2 * 4  # --log-samples 4 per step
+    for x in rollouts:
+        even = len(x["completion"]) % 2 == 0
+        assert (x["reward"], x["status"]) == ((1.0, "even") if even else (-1.0, "odd")), x
+    assert not reward.closed
 
 
 PACT_DAPS = ["--critic-sync", "pact", "--critic-loss", "bce", "--prompt-selection", "daps", "--daps-start", "1"]
