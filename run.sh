@@ -4,6 +4,7 @@
 # ./run.sh compare [--seeds N] [--minutes M]
 #                       the CPU demo's model and settings: S3AC K=1 (partial-trunk critic), REINFORCE++ K=1, GRPO K=4
 #                       and S3AC with the full critic, the same minutes each; a table and runs/compare/compare.png
+#                       (.ci/compare.py; extra args go to it)
 # ./run.sh gpu-check    on a CUDA GPU: kernel tests and benchmarks, S3AC vs GRPO step times, training steps and
 #                       --resume (.ci/gpu_check.py; extra args go to it); uses $PYTHON, else .venv's python if it
 #                       exists, else python3, and makes no .venv
@@ -65,7 +66,7 @@ demo=(--model "$gguf" --instruction 'Put the final answer in \boxed{}.' --temper
       --micro-batch-size 16)
 if [ "${1:-}" = "compare" ]; then
   shift
-  exec python s3ac.py compare "${demo[@]}" "$@"   # s3ac.py compare --help: its own flags; the others go to every run
+  exec python .ci/compare.py "${demo[@]}" "$@"   # .ci/compare.py --help: its own flags; the others go to every run
 fi
 
 if has_gpu; then

@@ -20,7 +20,7 @@ torchrun, checkpoints, plots), in the order of one training step:
     9  algorithm  Critic pretraining: generate_coverage, mc_returns, pretrain_critic
     10 plumbing   Evaluation and checkpoints: evaluate_sources, save_checkpoint, latest_checkpoint, Tracker
     11 algorithm  Training loop: TrainState, train_step, collect_rollouts, choose_prompts, train
-    12 plumbing   Curves and comparison: plot_runs, compare_table, compare; main
+    12 plumbing   Curves: read_records, plot_runs, plot; main (the side-by-side comparison: .ci/compare.py)
 kernels.py makes the math fast (Triton kernels, reached through kernel_or); .ci/gpu_check.py times a step on a GPU.
 
 Equations (shape letters: B sequences, T response tokens, P prompt tokens, H hidden size, V vocabulary):
@@ -1601,9 +1601,8 @@ def group_stats(rewards, prompt_index):
     each [B] fp64. Groups are found from prompt_index, never from the batch layout."""
     _, group = torch.unique(prompt_index, return_inverse=True)  # [B] group id 0..G-1
     r = rewards.double()  # [B] fp64: equal rewards give a mean that is exactly that reward
-    count = torch.zeros(int(group.max()) + 1, dtype=torch.float64, device=r.device).index_add(
-        0, group.to(r.device), torch.ones_like(r))  # [G]
     group = group.to(r.device)
+    count = torch.bincount(group).double()  # [G] sequences per group
     mean = torch.zeros_like(count).index_add(0, group, r) / count  # [G]
     var = torch.zeros_like(count).index_add(0, group, (r - mean[group]) ** 2) / count  # [G] population variance
     return mean[group], var[group], count[group]  # [B] each
@@ -1654,8 +1653,8 @@ def masked_whiten(x, response_mask):
     m = response_mask.double()  # [B, T]
     n = all_reduce(m.sum()).clamp(min=1)  # under torchrun: statistics of the global batch
     mean = all_reduce((x.double() * m).sum()) / n
-    var = all_reduce((((x.double() - mean) * m) ** 2).sum()) / n
     centred = (x.double() - mean) * m  # [B, T]
+    var = all_reduce((centred ** 2).sum()) / n
     return (centred / var.sqrt() if var.sqrt() > 1e-6 else centred * 0).float()  # [B, T]
 
 
@@ -1677,11 +1676,10 @@ def masked_mean(x, mask):
 
 
 def explained_variance(values, returns, mask) -> float:
-    """1 - Var[R - V] / Var[R] of values, returns [B, T] over the valid tokens of mask [B, T] (population
-    variances; the critic metric of CleanRL / PPO implementations), from global sums, never
-    as the mean of per-micro-batch values. nan when the returns are constant up to rounding (Var[R] < 1e-8: every
-    answer right, or every answer wrong), where the ratio would only measure float error. Under torchrun the sums
-    cover the global batch."""
+    """1 - Var[R - V] / Var[R] of values, returns [B, T] over the valid tokens of mask [B, T] (population variances,
+    CleanRL / PPO's critic metric), from sums over the whole batch (all ranks under torchrun), never a mean of
+    per-micro-batch values. nan when the returns are constant up to rounding (Var[R] < 1e-8: every answer right,
+    or every answer wrong), where the ratio would only measure float error."""
     m = mask.double()  # [B, T]
     r, d = returns.double() * m, (returns.double() - values.double()) * m  # [B, T] R and R - V on valid tokens
     n, sum_r, sum_r2, sum_d, sum_d2 = all_reduce(torch.stack([m.sum(), r.sum(), (r * r).sum(), d.sum(),
@@ -1888,12 +1886,9 @@ def bce_value_loss(value_logits, targets, response_mask, num_tokens=None):
 
 
 def critic_loss_fn(raw, old_values, targets, response_mask, critic_loss: str, eps_v: float, num_tokens=None):
-    """Critic loss toward targets on the +-1 scale, token-mean (summed over valid tokens / num_tokens).
-
-    mse: value_loss, L = 0.5 * max((V - R)^2, (V_old + clip(V - V_old, -eps_v, eps_v) - R)^2), V = raw (PPO2/VAPO).
-    bce: bce_value_loss, L = BCE(sigmoid(z), clamp((R + 1) / 2, 0, 1)), z = raw (PACT's sigmoid critic);
-    old_values unused. Both through kernel_or. Returns (v_loss, metrics) as value_loss / bce_value_loss.
-    """
+    """Critic loss toward targets [B, T] on the +-1 scale, through kernel_or: mse = value_loss (raw = V, clipped
+    around old_values; PPO2 / VAPO), bce = bce_value_loss (raw = z, soft targets clamp((R + 1) / 2, 0, 1), old_values
+    unused; PACT's sigmoid critic). Returns (v_loss, metrics) as those do: summed over valid tokens / num_tokens."""
     if critic_loss == "bce":
         # a soft target above 1 (PACT's rho_t > 1 on a right answer) has no minimum under BCE: clamp to [0, 1]
         soft_targets = ((targets + 1) / 2).clamp(0.0, 1.0)  # [B, T]
@@ -1907,13 +1902,12 @@ def optimize(module, optimizer, batch: Batch, loss_fn, token_mask, epochs: int, 
     optimizer steps; a mini-batch runs in micro-batches of micro_batch_size sequences whose gradients accumulate.
 
     loss_fn(rows, mbatch, num_tokens) -> (loss, metrics, row_outputs): rows [b] indexes the batch, mbatch =
-    batch.rows(rows), num_tokens = the tokens of token_mask [B, T] in the whole mini-batch; the loss must be a sum
-    over tokens divided by num_tokens, so the accumulated gradient is the token-mean over the mini-batch, and so
-    must its per-token metrics; row_outputs: a detached [b, ...] tensor per row (or None) handed back in batch
-    order. Returns (metrics averaged over optimizer steps, with grad_norm (before clipping) and clipped (share of
-    clipped steps); the row_outputs of the last pass, [B, ...], or None). Under torchrun each rank passes its own
-    rows: num_tokens is summed over ranks and FSDP sums the gradients, so the step is the token-mean over the global
-    mini-batch.
+    batch.rows(rows), num_tokens = the tokens of token_mask [B, T] in the whole mini-batch; the loss and its
+    per-token metrics must be sums over tokens / num_tokens, so the accumulated gradient is the mini-batch's token
+    mean; row_outputs: a detached [b, ...] tensor per row, or None. Under torchrun each rank passes its own rows,
+    num_tokens is summed over ranks and FSDP sums the gradients: the step is the global mini-batch's token mean.
+    Returns (metrics averaged over optimizer steps, with grad_norm (before clipping) and clipped (share of clipped
+    steps); the last pass's row_outputs in batch order, [B, ...], or None).
     """
     device = next(module.parameters()).device
     sums, steps = {"grad_norm": 0.0, "clipped": 0.0}, 0
@@ -1951,24 +1945,20 @@ def update_actor(model, optimizer, batch: Batch, advantages, old_logprobs, args:
     loss per mini-batch over the tokens of actor_mask [B, T] (default: batch.response_mask; --overlong-filter
     zeroes the rows of truncated responses).
 
-    advantages [B, T] (on the model's device); old_logprobs [B, T]: log mu, the behaviour policy, or None when the
-    actor takes one optimizer step in all, so that mu is the current policy and its log-probs are the detached
-    log-probs of the same forward pass (ratio exactly 1; no extra forward pass).
-    Returns (metrics, behaviour log-probs [B, T]: the log mu each row's loss used, i.e. old_logprobs, or those
-    detached log-probs when it was None).
+    advantages [B, T] (on the model's device); old_logprobs [B, T]: log mu, or None for one optimizer step in all,
+    where mu is the current policy and log mu the detached log-probs of the same forward pass (departure 2).
+    Returns (metrics, behaviour log-probs [B, T]: the log mu each row's loss used).
     """
     device = advantages.device
-    pg_loss_fn = ACTOR_LOSSES[args.actor_loss]
     actor_mask = batch.response_mask.to(device) if actor_mask is None else actor_mask  # [B, T]
 
     def loss_fn(rows, mbatch, num_tokens):
         logprobs, entropy = actor_logprobs(model, mbatch, args.temperature)  # [b, T]
         mask = actor_mask[rows]  # [b, T]
         behaviour = logprobs.detach() if old_logprobs is None else old_logprobs[rows]  # [b, T] log mu
-        # CISPO: J = sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * log pi; PPO: J = min(r A, clip(r) A);
-        # loss = -(sum of J) / num_tokens
-        pg_loss, m = pg_loss_fn(logprobs, behaviour, advantages[rows], mask, args.eps_low, args.eps_high,
-                                num_tokens=num_tokens)
+        # CISPO: J = sg(clip(r)) * A * log pi, or PPO: J = min(r A, clip(r) A); loss = -(sum of J) / num_tokens
+        pg_loss, m = ACTOR_LOSSES[args.actor_loss](logprobs, behaviour, advantages[rows], mask, args.eps_low,
+                                                   args.eps_high, num_tokens=num_tokens)
         return pg_loss, dict(m, pg_loss=pg_loss.detach(), entropy=(entropy * mask).sum() / num_tokens), behaviour
 
     metrics, behaviour = optimize(model, optimizer, batch, loss_fn, actor_mask, args.actor_epochs, args.minibatches,
@@ -2046,10 +2036,10 @@ def daps_select(sampler: PromptSampler, count: int, p_c_of, successes, attempts,
 # ---------------------------------------------------------------------------------------------------------------
 def generate_coverage(actor, prompts: list, prompt_index: list, golds: list, tokenizer, reward_fn, eos_ids, pad_id,
                       args: Args, amp_dtype, device) -> list:
-    """Trajectories of every coverage policy, K per prompt: rows {policy, prompt_index, prompt_ids,
-    response_ids (stop token included, no padding), reward (reward_fn's: the contract at the top of section 4)}. Models other than --model are loaded one at
-    a time and must share the actor's tokenizer. Policies: every --coverage-models entry (the actor when empty)
-    at every --coverage-temperatures entry (--temperature when empty)."""
+    """Trajectories of every coverage policy, K per prompt: rows {policy, prompt_index, prompt_ids, response_ids
+    (stop token included, no padding), reward (reward_fn's, section 4's contract)}. Policies: every --coverage-models
+    entry (the actor when empty; the others are loaded one at a time and must share the actor's tokenizer) at every
+    --coverage-temperatures entry (--temperature when empty)."""
     models = [m for m in args.coverage_models.split(",") if m] or [args.model]
     temperatures = [float(t) for t in args.coverage_temperatures.split(",") if t] or [args.temperature]
     rows = []
@@ -2141,12 +2131,10 @@ def evaluate(generate, tokenizer, problems, prompts, verifier, rank: int = 0, wo
     rewards, statuses = verifier(golds, texts, truncated)
     records = [sample_record(problems[i].question, t, g, s, r, verifier.answer_fallback)
                for i, t, g, s, r in zip(mine, texts, golds, statuses, rewards)]
-    totals = all_reduce(torch.tensor([sum(r > 0 for r in rewards), len(mine),
-                                          batch.response_mask[:len(mine)].sum().item(), sum(truncated)],
-                                     dtype=torch.float64))
-    return {"eval/pass@1": totals[0].item() / totals[1].item(), "eval/response_len": totals[2].item() /
-            totals[1].item(), "eval/truncated": totals[3].item() / totals[1].item(),
-            "eval/n": int(totals[1].item())}, records
+    counts = [sum(r > 0 for r in rewards), len(mine), batch.response_mask[:len(mine)].sum().item(), sum(truncated)]
+    correct, n, tokens, cut = all_reduce(torch.tensor(counts, dtype=torch.float64)).tolist()  # summed over ranks
+    return {"eval/pass@1": correct / n, "eval/response_len": tokens / n, "eval/truncated": cut / n,
+            "eval/n": int(n)}, records
 
 
 def sample_record(question: str, completion: str, gold: str, status: str, reward: float, fallback: str) -> dict:
@@ -2183,14 +2171,13 @@ def evaluate_sources(generate, tokenizer, sources, verifier, eval_k: int, rank: 
 
 def save_checkpoint(out_dir: str, step: int, model, tokenizer, critic, actor_opt, critic_opt, sampler, update_gen,
                     keep: int, prompt_counts=None, train_s: float = 0.0):
-    """Write checkpoints/step_N atomically: everything goes to a temporary directory that is renamed when
-    complete, then the `latest` pointer is replaced. A kill at any moment leaves the previous checkpoint.
-    model: the Policy (or its causal LM) the actor optimizer was built on; critic / critic_opt may be None
-    (critic-free algorithms); prompt_counts: the per-prompt (successes, attempts) of DAPS. Under torchrun every rank calls this:
-    weights and optimizer states are gathered whole (Hugging Face format, optimizer keyed by parameter name), so
-    the checkpoint loads on any number of ranks, and rank 0 writes it with every rank's RNG state. train_s: the
-    seconds of training so far (--max-minutes). A partial-trunk critic is saved as its k blocks and norm
-    (config.critic_layers = k) with the value head."""
+    """Write checkpoints/step_N atomically (a temporary directory renamed when complete, then the `latest` pointer
+    replaced): a kill at any moment leaves the previous checkpoint. model: the Policy (or its causal LM) the actor
+    optimizer was built on; critic / critic_opt may be None (critic-free); prompt_counts: DAPS's per-prompt
+    (successes, attempts); train_s: seconds of training so far (--max-minutes). Under torchrun every rank calls
+    this: weights and optimizer states are gathered whole (Hugging Face format, optimizer keyed by parameter name),
+    so the checkpoint loads on any number of ranks; rank 0 writes it with every rank's RNG state. A partial-trunk
+    critic is saved as its k blocks and norm (config.critic_layers = k) with the value head."""
     from safetensors.torch import save_file
     policy = model if isinstance(model, Policy) else Policy(model)
     actor_weights, actor_state = full_state_dict(policy), optimizer_state(policy, actor_opt)
@@ -2218,9 +2205,8 @@ def save_checkpoint(out_dir: str, step: int, model, tokenizer, critic, actor_opt
             k.removeprefix("backbone."): v for k, v in critic_weights.items() if k.startswith("backbone.")})
         save_file({"weight": critic_weights["value_head.weight"].contiguous()},
                   os.path.join(tmp, "critic", "value_head.safetensors"))
-    torch.save({"step": step, "actor_opt": actor_state, "critic_opt": critic_state,
-                "sampler": (sampler.epoch, sampler.pos), "prompt_counts": prompt_counts, "rng": rng_ranks,
-                "train_s": train_s},
+    torch.save({"step": step, "actor_opt": actor_state, "critic_opt": critic_state, "rng": rng_ranks,
+                "sampler": (sampler.epoch, sampler.pos), "prompt_counts": prompt_counts, "train_s": train_s},
                os.path.join(tmp, "trainer_state.pt"))
     if os.path.exists(final):
         shutil.rmtree(final)
@@ -2406,7 +2392,8 @@ def sample_rollouts(args: Args, state: TrainState, reward_fn):
     if selection:
         metrics.update({"prompts/accept_rate": selection["accepted"] / selection["drawn"],
                         "prompts/p_hat_mean": selection["p_hat_sum"] / selection["accepted"]})
-    return cat_batches([b for b, _ in parts], state.pad_id), torch.cat([r for _, r in parts]), statuses, records, metrics
+    batch = cat_batches([b for b, _ in parts], state.pad_id)  # the kept rows of every round
+    return batch, torch.cat([r for _, r in parts]), statuses, records, metrics  # rewards [B]
 
 
 def critic_pass(args: Args, state: TrainState, batch: Batch):
@@ -2517,9 +2504,10 @@ def run_evaluation(args: Args, state: TrainState, eval_sets: list, verifier, sam
     samples = gather_records(samples)  # every rank's completions, on rank 0
     for record in samples if state.rank == 0 else ():
         log_metrics(samples_path, {"step": state.step, "split": "eval", **record})
-    say(f"step {state.step:4d} | eval " + " | ".join(f"{name} " + " ".join(
-        f"{key.rsplit('/', 1)[1]} {value:.3f}" for key, value in m.items() if key.startswith(f"eval/{name}/")
-        and "@" in key) + f" on {m[f'eval/{name}/n']}" for name, _, _ in eval_sets) + f" | sample: {shorten(samples[0])}")
+    scores = " | ".join(f"{name} " + " ".join(f"{key.rsplit('/', 1)[1]} {value:.3f}" for key, value in m.items()
+                                              if key.startswith(f"eval/{name}/") and "@" in key)
+                        + f" on {m[f'eval/{name}/n']}" for name, _, _ in eval_sets)  # pass@1 (and avg@k) per set
+    say(f"step {state.step:4d} | eval {scores} | sample: {shorten(samples[0])}")
     return m
 
 
@@ -2597,7 +2585,8 @@ def load_models(args: Args, actor_src: str, critic_src: str, ckpt, tokenizer, de
         model.gradient_checkpointing_enable()
         if critic is not None:
             critic.backbone.gradient_checkpointing_enable()
-    eos_ids = {tokenizer.eos_token_id, *_as_list(model.generation_config.eos_token_id), *chat_stop_ids(tokenizer)}
+    eos = model.generation_config.eos_token_id  # one id, a list of ids, or None
+    eos_ids = {tokenizer.eos_token_id, *(eos if isinstance(eos, (list, tuple)) else [eos]), *chat_stop_ids(tokenizer)}
     eos_ids.discard(None)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
     if world > 1:  # FSDP2: every rank holds 1/world of each block's parameters, gathered per forward
@@ -2709,26 +2698,24 @@ def train(args: Args, reward_fn=None):
         print(f"resumed from {ckpt} at step {state.step}" + ("" if same_ranks else " (RNG states of another number "
               "of ranks: sampling reseeded)"), file=sys.stderr)
     tracker = Tracker(args if main else dataclasses.replace(args, report_to="none"), state.step + 1 if ckpt else 0)
+    log = functools.partial(log_metrics, metrics_path, tracker=tracker) if main else (lambda record: None)
     verifier = Verifier(args.verify_timeout, args.answer_fallback)  # evaluations; the training reward by default
     reward_fn = reward_fn or verifier
 
     # step 0: evaluation, then critic pretraining (actor frozen): coverage trajectories, on-policy warm-up batches
     if state.step == 0:
-        m = run_evaluation(args, state, eval_sets, verifier, samples_path, say)
-        if main:
-            log_metrics(metrics_path, {"step": 0, **m}, tracker)
+        log({"step": 0, **run_evaluation(args, state, eval_sets, verifier, samples_path, say)})
     if state.step == 0 and critic is not None and uses_coverage(args):
         epochs = coverage_pretraining(args, state, reward_fn)
         state.train_s += epochs[-1]["time/pretrain"]  # generation (unless --coverage-data) and every epoch
         for m in epochs:
-            log_metrics(metrics_path, {"step": 0, **m}, tracker)
+            log({"step": 0, **m})
             say(f"coverage epoch {m['pretrain/epoch']} | held-out EV {m['pretrain/explained_var']:+.3f} "
                 f"v_loss {m['pretrain/v_loss']:.4f}")
     for i in range(args.critic_warmup_steps if state.step == 0 and critic is not None else 0):
         m = mean_over_ranks(critic_warmup_step(args, state, reward_fn))  # its rollouts count toward the counts
         state.train_s += m["time/pretrain"]
-        if main:
-            log_metrics(metrics_path, {"step": 0, "pretrain/warmup_step": i + 1, **m}, tracker)
+        log({"step": 0, "pretrain/warmup_step": i + 1, **m})
         say(f"critic warm-up {i + 1} | EV {m['pretrain/explained_var']:+.3f} v_loss {m['critic/v_loss']:.4f}")
 
     # the loop: a step, evaluation every eval_every steps, one log record, a checkpoint every save_every steps
@@ -2746,8 +2733,7 @@ def train(args: Args, reward_fn=None):
         metrics["perf/step_s"] = time.time() - timer
         metrics = mean_over_ranks(metrics)
         state.train_s += metrics["perf/step_s"] - metrics.get("time/eval", 0.0)
-        if main:
-            log_metrics(metrics_path, metrics, tracker)
+        log(metrics)
         critic_part = (f"v_loss {metrics['critic/v_loss']:.4f} EV {metrics['critic/explained_var']:+.3f} "
                        f"V0 {metrics['critic/v0_mean']:+.3f} | " if critic is not None else "")
         say(f"step {step:4d} | reward {metrics['rollout/reward']:+.3f} acc {metrics['rollout/acc']:.3f} "
@@ -2769,8 +2755,7 @@ def train(args: Args, reward_fn=None):
     return metrics_path
 
 
-SUMMED_METRICS = ("verify/", "rollout/generated_tokens", "rollout/samples",
-                  "perf/tokens_per_s")  # counts and rates of all ranks
+SUMMED_METRICS = ("verify/", "rollout/generated_tokens", "rollout/samples", "perf/tokens_per_s")  # of all ranks
 
 
 def mean_over_ranks(metrics: dict) -> dict:
@@ -2793,10 +2778,6 @@ def mean_over_ranks(metrics: dict) -> dict:
             value = (total[0, j] / total[1, j]).item() if total[1, j] else math.nan
         out[k] = int(value) if isinstance(metrics[k], int) and value.is_integer() else value
     return out
-
-
-def _as_list(x):
-    return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
 
 
 def gather_records(records: list) -> list:
@@ -2824,7 +2805,7 @@ def _drop_records_after(path: str, step: int):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 12. Curves and the side-by-side comparison (python s3ac.py plot RUN_DIR ... -o F.png; ./run.sh compare) [plumbing]
+# 12. Curves (python s3ac.py plot RUN_DIR ... -o F.png) and main [plumbing]
 # ---------------------------------------------------------------------------------------------------------------
 def read_records(run_dir: str) -> list:
     """The records of <run_dir>/metrics.jsonl, each with "minutes" of training so far (every step's perf/step_s
@@ -2872,94 +2853,6 @@ def plot_runs(run_dirs: list, out: str) -> str:
     return out
 
 
-def mean_se(values: list):
-    """(mean, standard error = sample std (n - 1) / sqrt(n)) of the finite values; se NaN for one, both for none."""
-    v = [x for x in values if x is not None and math.isfinite(x)]
-    mean = sum(v) / len(v) if v else math.nan
-    return mean, math.sqrt(sum((x - mean) ** 2 for x in v) / (len(v) - 1) / len(v)) if len(v) > 1 else math.nan
-
-
-def run_summary(records: list, at_minutes: float) -> dict:
-    """One run of the comparison, from read_records: its final pass@1 (last evaluation), pass@1 at at_minutes (the
-    last evaluation at or before that minute of training), token EV and V(s_0) EV averaged over the second half of
-    its steps, c over all steps, and efficiency 1 / ((1 - V(s_0) EV)(1 + c)) of those means (as critic/efficiency).
-    NaN where the run logged no such key (critic-free runs)."""
-    steps, evals = [r for r in records if "perf/step_s" in r], [r for r in records if r.get("eval/pass@1") is not None]
-    half = steps[len(steps) // 2:]
-    v0_ev = mean_se([r.get("critic/adv_explained_var") for r in half])[0]
-    c = mean_se([r.get("critic/compute_ratio") for r in steps])[0]
-    return {"final pass@1": evals[-1]["eval/pass@1"],
-            "pass@1 at equal minutes": [r for r in evals if r["minutes"] <= at_minutes][-1]["eval/pass@1"],
-            "token EV": mean_se([r.get("critic/explained_var") for r in half])[0], "V(s_0) EV": v0_ev, "c": c,
-            "efficiency": critic_efficiency(v0_ev, c)}
-
-
-def compare_table(runs: dict) -> str:
-    """A markdown table of runs {name: [read_records of each seed]}: per name, mean ± standard error over seeds of
-    each run_summary column ("-": none). Equal minutes: the least training time any run reached."""
-    at = min(seed[-1]["minutes"] for seeds in runs.values() for seed in seeds)
-    rows = {name: [run_summary(seed, at) for seed in seeds] for name, seeds in runs.items()}
-    columns = list(next(iter(rows.values()))[0])
-    lines = ["| run | seeds | " + " | ".join(columns).replace("equal minutes", f"{at:.1f} min") + " |",
-             "|---" * (len(columns) + 2) + "|"]
-    for name, summaries in rows.items():
-        cells = [mean_se([s[c] for s in summaries]) for c in columns]
-        lines.append(f"| {name} | {len(summaries)} | " + " | ".join(
-            "-" if math.isnan(m) else f"{m:.3f}" if math.isnan(se) else f"{m:.3f} ± {se:.3f}" for m, se in cells)
-            + " |")
-    return "\n".join(lines)
-
-
-def compare(argv=None):
-    """Side-by-side runs at equal training minutes (./run.sh compare), then one table and one figure.
-
-    S3AC K=1 with the partial-trunk critic, REINFORCE++ K=1, GRPO K=4 on a quarter of the prompts (equal samples
-    per step) and S3AC K=1 with the full critic, one run per seed, one after another, each with the same
-    --max-minutes, training data and held-out problems (<out-dir>/data/); then compare_table (printed and
-    <out-dir>/table.md) and the curves (<out-dir>/compare.png). Other flags go to every run; a finished run is
-    not run again."""
-    import subprocess
-    parser = argparse.ArgumentParser(prog="s3ac.py compare", description=compare.__doc__.split("\n")[0],
-                                     epilog="Other flags (s3ac.py --help) go to every run.")
-    for flag, default, text in (
-            ("--seeds", 3, "seeds of S3AC and REINFORCE++ (K = 1)"), ("--grpo-seeds", 2, "seeds of GRPO K = 4"),
-            ("--full-critic-seeds", 1, "seeds of S3AC with the full critic"),
-            ("--minutes", 20.0, "training minutes of every run (--max-minutes)"),
-            ("--critic-layers", 2, "k of the partial-trunk critic"),
-            ("--batch-prompts", 16, "prompts per step at K = 1; GRPO answers a quarter of them 4 times"),
-            ("--eval-size", 200, "held-out problems, the same for every run"),
-            ("--data", "builtin:arithmetic", "problems, split once into training and held-out"),
-            ("--out-dir", "runs/compare", "one directory per run, data/, table.md, compare.png")):
-        parser.add_argument(flag, type=type(default), default=default, help=text)
-    opts, rest = parser.parse_known_args(argv)
-    problems = list({p.question: p for p in load_problems(opts.data)}.values())  # distinct questions
-    held = set(random.Random(12345).sample(range(len(problems)), opts.eval_size))
-    data = {part: os.path.join(opts.out_dir, "data", f"{part}.jsonl") for part in ("train", "eval")}
-    os.makedirs(os.path.dirname(data["train"]), exist_ok=True)
-    for part, keep in (("train", False), ("eval", True)):  # one split for every run and seed
-        _write_atomic(data[part], "".join(json.dumps({"question": p.question, "answer": p.answer}) + "\n"
-                                          for i, p in enumerate(problems) if (i in held) == keep))
-    b, k = opts.batch_prompts, str(opts.critic_layers)
-    configs = {f"s3ac-k1-layers{k}": (opts.seeds, ["--k", "1", "--batch-prompts", str(b), "--critic-layers", k]),
-               "reinforce_pp-k1": (opts.seeds, ["--algo", "reinforce_pp", "--k", "1", "--batch-prompts", str(b)]),
-               "grpo-k4": (opts.grpo_seeds, ["--algo", "grpo", "--k", "4", "--batch-prompts", str(b // 4)]),
-               "s3ac-k1-full": (opts.full_critic_seeds, ["--k", "1", "--batch-prompts", str(b)])}
-    runs = {name: [os.path.join(opts.out_dir, f"{name}-seed{s}") for s in range(n)] for name, (n, _) in configs.items()}
-    for name, dirs in runs.items():
-        for seed, out in enumerate(dirs):
-            if not os.path.exists(os.path.join(out, "done")):
-                subprocess.run([sys.executable, os.path.abspath(__file__), "--data", data["train"], "--eval-data",
-                                data["eval"], "--eval-size", str(opts.eval_size), "--eval-every", "10", "--steps",
-                                "1000000", "--max-minutes", str(opts.minutes), "--save-every", "0", "--seed",
-                                str(seed), "--out-dir", out, *configs[name][1], *rest], check=True)
-                shutil.rmtree(os.path.join(out, "checkpoints"), ignore_errors=True)  # gigabytes per run
-                _write_atomic(os.path.join(out, "done"), "")
-    table = compare_table({name: [read_records(d) for d in dirs] for name, dirs in runs.items()})
-    print(table)
-    _write_atomic(os.path.join(opts.out_dir, "table.md"), table + "\n")
-    print(plot_runs([d for dirs in runs.values() for d in dirs], os.path.join(opts.out_dir, "compare.png")))
-
-
 def plot(argv=None):
     """python s3ac.py plot RUN_DIR [RUN_DIR ...] -o FILE.png: the curves of plot_runs."""
     parser = argparse.ArgumentParser(prog="s3ac.py plot", description=plot_runs.__doc__.split("\n")[0])
@@ -2985,7 +2878,9 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] in (["plot"], ["compare"]):
-        {"plot": plot, "compare": compare}[sys.argv[1]](sys.argv[2:])
+    if sys.argv[1:2] == ["plot"]:
+        plot(sys.argv[2:])
+    elif sys.argv[1:2] == ["compare"]:
+        sys.exit("s3ac.py: the side-by-side comparison is ./run.sh compare (python .ci/compare.py --help)")
     else:
         main()

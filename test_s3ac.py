@@ -1936,9 +1936,27 @@ def test_plot_writes_a_png_of_every_run(tmp_path):
     assert struct.unpack(">II", data[16:24]) == (22 * 90, 9 * 90)  # the IHDR width and height
 
 
+def load_compare():
+    """.ci/compare.py (the side-by-side comparison harness) as a module."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("compare", os.path.join(HERE, ".ci", "compare.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_compare_help_runs():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, os.path.join(HERE, ".ci", "compare.py"), "--help"], capture_output=True,
+                          text=True, env=env, timeout=300, cwd=HERE)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "--grpo-seeds" in proc.stdout and "--minutes" in proc.stdout
+
+
 def test_compare_table_arithmetic(tmp_path):
     """Means and standard errors over seeds, pass@1 at the least training time any run reached, the second half
     of the steps for EV, all steps for c, and '-' for the keys a critic-free run lacks."""
+    compare = load_compare()
     ev = lambda e, v0, c: {"critic/explained_var": e, "critic/adv_explained_var": v0, "critic/compute_ratio": c}
     write_run(str(tmp_path / "s0"), {0: 0.1, 2: 0.3, 4: 0.5}, [ev(0.0, 0.0, 0.5), ev(0.0, 0.0, 0.5),
                                                                ev(0.2, 0.1, 0.3), ev(0.4, 0.3, 0.3)])
@@ -1947,7 +1965,7 @@ def test_compare_table_arithmetic(tmp_path):
     write_run(str(tmp_path / "g"), {0: 0.1, 3: 0.25}, [{}, {}, {}])  # 3 steps: 3 minutes, the least
     runs = {"s3ac": [s3ac.read_records(str(tmp_path / d)) for d in ("s0", "s1")],
             "grpo": [s3ac.read_records(str(tmp_path / "g"))]}
-    table = s3ac.compare_table(runs).splitlines()
+    table = compare.compare_table(runs).splitlines()
     assert table[0] == ("| run | seeds | final pass@1 | pass@1 at 3.0 min | token EV | V(s_0) EV | c | efficiency |")
     # by hand: final 0.5, 0.4; at 3 min the step-2 evaluations (2 min) 0.3, 0.2; token EV over steps 3-4:
     # 0.3 and 0.6 (null skipped); V(s_0) EV 0.2 and 0.5; c 0.4 and 0.35; efficiency 1 / ((1 - V0 EV)(1 + c))
