@@ -254,8 +254,9 @@ class Args:
 
 def parse_args(argv=None) -> Args:
     """Build argparse flags from the fields of Args (one --flag-name per field, its comment as the help)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog="python s3ac.py plot --help: training curves; "
-                                     "./run.sh compare: side-by-side runs (.ci/compare.py)",
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     epilog="python s3ac.py plot --help: training curves; ./run.sh compare: "
+                                     "side-by-side runs (.ci/compare.py)",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.error = lambda message: parser.exit(2, f"s3ac.py: error: {message}\n")  # one line, no usage block
     helps, name = {}, None
