@@ -6,20 +6,31 @@ the next token, a math verifier gives R = +1 (correct) or -1 (otherwise) on the 
 value after the last token is 0. The critic V(s_t) gives every token its own credit, and V(s_0), read from the
 prompt alone, is a per-prompt baseline that works with a single rollout per prompt (K = 1).
 
+Where to look first:
+    one training step   train_step (section 11): sample_rollouts (choose_prompts, collect_rollouts, reward_fn) ->
+                        critic_pass -> compute_advantages -> train_actor -> train_critic -> metrics
+    CISPO actor loss    cispo_loss (section 7), the loss update_actor minimises (ACTOR_LOSSES)
+    critic targets      the Monte-Carlo return: the `returns` of decoupled_gae with critic_lam = 1 (section 6);
+                        PACT's rho-weighted ones: pact_targets (section 7), built in train_critic
+    critic loss         critic_loss_fn (section 7): value_loss (clipped) or bce_value_loss
+    DAPS acceptance     daps_accept_prob (section 8), drawn in daps_select, called by choose_prompts
+
 Map of this file (algorithm: the math of the papers, the part to read and copy; plumbing: flags, loading, engines,
-torchrun, checkpoints, plots), in the order of one training step:
-    0  plumbing   Arguments: Args, parse_args, resolve_args
+torchrun, checkpoints, plots), data first, then the pieces of a step, then the loop that runs them:
+    0  plumbing   Arguments: Args, parse_args, resolve_args (what each "auto" flag becomes)
     1  plumbing   Data: load_problems, split_problems, build_prompt, PromptSampler
     2  algorithm  Models: Critic (value head), Policy (log-probs), load_critic, top_blocks; torchrun part: plumbing
     3  plumbing   Rollout: Batch, response_mask_from_ids (the mask convention), generate_hf, VLLMRollout
-    4  algorithm  Verify: the +-1 reward; grade (the answer policy), Verifier
+    4  algorithm  Reward: the reward_fn contract and the +-1 convention; grade (the answer policy), Verifier
     5  algorithm  Log-probs and values: actor_logprobs, critic_values, value_pass, prompt_values
     6  algorithm  Advantages: gae (the reverse loop), decoupled_gae, adaptive_lambda, grpo_advantages, critic_metrics
-    7  algorithm  Losses and updates: cispo_loss, ppo_clip_loss, value_loss, bce_value_loss, update_actor, update_critic
+    7  algorithm  Losses and updates: cispo_loss, ppo_clip_loss, pact_targets, value_loss, bce_value_loss,
+                  critic_loss_fn, update_actor, update_critic
     8  algorithm  Prompt selection (DAPS): daps_estimate, daps_accept_prob, daps_select
     9  algorithm  Critic pretraining: generate_coverage, mc_returns, pretrain_critic
     10 plumbing   Evaluation and checkpoints: evaluate_sources, save_checkpoint, latest_checkpoint, Tracker
-    11 algorithm  Training loop: TrainState, train_step, collect_rollouts, choose_prompts, train
+    11 algorithm  Training loop: TrainState, train_step and its phases (sample_rollouts, choose_prompts,
+                  collect_rollouts, critic_pass, compute_advantages, train_actor, train_critic), train
     12 plumbing   Curves: read_records, plot_runs, plot; main (the side-by-side comparison: .ci/compare.py)
 kernels.py makes the math fast (Triton kernels, reached through kernel_or); .ci/gpu_check.py times a step on a GPU.
 
@@ -1806,7 +1817,7 @@ def pact_targets(returns, logprobs, old_logprobs, response_mask, rho_min: float,
 
     E_mu[target_t | s_t] = V^pi_new(s_t) when later tokens follow pi_new as well (exact for the last token).
     A wrong answer (R = -1) keeps the target -1 whatever rho_t; a right one gets 2 rho_t - 1.
-    returns [B, T] (R_t on the +-1 scale, the Monte-Carlo return R with critic_lam = 1), logprobs [B, T] of the
+    returns [B, T] (R_t on the +-1 scale, the Monte-Carlo return: mc_returns), logprobs [B, T] of the
     updated actor, old_logprobs [B, T] of the behaviour policy mu, response_mask [B, T].
     Returns (targets [B, T] on the +-1 scale, critic_mask [B, T] float, metrics).
     """
@@ -2391,8 +2402,8 @@ def critic_pass(args: Args, state: TrainState, batch: Batch):
 
 
 def compute_advantages(args: Args, batch: Batch, rewards, values, mask):
-    """(advantages [B, T], raw; returns [B, T] or None; metrics): decoupled GAE from values [B, T], or the outcome
-    baseline of a critic-free --algo when values is None. rewards [B], mask [B, T]."""
+    """(advantages [B, T], not whitened; returns [B, T], the critic's targets, or None; metrics): decoupled GAE from
+    values [B, T], or the outcome baseline of a critic-free --algo when values is None. rewards [B], mask [B, T]."""
     if values is None:
         baseline = {"grpo": functools.partial(grpo_advantages, use_std=args.grpo_std), "rloo": rloo_advantages,
                     "reinforce_pp": reinforce_pp_advantages}[args.algo]
