@@ -7,12 +7,19 @@ op, in this order:
 
     _name_kernel (Triton, @triton.jit)  ->  launcher / autograd.Function  ->  name (same signature as s3ac.name)
 
-`name` here always runs Triton. s3ac.py calls it at one dispatch point, `s3ac.kernel_or(fn)`, which asks
-`use_triton(tensor)`: with the backend "auto", Triton for CUDA tensors when Triton imports, s3ac.py's function
-otherwise. `logprobs_from_hidden` (and its chunked PyTorch reference) lives here whole and dispatches itself the
-same way. The backend can be forced:
+`name` here always runs Triton. GAE also has a fast path without Triton, `gae_scan` (a chunked, vectorised scan
+with the same signature). s3ac.py calls these at one dispatch point, `s3ac.kernel_or(fn)`, which asks
+`use_triton(tensor)`. What runs where:
 
-    set_backend("torch")        # always the PyTorch definitions
+    backend   CUDA tensor, Triton imports   CPU tensor, or no Triton          set by
+    "auto"    kernels.name (Triton)         gae: gae_scan; losses: s3ac.name  the default
+    "triton"  kernels.name (Triton)         kernels.name (TRITON_INTERPRET=1)  --kernels triton
+    "torch"   s3ac.name                     s3ac.name (gae: the reverse loop)  --kernels torch
+
+`logprobs_from_hidden` (and its chunked PyTorch reference) lives here whole and dispatches itself the same way
+(Triton where use_triton holds, else logprobs_from_hidden_ref). The backend can be forced:
+
+    set_backend("torch")        # always the PyTorch definitions of s3ac.py (and logprobs_from_hidden_ref)
     set_backend("triton")       # always Triton; CPU tensors then need TRITON_INTERPRET=1 set before import
     S3AC_KERNELS=torch python s3ac.py ...   # same, as the initial value
 
@@ -232,6 +239,85 @@ def gae(rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: float, la
     _check_same_shape(rewards=rewards, values=values, response_mask=response_mask)
     _require_triton(rewards)
     return _gae_triton(rewards, values, response_mask, gamma, lam)
+
+
+# The fast path without Triton (CPU tensors, or CUDA without Triton): the same recursion as a chunked,
+# vectorised scan. It rounds differently from s3ac.gae's loop (a few fp32 ulps), so the training run uses it
+# wherever the Triton kernel does not apply, and `--kernels torch` selects s3ac.gae itself.
+def _discounted_reverse_cumsum(x: Tensor, w: Tensor, chunk: int = 32) -> Tensor:
+    """y[b, t] = sum_{s >= t} w[b]^(s - t) * x[b, s]  for x [B, T] fp32 and w [B] fp32 (or [1]) in [0, 1].
+
+    Exact scan without rescaling: positions are cut into chunks of `chunk`; inside a chunk the sum is a matmul
+    with the upper-triangular matrix K[j, i] = w^(j - i) (j >= i, else 0), and the chunk starts are linked by
+    the same recursion with factor w^chunk, solved by calling this function on them. Every position only ever
+    receives terms from positions at or after it, multiplied by an exact 0 otherwise, so a huge value early in
+    a row cannot disturb later positions, and w = 1 stays exact (no 1 / w^t factors).
+    """
+    B, T = x.shape
+    C = min(chunk, T)
+    n = -(-T // C)
+    xc = F.pad(x, (0, n * C - T)).view(B, n, C)  # [B, n, C]
+    idx = torch.arange(C, device=x.device)  # [C]
+    expo = (idx[:, None] - idx[None, :]).to(torch.float32)  # [C, C]  j - i (row j, column i)
+    upper = expo >= 0  # [C, C]
+    if w.numel() == 1:  # one factor for all rows: a single GEMM over all chunks
+        K = torch.where(upper, w.reshape(()) ** expo.clamp(min=0), 0.0)  # [C, C]
+        local = (xc.reshape(B * n, C) @ K).view(B, n, C)  # [B, n, C]
+    else:  # a factor per row: one [C, C] matrix per row
+        K = torch.where(upper, w[:, None, None] ** expo.clamp(min=0), 0.0)  # [B, C, C]
+        local = torch.bmm(xc, K)  # [B, n, C]
+    if n > 1:
+        w_col = w.reshape(-1, 1)  # [B or 1, 1]
+        starts = _discounted_reverse_cumsum(local[:, :, 0].contiguous(), w ** C, chunk)  # [B, n] y at chunk starts
+        next_start = F.pad(starts[:, 1:], (0, 1))  # [B, n]  y at the start of the following chunk (0 past the end)
+        decay = w_col ** (C - idx).to(torch.float32)  # [B or 1, C]  w^(C - i)
+        local = local + decay[:, None, :] * next_start[:, :, None]  # [B, n, C]
+    return local.reshape(B, n * C)[:, :T]
+
+
+def gae_scan(rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: float, lam) -> tuple[Tensor, Tensor]:
+    """Token-level GAE in PyTorch, vectorised over rows and positions: s3ac.gae's signature, contract and result
+    (to fp32 rounding). The path s3ac.kernel_or(gae) takes when the Triton kernel does not apply.
+
+    rewards, values, response_mask: [B, T] (padding may hold NaN or inf); gamma: float; lam: float or Tensor [B].
+    Returns (advantages, returns), both [B, T] fp32, 0 at masked positions. Source: Schulman et al. 2016, eq. 16.
+    Raises ValueError if the tensors are not of one shape [B, T] or lam has the wrong length.
+
+    Skipping masked positions is made plain adjacency first: when some row has a masked gap between valid
+    tokens, the valid tokens of every row are packed to the front (scattered by their running count) and
+    unpacked at the end; rows padded only on the left or right need no packing. Then
+    delta = r + gamma * V_next - V and A = the discounted reverse cumsum of delta with factor gamma * lam
+    (`_discounted_reverse_cumsum`, exact and vectorised).
+    """
+    _check_same_shape(rewards=rewards, values=values, response_mask=response_mask)
+    B, T = rewards.shape
+    valid = response_mask != 0  # [B, T]
+    if B == 0 or T == 0:
+        z = torch.zeros(B, T, device=rewards.device, dtype=torch.float32)  # [B, T]
+        return z, z.clone()
+    r = torch.where(valid, rewards.float(), 0.0)  # [B, T] padding garbage dropped here
+    v = torch.where(valid, values.float(), 0.0)  # [B, T]
+    span_starts = valid[:, :1].sum(1) + (valid[:, 1:] & ~valid[:, :-1]).sum(1)  # [B] runs of valid tokens
+    packed = bool((span_starts > 1).any())
+    if packed:
+        slot = valid.cumsum(1, dtype=torch.int32) - 1  # [B, T]  index of each valid token among the valid ones
+        dest = torch.where(valid, slot, T).long()  # [B, T]  masked positions go to a spare column T
+        spare = torch.zeros(B, T + 1, device=r.device, dtype=torch.float32)  # [B, T+1]
+        r = spare.scatter(1, dest, r)[:, :T]  # [B, T] valid tokens first
+        v = spare.scatter(1, dest, v)[:, :T]  # [B, T] (only zeros reach column T)
+    v_next = F.pad(v[:, 1:], (0, 1))  # [B, T]  V of the next valid token; 0 after the last one (terminal)
+    delta = r + gamma * v_next - v  # [B, T]  exactly 0 wherever r = v = 0 (padding, or past the packed tokens)
+    if isinstance(lam, Tensor):
+        gl = gamma * _row_lambda(lam, B, r.device)  # [B]
+    else:
+        gl = torch.tensor([gamma * float(lam)], device=r.device, dtype=torch.float32)  # [1]
+    adv = _discounted_reverse_cumsum(delta, gl)  # [B, T]
+    if packed:
+        adv = F.pad(adv, (0, 1)).gather(1, dest)  # [B, T] back to the original positions; column T is 0
+        v = torch.where(valid, values.float(), 0.0)  # [B, T] unpacked values
+    else:
+        adv = torch.where(valid, adv, 0.0)  # [B, T]
+    return adv, adv + v  # returns = A + V, exactly 0 at masked positions (both terms are 0 there)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -744,7 +830,8 @@ def _timed(fn, *args):
 
 
 def _bench_gae_cpu(print_json):
-    """GAE on the CPU: "ref" is s3ac.gae (the reverse loop the training run uses there) against verl's loop."""
+    """GAE on the CPU: "scan" is gae_scan (what the training run uses there) against s3ac.gae's reverse loop
+    ("s3ac_loop", what --kernels torch runs) and verl's loop."""
     import statistics
 
     import s3ac
@@ -753,29 +840,32 @@ def _bench_gae_cpu(print_json):
     for B, T in [(64, 512), (256, 2048), (512, 4096), (512, 8192)]:
         rewards, values, masks = _bench_gae_inputs(B, T)
         reps = 7 if B * T <= 2**20 else 3
-        impls = {"ref": lambda m: s3ac.gae(rewards, values, m, gamma, lam),
+        impls = {"scan": lambda m: gae_scan(rewards, values, m, gamma, lam),
+                 "s3ac_loop": lambda m: s3ac.gae(rewards, values, m, gamma, lam),
                  "verl_loop": lambda m: _gae_verl_loop(rewards, values, m, gamma, lam)}
         if B * T <= 64 * 512:
             impls["elementwise_loop"] = lambda m: _gae_elementwise_loop(rewards, values, m, gamma, lam)
         for name, mask in masks.items():
-            impls["ref"](mask), impls["verl_loop"](mask)  # warm-up
+            impls["scan"](mask), impls["s3ac_loop"](mask), impls["verl_loop"](mask)  # warm-up
             times = {k: [] for k in impls}
             for rep in range(reps):
                 order = list(impls)[rep % len(impls):] + list(impls)[:rep % len(impls)]  # rotate the order
                 for k in order:
                     times[k].append(_timed(impls[k], mask))
             gold, _ = _gae_verl_loop(rewards.double(), values.double(), mask.double(), gamma, lam)
-            err_ref = (s3ac.gae(rewards, values, mask, gamma, lam)[0].double() - gold).abs().max().item()
+            err_scan = (gae_scan(rewards, values, mask, gamma, lam)[0].double() - gold).abs().max().item()
+            err_s3ac = (s3ac.gae(rewards, values, mask, gamma, lam)[0].double() - gold).abs().max().item()
             err_loop = (_gae_verl_loop(rewards, values, mask, gamma, lam)[0].double() - gold).abs().max().item()
             row = {"op": "gae", "device": "cpu", "B": B, "T": T, "mask": name, "reps": reps,
                    "threads": torch.get_num_threads()}
             for k, ts in times.items():
                 row[f"{k}_ms"] = round(statistics.median(ts) * 1e3, 3)
             for k in impls:
-                if k != "ref":  # ratio per repetition (measured side by side), then the median
+                if k != "scan":  # ratio per repetition (measured side by side), then the median
                     row[f"speedup_vs_{k}"] = round(statistics.median(
-                        [a / b for a, b in zip(times[k], times["ref"])]), 2)
-            row["max_abs_err_ref_vs_fp64"] = err_ref
+                        [a / b for a, b in zip(times[k], times["scan"])]), 2)
+            row["max_abs_err_scan_vs_fp64"] = err_scan
+            row["max_abs_err_s3ac_loop_vs_fp64"] = err_s3ac
             row["max_abs_err_verl_loop_fp32_vs_fp64"] = err_loop
             print_json(row)
 

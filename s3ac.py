@@ -10,8 +10,8 @@ Where to look first:
     one training step   train_step (section 11): sample_rollouts (choose_prompts, collect_rollouts, reward_fn) ->
                         critic_pass -> compute_advantages -> train_actor -> train_critic -> metrics
     CISPO actor loss    cispo_loss (section 7), the loss update_actor minimises (ACTOR_LOSSES)
-    critic targets      the Monte-Carlo return: the `returns` of decoupled_gae with critic_lam = 1 (section 6);
-                        PACT's rho-weighted ones: pact_targets (section 7), built in train_critic
+    critic targets      the `returns` of decoupled_gae (section 6) with critic_lam (1, the Monte-Carlo return, for
+                        s3ac; 0.95 for ppo); PACT's rho-weighted ones: pact_targets (section 7), built in train_critic
     critic loss         critic_loss_fn (section 7): value_loss (clipped) or bce_value_loss
     DAPS acceptance     daps_accept_prob (section 8), drawn in daps_select, called by choose_prompts
 
@@ -29,10 +29,13 @@ torchrun, checkpoints, plots), data first, then the pieces of a step, then the l
     8  algorithm  Prompt selection (DAPS): daps_estimate, daps_accept_prob, daps_select
     9  algorithm  Critic pretraining: generate_coverage, mc_returns, pretrain_critic
     10 plumbing   Evaluation and checkpoints: evaluate_sources, save_checkpoint, latest_checkpoint, Tracker
-    11 algorithm  Training loop: TrainState, train_step and its phases (sample_rollouts, choose_prompts,
-                  collect_rollouts, critic_pass, compute_advantages, train_actor, train_critic), train
+    11 algorithm  Training loop [algorithm: train_step and its phases; the rest plumbing]: TrainState, train_step and
+                  its phases (sample_rollouts, choose_prompts, collect_rollouts, critic_pass, compute_advantages,
+                  train_actor, train_critic), train; plumbing: prepare_prompts, load_models, restore_checkpoint,
+                  run_evaluation, mean_over_ranks, gather_records
     12 plumbing   Curves: read_records, plot_runs, plot; main (the side-by-side comparison: .ci/compare.py)
-kernels.py makes the math fast (Triton kernels, reached through kernel_or); .ci/gpu_check.py times a step on a GPU.
+kernels.py makes the math fast (Triton kernels and a vectorised GAE scan, reached through kernel_or); .ci/gpu_check.py
+times a step on a GPU.
 
 Equations (shape letters: B sequences, T response tokens, P prompt tokens, H hidden size, V vocabulary):
 
@@ -160,7 +163,7 @@ class Args:
     """Every setting of a run; each field is a command-line flag (--field-name), its comment the help text."""
     # model
     model: str = "Qwen/Qwen2.5-Math-1.5B"  # actor: Hugging Face name, local directory, or a .gguf file
-    critic_model: str = ""  # critic backbone; empty = the actor's checkpoint (must share the tokenizer)
+    critic_model: str = "auto"  # critic backbone; auto = the actor's checkpoint (must share the tokenizer)
     dtype: str = "auto"  # autocast: auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16; weights stay float32
     device: str = "auto"  # auto | cpu | cuda
     cache_dir: str = "~/.cache/s3ac"  # where .gguf models are converted to safetensors, once
@@ -168,8 +171,8 @@ class Args:
     # data
     data: str = DAPO_MATH  # training problems: hub dataset name[:config], .jsonl/.parquet file, builtin:arithmetic[:N]
     eval_data: str = "HuggingFaceH4/MATH-500"  # comma-separated sources like --data, or heldout (held out of --data)
-    prompt_key: str = ""  # field with the question; empty = question (GSM8K), problem (MATH) or prompt (DAPO)
-    answer_key: str = ""  # field with the gold answer; empty = answer (text after '####' for GSM8K) or solution
+    prompt_key: str = "auto"  # field with the question; auto = question (GSM8K), problem (MATH) or prompt (DAPO)
+    answer_key: str = "auto"  # field with the gold answer; auto = answer (text after '####' for GSM8K) or solution
     split: str = "train"  # dataset split (Hugging Face datasets only)
     eval_split: str = "test"  # split of hub --eval-data sources; a dataset with a single split uses that one
     max_prompt_tokens: int = 1024  # longer prompts (template included) are dropped at load time, never truncated
@@ -246,7 +249,7 @@ class Args:
     # run
     steps: int = 200  # training steps (one rollout batch each)
     seed: int = 0  # seed of sampling, data order and rollouts
-    kernels: str = "auto"  # kernels.py backend: auto | triton | torch
+    kernels: str = "auto"  # kernels.py backend: auto | triton | torch (s3ac.py's own PyTorch functions); see kernel_or
     threads: int = 0  # torch CPU threads; 0 = torch's default
     max_minutes: float = 0.0  # stop after this many minutes (pretraining in, evaluations out), evaluate; 0 = no limit
     # logging
@@ -254,7 +257,7 @@ class Args:
     eval_every: int = 10  # steps between greedy evaluations (0 = only at the start and the end)
     eval_size: int = 500  # problems per evaluation source, at most (the first ones; heldout: a seeded sample)
     eval_k: int = 32  # competition sets (aime*, amc*, hmmt*) also report avg@k over k samples at --temperature
-    eval_max_new_tokens: int = 0  # 0 = max_new_tokens
+    eval_max_new_tokens: str | int = "auto"  # response length limit of evaluations, tokens; auto = max_new_tokens
     save_every: int = 10  # steps between checkpoints (0 = only at the end)
     keep_checkpoints: int = 2  # newest checkpoints kept on disk
     resume: bool = False  # continue from the newest checkpoint in out_dir
@@ -281,6 +284,8 @@ def parse_args(argv=None) -> Args:
         flag, help = "--" + field.name.replace("_", "-"), helps.get(field.name, "").replace("%", "%%")
         if field.type is bool or field.type == "bool":
             parser.add_argument(flag, type=_str2bool, nargs="?", const=True, default=field.default, help=help)
+        elif field.name in NAMED_OR_NUMBER:  # a number, or one of the field's named values (auto, adaptive)
+            parser.add_argument(flag, type=_named_or_number_flag(field.name), default=field.default, help=help)
         else:
             parser.add_argument(flag, type=type(field.default), default=field.default, help=help)
     args = Args(**vars(parser.parse_args(argv)))
@@ -292,12 +297,17 @@ def parse_args(argv=None) -> Args:
 
 
 CRITIC_ALGOS = ("s3ac", "ppo")  # the algorithms that train a critic; grpo, rloo and reinforce_pp do not
+NAMED_OR_NUMBER = {  # the fields that take a number or a named value: (named values, number type)
+    "actor_lam": (("auto", "adaptive"), float), "critic_lam": (("auto",), float), "eps_low": (("auto",), float),
+    "eval_max_new_tokens": (("auto",), int)}
 
 
 def resolve_args(args: Args) -> Args:
     """A copy of args with every "auto" flag replaced by its value (given in the Args comments; it depends on
-    --algo / --critic-sync / --actor-loss only, and train() prints it) and the numeric ones parsed to floats, after
-    checking the combination.
+    --algo / --critic-sync / --actor-loss, or for --eval-max-new-tokens on --max-new-tokens, and train() prints the
+    algorithm's) and the numeric ones (NAMED_OR_NUMBER) parsed to numbers, after checking the combination.
+    --critic-model, --prompt-key and --answer-key keep "auto": what it means is found where they are used (the
+    actor's checkpoint; the fields of each data row).
 
     Raises ValueError for an unknown choice, a numeric flag outside its domain (temperature > 0, 0 < gamma <= 1,
     eps_low in [0, 1], sizes >= 1, ...) or a combination that cannot run (a critic feature on a critic-free
@@ -310,9 +320,8 @@ def resolve_args(args: Args) -> Args:
     for name, allowed in choices.items():
         if getattr(args, name) not in allowed:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)!r}: expected one of {allowed}")
-    named = {"actor_lam": ("auto", "adaptive"), "critic_lam": ("auto",), "eps_low": ("auto",)}  # or a number
-    args = dataclasses.replace(args, **{name: _word_or_float(name, getattr(args, name), words)
-                                        for name, words in named.items()})
+    args = dataclasses.replace(args, **{name: _named_or_number(name, getattr(args, name), *named_and_type)
+                                        for name, named_and_type in NAMED_OR_NUMBER.items()})
     unit = lambda x: 0 < x <= 1  # in (0, 1]
     number = lambda x: isinstance(x, float)  # not a named value
     domains = {  # every numeric flag: (holds, what it must be); a NaN fails every test
@@ -322,7 +331,7 @@ def resolve_args(args: Args) -> Args:
             "keep_checkpoints")},
         **{name: (getattr(args, name) >= 0, ">= 0") for name in (
             "max_refills", "top_k", "vllm_max_model_len", "eps_high", "rho_min", "credit_eps", "critic_warmup_steps",
-            "daps_start", "daps_n_c", "steps", "threads", "eval_every", "eval_max_new_tokens", "save_every",
+            "daps_start", "daps_n_c", "steps", "threads", "eval_every", "save_every",
             "log_samples", "critic_layers", "max_minutes")},
         **{name: (getattr(args, name) > 0, "> 0") for name in (
             "temperature", "verify_timeout", "alpha", "lr", "actor_grad_clip", "critic_lr_ratio", "critic_grad_clip",
@@ -332,6 +341,8 @@ def resolve_args(args: Args) -> Args:
         "critic_lam": (not number(args.critic_lam) or unit(args.critic_lam), "in (0, 1], or auto"),
         "actor_lam": (not number(args.actor_lam) or unit(args.actor_lam), "in (0, 1], or adaptive, or auto"),
         "eps_low": (not number(args.eps_low) or 0 <= args.eps_low <= 1, "in [0, 1], or auto"),
+        "eval_max_new_tokens": (args.eval_max_new_tokens == "auto" or args.eval_max_new_tokens >= 1,
+                                "at least 1, or auto"),
         "rho_max": (args.rho_max > args.rho_min, f"above --rho-min {args.rho_min}")}
     for name, (holds, rule) in domains.items():
         if not holds:
@@ -345,26 +356,43 @@ def resolve_args(args: Args) -> Args:
             raise ValueError(f"{flag} needs a critic, but --algo {args.algo} trains none (use s3ac or ppo)")
     if args.k < 2 and (args.algo in ("grpo", "rloo") or args.dynamic_sampling):
         raise ValueError(f"--algo {args.algo} / --dynamic-sampling compare rollouts of one prompt: need --k >= 2")
-    if args.critic_layers and args.critic_model:
+    if args.critic_layers and args.critic_model != "auto":
         raise ValueError(f"--critic-layers {args.critic_layers}: with k >= 1 the critic reads the actor's trunk, so "
-                         f"--critic-model must stay empty")
+                         f"--critic-model must stay auto")
     ppo, pact = args.algo == "ppo", args.critic_sync == "pact"
     actor_loss = ("ppo" if ppo else "cispo") if args.actor_loss == "auto" else args.actor_loss
     auto = lambda value, resolved: resolved if value == "auto" else value
     return dataclasses.replace(
         args, actor_loss=actor_loss, actor_lam=auto(args.actor_lam, 0.95 if ppo else 1.0 if pact else "adaptive"),
         critic_lam=auto(args.critic_lam, 0.95 if ppo else 1.0),
-        eps_low=auto(args.eps_low, 0.2 if actor_loss == "ppo" else 1.0))
+        eps_low=auto(args.eps_low, 0.2 if actor_loss == "ppo" else 1.0),
+        eval_max_new_tokens=auto(args.eval_max_new_tokens, args.max_new_tokens))
 
 
-def _word_or_float(name: str, value, words: tuple):
-    """value itself when it is one of the named values `words`, else value as a float; ValueError naming --name."""
+def _named_or_number(name: str, value, words: tuple, number_type=float):
+    """value itself when it is one of the named values `words`, else value as number_type (float or int; an int
+    field refuses 2.5); ValueError naming --name."""
     if value in words:
         return value
     try:
-        return float(value)
+        number = number_type(value)
+        if number_type is int and float(value) != number:
+            raise ValueError
+        return number
     except (TypeError, ValueError):
-        raise ValueError(f"--{name.replace('_', '-')} {value!r}: expected a number or one of {words}") from None
+        kind = "an integer" if number_type is int else "a number"
+        raise ValueError(f"--{name.replace('_', '-')} {value!r}: expected {kind} or one of {words}") from None
+
+
+def _named_or_number_flag(name: str):
+    """The argparse type of the NAMED_OR_NUMBER field `name`: --actor-lam 0.9 parses to 0.9, --actor-lam auto to
+    'auto'; anything else is a one-line argparse error."""
+    def parse(text: str):
+        try:
+            return _named_or_number(name, text, *NAMED_OR_NUMBER[name])
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return parse
 
 
 def uses_coverage(args: Args) -> bool:
@@ -404,16 +432,18 @@ def make_arithmetic(n: int, seed: int) -> list:
     return problems
 
 
-def load_problems(spec: str, prompt_key: str = "", answer_key: str = "", split: str = "train", seed: int = 0):
+def load_problems(spec: str, prompt_key: str = "auto", answer_key: str = "auto", split: str = "train",
+                  seed: int = 0):
     """Load problems from a JSONL or Parquet file, a Hugging Face dataset (`name` or `name:config`, read through
     `datasets`; a dataset with a single split uses that one), or `builtin:arithmetic[:N]`.
 
     Layouts (files and hub alike): GSM8K (`question`, `answer` with the gold after '####'), MATH-500 (`problem`,
     `answer`), DAPO-Math-17k-Processed (`prompt` text, `solution`), DAPO-Math-17k (`prompt` as chat messages,
-    `reward_model.ground_truth`), or the fields named by prompt_key / answer_key. DAPO's own answer-format lines
-    are removed from the question (strip_answer_format). Raises ValueError naming file, line (or row) and field
-    for a bad row, for an empty dataset and for a hub dataset that cannot be fetched (offline, unknown name);
-    FileNotFoundError / ImportError when a file or `datasets` is missing.
+    `reward_model.ground_truth`), or the fields named by prompt_key / answer_key ("auto": the first of those
+    layouts' fields present in the row). DAPO's own answer-format lines are removed from the question
+    (strip_answer_format). Raises ValueError naming file, line (or row) and field for a bad row, for an empty
+    dataset and for a hub dataset that cannot be fetched (offline, unknown name); FileNotFoundError / ImportError
+    when a file or `datasets` is missing.
     """
     if spec.startswith("builtin:arithmetic"):
         n = int(spec.split(":")[2]) if spec.count(":") == 2 else 5000
@@ -482,15 +512,16 @@ def _row_to_problem(row, prompt_key: str, answer_key: str, where: str) -> Proble
         row = dict(row, prompt=row["prompt"][-1].get("content"))  # DAPO-Math-17k: chat messages, the user's last
     if isinstance(row.get("reward_model"), dict) and "solution" not in row:  # verl's layout (DAPO-Math-17k)
         row = dict(row, solution=row["reward_model"].get("ground_truth"))
-    qkey = prompt_key or next((k for k in ("question", "problem", "prompt") if k in row), "question")
-    akey = answer_key or next((k for k in ("answer", "solution") if k in row), "answer")
+    qkey = prompt_key if prompt_key != "auto" else next((k for k in ("question", "problem", "prompt") if k in row),
+                                                        "question")
+    akey = answer_key if answer_key != "auto" else next((k for k in ("answer", "solution") if k in row), "answer")
     for key in (qkey, akey):
         if key not in row:
             raise ValueError(f"{where}: missing field {key!r} (fields: {sorted(row)})")
         if not isinstance(row[key], (str, int, float)) or str(row[key]).strip() == "":
             raise ValueError(f"{where}: field {key!r} must be a non-empty string, got {row[key]!r}")
     answer = str(row[akey])
-    if qkey == "question" and not answer_key and "####" in answer:  # GSM8K: reasoning, then '#### <gold>'
+    if qkey == "question" and answer_key == "auto" and "####" in answer:  # GSM8K: reasoning, then '#### <gold>'
         answer = answer.rsplit("####", 1)[1].strip()
     return Problem(strip_answer_format(str(row[qkey])), answer)
 
@@ -1120,13 +1151,14 @@ def vllm_available() -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 4. Verify: the reward. An answer policy picks the answer; math-verify and exact arithmetic compare it [algorithm]
+# 4. Reward: the verifier. An answer policy picks the answer; math-verify and exact arithmetic compare it [algorithm]
 # ---------------------------------------------------------------------------------------------------------------
 # The reward contract, stated once: reward_fn(golds: list[str], completions: list[str], truncated: list[bool]) ->
 # (rewards: list[float], statuses: list[str]), one each per completion, R = +1 or -1. Verifier below is the default
 # (train(args, reward_fn) takes any other): R = +1 when the response is finished and its final answer equals the
 # gold, R = -1 otherwise (wrong, no answer, an expression where a number is due, cut off at the length limit, a
-# check that failed or hung). Every algorithm here assumes +-1 (PACT's [0, 1] scale is (R + 1) / 2).
+# check that failed or hung). Every algorithm here assumes +-1 (PACT's [0, 1] scale is (R + 1) / 2). The training loop
+# checks every call (check_reward_output) and logs the count of each status as verify/<status>.
 #
 # Answer policy (what counts as the answer), applied before any comparison:
 #   1. A response cut off at --max-new-tokens (no stop token) has no final answer: status "truncated".
@@ -1521,7 +1553,7 @@ def gae(rewards, values, response_mask, gamma: float, lam):
     Returns (advantages [B, T], returns [B, T]), fp32, raw (no whitening), exactly 0 on padding.
     Raises ValueError when the tensors are not of one shape [B, T] or lam has neither 1 nor B entries.
     Example (gamma 1, lam 0.95): mask [1, 1, 0], rewards [0, 1, 0], values [0, 0, 100] -> advantages and
-    returns [0.95, 1.0, 0.0]. kernels.gae is the Triton kernel of the same math (see kernel_or).
+    returns [0.95, 1.0, 0.0]. kernels.gae (Triton) and kernels.gae_scan compute the same (see kernel_or).
     """
     if rewards.dim() != 2 or not rewards.shape == values.shape == response_mask.shape:
         raise ValueError(f"expected rewards, values, response_mask of one shape [B, T], got "
@@ -1545,16 +1577,28 @@ def gae(rewards, values, response_mask, gamma: float, lam):
 
 
 def kernel_or(fn):
-    """The one dispatch point between the math here and kernels.py: fn, or its Triton kernel where that applies.
+    """The one dispatch point for gae and the three losses: fn, or a faster kernels.py function of the same
+    signature, name and contract (test_s3ac.py compares each with fn and with fp64).
 
-    fn: gae, cispo_loss, value_loss or bce_value_loss; kernels.py holds a function of the same name, signature
-    and contract (test_s3ac.py compares the two with each other and with fp64). Returns a function with fn's
-    signature that, per call, runs the kernel when kernels.use_triton(first tensor argument) holds (--kernels
-    auto: a CUDA tensor and Triton importable; --kernels triton: always; --kernels torch: never), else fn.
+    fn: gae, cispo_loss, value_loss or bce_value_loss. Returns a function with fn's signature that, per call, looks
+    at the first tensor among its positional and keyword arguments x and runs:
+        the Triton kernel kernels.<name>   when kernels.use_triton(x) (--kernels auto: x on a CUDA device and
+                                           Triton importable; --kernels triton: always);
+        for gae, kernels.gae_scan          otherwise, unless --kernels torch (a vectorised scan, much faster than
+                                           the loop over T on a CPU; equal to it up to fp32 rounding);
+        fn itself                          otherwise (always with --kernels torch).
+    Log-probs (plumbing for the memory-safe log-prob computation) dispatch inside kernels.py instead
+    (kernels.logprobs_from_hidden). Raises ValueError when no argument is a tensor.
     """
     def dispatch(*args, **kwargs):
-        kernel = getattr(kernels, fn.__name__)
-        return (kernel if kernels.use_triton(args[0]) else fn)(*args, **kwargs)
+        tensors = [a for a in (*args, *kwargs.values()) if torch.is_tensor(a)]
+        if not tensors:
+            raise ValueError(f"{fn.__name__}: no tensor argument to dispatch on")
+        if kernels.use_triton(tensors[0]):
+            return getattr(kernels, fn.__name__)(*args, **kwargs)
+        if fn.__name__ == "gae" and kernels.get_backend() != "torch":
+            return kernels.gae_scan(*args, **kwargs)
+        return fn(*args, **kwargs)
 
     return functools.wraps(fn)(dispatch)
 
@@ -1579,7 +1623,7 @@ def decoupled_gae(rewards, values, response_mask, gamma: float, critic_lam: floa
 
     rewards: [B] outcome rewards; values: [B, T] V(s_t) (padding may hold anything, it never reaches a valid
     token); response_mask: [B, T]; actor_lam: a float or [B] per-sequence lambdas (see adaptive_lambda);
-    gae_fn: `gae`, or the training loop's kernel_or(gae) (same result, Triton on a GPU).
+    gae_fn: `gae`, or the training loop's kernel_or(gae) (same result to fp32 rounding; Triton on a GPU).
     Returns (advantages [B, T], returns [B, T], metrics {adv/lambda_mean}). Advantages are raw: any whitening
     belongs at the call site. Source: GAE, Schulman et al. 2016 eq. 16; decoupled lambdas, VAPO (Yue et al. 2025).
     Needs: outcome_rewards_to_tokens, gae.
@@ -1631,7 +1675,7 @@ def rloo_advantages(rewards, prompt_index, response_mask):
 
     Example: K = 8 with 3 rewards 1 and 5 rewards 0 -> +0.7143 (= 1 - 2/7) and -0.4286 (= 0 - 3/7).
     rewards: [B]; prompt_index: [B]; response_mask: [B, T]. Returns (advantages [B, T] fp32, metrics).
-    Raises ValueError when a group has fewer than 2 sequences.
+    Raises ValueError when a group has fewer than 2 sequences. Needs: group_stats, _require_groups.
     """
     mean, _, count = group_stats(rewards, prompt_index)  # [B] each
     _require_groups(count, "rloo")
@@ -1645,6 +1689,7 @@ def masked_whiten(x, response_mask):
 
     Example: x [[1, 2, 0, 0], [3, 0, 0, 0]], mask [[1, 1, 0, 0], [1, 0, 0, 0]] -> -1.2247, 0, 1.2247 on the
     valid entries. All-equal valid entries give 0. Returns [B, T] fp32.
+    Needs: all_reduce (the identity in a single process).
     """
     m = response_mask.double()  # [B, T]
     n = all_reduce(m.sum()).clamp(min=1)  # under torchrun: statistics of the global batch
@@ -1656,12 +1701,14 @@ def masked_whiten(x, response_mask):
 
 def reinforce_pp_advantages(rewards, prompt_index, response_mask):
     """REINFORCE++ (Hu 2025), outcome-only: R broadcast over the tokens, whitened over the valid tokens of the
-    whole batch (no per-prompt baseline: prompt_index is unused). Returns (advantages [B, T], metrics)."""
+    whole batch (no per-prompt baseline: prompt_index is unused). Returns (advantages [B, T], metrics).
+    Needs: masked_whiten, all_reduce (the identity in a single process)."""
     return masked_whiten(rewards[:, None] * response_mask, response_mask), {}  # [B, T]
 
 
 def mixed_groups(rewards, prompt_index):
-    """Dynamic sampling (DAPO): True [B] for the sequences of groups whose raw rewards are not all equal."""
+    """Dynamic sampling (DAPO): True [B] for the sequences of groups whose raw rewards are not all equal.
+    Needs: group_stats."""
     _, var, _ = group_stats(rewards, prompt_index)  # [B]
     return var > 0
 
@@ -1675,7 +1722,8 @@ def explained_variance(values, returns, mask) -> float:
     """1 - Var[R - V] / Var[R] of values, returns [B, T] over the valid tokens of mask [B, T] (population variances,
     CleanRL / PPO's critic metric), from sums over the whole batch (all ranks under torchrun), never a mean of
     per-micro-batch values. nan when the returns are constant up to rounding (Var[R] < 1e-8: every answer right,
-    or every answer wrong), where the ratio would only measure float error."""
+    or every answer wrong), where the ratio would only measure float error.
+    Needs: all_reduce (the identity in a single process)."""
     m = mask.double()  # [B, T]
     r, d = returns.double() * m, (returns.double() - values.double()) * m  # [B, T] R and R - V on valid tokens
     n, sum_r, sum_r2, sum_d, sum_d2 = all_reduce(torch.stack([m.sum(), r.sum(), (r * r).sum(), d.sum(),
@@ -1687,7 +1735,7 @@ def explained_variance(values, returns, mask) -> float:
 
 def value_separation(values, rewards, response_mask) -> float:
     """PACT's Delta+-: token-mean V over correct responses (R > 0) minus token-mean V over wrong ones; nan when
-    either set is empty. values [B, T] on the +-1 scale, rewards [B], response_mask [B, T]."""
+    either set is empty. values [B, T] on the +-1 scale, rewards [B], response_mask [B, T]. Needs: masked_mean."""
     correct = (rewards > 0).float()[:, None] * response_mask  # [B, T]
     wrong = (rewards <= 0).float()[:, None] * response_mask  # [B, T]
     if correct.sum() == 0 or wrong.sum() == 0:
@@ -1704,6 +1752,7 @@ def credit_sparsity(values, rewards, response_mask, eps: float):
     values [B, T] (+-1 scale, padding ignored), rewards [B], response_mask [B, T].
     Returns (counts [B] of credits with |C_i| > eps, metrics {"critic/credit_sparsity": mean count}).
     Example: V = [0, 0.5], R = 1, eps 0.05 -> credits (0.5 - 0) / 2, (1 - 0.5) / 2 -> count 2.
+    Needs: outcome_rewards_to_tokens.
     """
     v = torch.where(response_mask.bool(), values, 0.0)  # [B, T]
     following = torch.cat([v[:, 1:], torch.zeros_like(v[:, :1])], 1)  # [B, T] V(s_(t+1)), 0 past the end
@@ -1731,6 +1780,8 @@ def critic_metrics(values, returns, rewards, response_mask, critic_s: float, act
 
     values / returns [B, T] (+-1 scale), rewards [B], response_mask [B, T]; critic_s and actor_s: seconds spent
     on the critic (value pass, PACT pass, update) and on the actor update, so c = critic_s / actor_s.
+    Needs: explained_variance, masked_mean, value_separation, credit_sparsity, outcome_rewards_to_tokens,
+    critic_efficiency, all_reduce (the identity in a single process).
     """
     ones = torch.ones_like(rewards)[:, None]  # [B, 1]
     adv_ev = explained_variance(values[:, :1], rewards[:, None], ones)  # 1 - Var[R - V(s_0)] / Var[R], sequences
@@ -2014,7 +2065,8 @@ def daps_select(sampler: PromptSampler, count: int, p_c_of, successes, attempts,
     p_c_of(candidates) -> [n] critic estimates for a list of prompt indices; successes, attempts: [n_prompts]
     decayed counts (the paper's S and N).
     Returns (accepted prompt indices, {"drawn", "accepted", "p_hat_sum"} summed over the accepted).
-    Terminates since a >= a_min > 0.
+    Terminates since a >= a_min > 0. Needs: daps_estimate, daps_accept_prob, PromptSampler (the annotation; any
+    object with draw(count) -> a list of indices will do).
     """
     chosen, drawn, p_hat_sum = [], 0, 0.0
     while len(chosen) < count:
@@ -2273,7 +2325,7 @@ class Tracker:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 11. Training loop [algorithm]
+# 11. Training loop [algorithm: train_step and its phases; the rest plumbing: setup, evaluation, logging helpers]
 # ---------------------------------------------------------------------------------------------------------------
 @dataclass
 class TrainState:
@@ -2300,11 +2352,10 @@ class TrainState:
     train_s: float = 0.0  # seconds of training so far, evaluations left out (--max-minutes)
 
 
-def generate_responses(args: Args, state: TrainState, prompts: list, index: list, greedy: bool = False,
-                       max_new_tokens: int = 0) -> Batch:
-    """The current policy's responses (a Batch) to token-id prompts of problems `index`, from vLLM (weights synced
-    first when stale) or Hugging Face generate; max_new_tokens 0 = args.max_new_tokens."""
-    max_new_tokens = max_new_tokens or args.max_new_tokens
+def generate_responses(args: Args, state: TrainState, prompts: list, index: list, max_new_tokens: int,
+                       greedy: bool = False) -> Batch:
+    """The current policy's responses (a Batch) to token-id prompts of problems `index`, at most max_new_tokens
+    tokens each, from vLLM (weights synced first when stale) or Hugging Face generate."""
     if state.engine is not None:
         return state.engine.generate(prompts, index, state.eos_ids, state.pad_id, max_new_tokens, args.temperature,
                                      greedy, args.top_p, args.top_k, policy=state.policy if args.vllm_sync else None)
@@ -2316,7 +2367,8 @@ def generate_responses(args: Args, state: TrainState, prompts: list, index: list
 
 def choose_prompts(args: Args, state: TrainState, count: int, generator):
     """`count` training prompt indices, the same on every rank: uniform draws, or DAPS (daps_select, generator its
-    accept/reject draws) once state.step is past daps_start. Returns (indices, DAPS's counters or {})."""
+    accept/reject draws) once state.step is past daps_start. Advances state.sampler. Returns (indices, DAPS's
+    counters or {})."""
     if args.prompt_selection == "uniform" or state.step <= args.daps_start:
         return state.sampler.draw(count), {}
 
@@ -2331,16 +2383,37 @@ def choose_prompts(args: Args, state: TrainState, count: int, generator):
                        generator)
 
 
+def check_reward_output(reward_fn, rewards, statuses, n: int) -> None:
+    """Raises ValueError unless reward_fn's output (rewards, statuses) for n completions keeps the contract at the
+    top of section 4: n rewards, each -1 or +1, and n statuses (strings). The message names the function and the
+    first bad value."""
+    name = getattr(reward_fn, "__name__", type(reward_fn).__name__)
+    if len(rewards) != n or len(statuses) != n:
+        raise ValueError(f"reward function {name}: returned {len(rewards)} rewards and {len(statuses)} statuses for "
+                         f"{n} completions (one each per completion)")
+    for j, (reward, status) in enumerate(zip(rewards, statuses)):
+        try:
+            valid = not isinstance(reward, str) and float(reward) in (-1.0, 1.0)  # a number (float, int, 0-dim tensor)
+        except (TypeError, ValueError):  # not a number at all
+            valid = False
+        if not valid:
+            raise ValueError(f"reward function {name}: reward {reward!r} at position {j} is not -1 or +1")
+        if not isinstance(status, str):
+            raise ValueError(f"reward function {name}: status {status!r} at position {j} is not a string")
+
+
 def collect_rollouts(args: Args, state: TrainState, prompt_list: list, reward_fn):
     """K responses to each prompt index of prompt_list, rewarded by reward_fn (contract: top of section 4). Returns
     (batch, rewards [B], statuses, texts, successes [n_prompts], attempts [n_prompts], metrics): this round's
-    per-prompt counts over all ranks (success: reward > 0), for the caller to add."""
+    per-prompt counts over all ranks (success: reward > 0), for the caller to add. Raises ValueError when reward_fn
+    breaks the contract (check_reward_output)."""
     t0 = time.time()
     index = [i for i in prompt_list for _ in range(args.k)]
-    batch = generate_responses(args, state, [state.prompts[i] for i in index], index)
+    batch = generate_responses(args, state, [state.prompts[i] for i in index], index, args.max_new_tokens)
     t1 = time.time()
     texts = state.tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
     reward_list, statuses = reward_fn([state.problems[i].answer for i in index], texts, batch.truncated.tolist())
+    check_reward_output(reward_fn, reward_list, statuses, len(texts))
     rewards = torch.tensor([float(r) for r in reward_list])  # [B]
     correct = (rewards > 0).double()  # [B] raw correctness, never a shaped reward
     counts = torch.zeros(2, len(state.problems), dtype=torch.float64)  # [2, n_prompts] successes, attempts
@@ -2353,8 +2426,9 @@ def collect_rollouts(args: Args, state: TrainState, prompt_list: list, reward_fn
 
 
 def sample_rollouts(args: Args, state: TrainState, reward_fn):
-    """choose_prompts, then collect_rollouts (counted in state); --dynamic-sampling drops the groups whose rewards
-    are all equal and refills, for at most max_refills more rounds. Returns (batch, rewards [B], statuses, sample
+    """choose_prompts, then collect_rollouts; adds each round's per-prompt counts to state.successes /
+    state.attempts before the next round. --dynamic-sampling drops the groups whose rewards are all equal and
+    refills, for at most max_refills more rounds. Returns (batch, rewards [B], statuses, sample
     records of a few first-round rollouts, metrics)."""
     daps_gen = torch.Generator().manual_seed(args.seed * 1_000_003 + state.step)  # resume replays the same draws
     parts, statuses, records, kept, dropped = [], [], [], 0, 0
@@ -2411,7 +2485,7 @@ def compute_advantages(args: Args, batch: Batch, rewards, values, mask):
         return advantages, None, metrics
     lam = adaptive_lambda(mask, args.alpha) if args.actor_lam == "adaptive" else args.actor_lam  # [B] or float
     return decoupled_gae(rewards, values, mask, args.gamma, args.critic_lam, lam,
-                         gae_fn=kernel_or(gae))  # [B, T], [B, T], metrics; Triton on a GPU
+                         gae_fn=kernel_or(gae))  # [B, T], [B, T], metrics; Triton on a GPU, else a scan
 
 
 def train_actor(args: Args, state: TrainState, batch: Batch, advantages, mask):
@@ -2459,7 +2533,13 @@ def train_critic(args: Args, state: TrainState, batch: Batch, values, features, 
 
 def train_step(args: Args, state: TrainState, reward_fn):
     """One step of --algo: choose prompts -> rollout (generate + reward) -> values -> advantages -> actor update ->
-    critic update -> metrics. Moves state on one step. Returns (metrics, sample records of a few rollouts)."""
+    critic update -> metrics. Returns (metrics, sample records of a few rollouts).
+
+    Moves state on one step: state.step + 1; the DAPS counts state.successes / state.attempts decay by daps_decay,
+    then sample_rollouts adds each round's per-prompt counts to them (a DAPS refill round reads the counts of the
+    rounds before it); choose_prompts, called by sample_rollouts, advances state.sampler; train_actor and
+    train_critic update the models and optimizers in state.
+    """
     state.step += 1
     metrics = {"step": state.step}
     state.successes, state.attempts = state.successes * args.daps_decay, state.attempts * args.daps_decay
@@ -2484,7 +2564,8 @@ def train_step(args: Args, state: TrainState, reward_fn):
     metrics.update({"rollout/reward": rewards.mean().item(), "rollout/acc": (rewards > 0).float().mean().item(),
                     "rollout/response_len": mask.sum(1).mean().item(),
                     "rollout/truncated": batch.truncated.float().mean().item(),
-                    **{f"verify/{s}": statuses.count(s) for s in Verifier.STATUSES[2:]},
+                    **{f"verify/{s}": statuses.count(s) for s in Verifier.STATUSES[2:]},  # zeros included
+                    **{f"verify/{s}": statuses.count(s) for s in sorted(set(statuses) - set(Verifier.STATUSES))},
                     "adv/mean": masked_mean(advantages, mask).item(),
                     "prompts/share_mid": ((rate > 0.2) & (rate <= 0.8)).double().mean().item()})
     return metrics, records
@@ -2665,7 +2746,7 @@ def train(args: Args, reward_fn=None):
         print(f"--resume: no checkpoint in {args.out_dir}, starting from step 0", file=sys.stderr)
     try:  # a missing or unknown model, or no network: one line that names the model
         model_path = resolve_model(args.model, args.cache_dir)
-        critic_src = resolve_model(args.critic_model, args.cache_dir) if args.critic_model else model_path
+        critic_src = model_path if args.critic_model == "auto" else resolve_model(args.critic_model, args.cache_dir)
         actor_src = os.path.join(ckpt, "actor") if ckpt else model_path
         tokenizer = AutoTokenizer.from_pretrained(actor_src)
     except (OSError, ValueError) as e:
@@ -2676,12 +2757,15 @@ def train(args: Args, reward_fn=None):
     random.seed(args.seed)  # after loading: a one-time .gguf conversion draws from the global RNG
     torch.manual_seed(args.seed + rank)  # each rank samples its own rollouts
     n = len(train_problems)
+    critic_opt = None
+    if critic is not None:
+        critic_opt = torch.optim.AdamW(critic.parameters(), lr=args.lr * args.critic_lr_ratio, weight_decay=0.0)
     state = TrainState(
-        policy, critic, torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0),
-        torch.optim.AdamW(critic.parameters(), lr=args.lr * args.critic_lr_ratio, weight_decay=0.0) if critic else None,
-        engine, PromptSampler(n, args.seed), torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64),
-        torch.Generator().manual_seed(args.seed), tokenizer, train_problems, train_prompts, eos_ids, pad_id, device,
-        rank, world)
+        policy=policy, critic=critic, actor_opt=torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0),
+        critic_opt=critic_opt, engine=engine, sampler=PromptSampler(n, args.seed),
+        successes=torch.zeros(n, dtype=torch.float64), attempts=torch.zeros(n, dtype=torch.float64),
+        update_gen=torch.Generator().manual_seed(args.seed), tokenizer=tokenizer, problems=train_problems,
+        prompts=train_prompts, eos_ids=eos_ids, pad_id=pad_id, device=device, rank=rank, world=world)
     metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
     samples_path = os.path.join(args.out_dir, "samples.jsonl")  # rollouts and eval completions, with statuses
     same_ranks = restore_checkpoint(state, ckpt, args) if ckpt else True
@@ -2878,5 +2962,7 @@ if __name__ == "__main__":
         plot(sys.argv[2:])
     elif sys.argv[1:2] == ["compare"]:
         sys.exit("s3ac.py: the side-by-side comparison is ./run.sh compare (python .ci/compare.py --help)")
+    elif sys.argv[1:2] == ["gpu-check"]:
+        sys.exit("s3ac.py: the GPU check is ./run.sh gpu-check (python .ci/gpu_check.py --help)")
     else:
         main()

@@ -788,6 +788,13 @@ def test_resolve_args_per_algorithm_defaults_and_errors():
     assert resolve("--critic-sync", "pact", "--actor-lam", "adaptive").actor_lam == "adaptive"  # explicit flag wins
     assert resolve("--actor-lam", "0.9", "--critic-lam", "0.8", "--eps-low", "0.1").actor_lam == 0.9  # parsed once
     assert (resolve("--critic-lam", "0.8").critic_lam, resolve("--eps-low", "0").eps_low) == (0.8, 0.0)
+    parsed = s3ac.parse_args(["--actor-lam", "0.9", "--eps-low", "auto", "--eval-max-new-tokens", "64"])
+    assert (parsed.actor_lam, parsed.eps_low, parsed.eval_max_new_tokens) == (0.9, "auto", 64)  # numbers already
+    assert type(parsed.actor_lam) is float and type(parsed.eval_max_new_tokens) is int
+    assert s3ac.parse_args([]).eval_max_new_tokens == "auto"
+    assert resolve("--max-new-tokens", "100").eval_max_new_tokens == 100  # auto: max_new_tokens
+    assert resolve("--max-new-tokens", "100", "--eval-max-new-tokens", "30").eval_max_new_tokens == 30
+    assert (ppo.critic_model, ppo.prompt_key, ppo.answer_key) == ("auto", "auto", "auto")  # resolved where used
     resolved = resolve("--algo", "ppo", "--eps-low", "auto")
     assert s3ac.resolve_args(resolved) == resolved  # resolving a resolved copy changes nothing
     assert resolve("--algo", "grpo", "--k", "4").actor_loss == "cispo"
@@ -796,7 +803,8 @@ def test_resolve_args_per_algorithm_defaults_and_errors():
                            ({"dynamic_sampling": True}, "k >= 2"),
                            ({"algo": "grpo", "k": 2, "critic_sync": "pact"}, "needs a critic"),
                            ({"algo": "rloo", "k": 2, "prompt_selection": "daps"}, "needs a critic"),
-                           ({"algo": "a2c"}, "expected one of"), ({"daps_a_min": 0.0}, "daps-a-min")]:
+                           ({"algo": "a2c"}, "expected one of"), ({"daps_a_min": 0.0}, "daps-a-min"),
+                           ({"critic_layers": 1, "critic_model": "other"}, "critic-model must stay auto")]:
         with pytest.raises(ValueError, match=needle):
             s3ac.resolve_args(s3ac.Args(**fields))
 
@@ -817,7 +825,8 @@ BAD_FLAGS = [("--temperature", "0"), ("--temperature", "-1"), ("--gamma", "0"), 
              ("--max-prompt-tokens", "0"), ("--micro-batch-size", "0"), ("--eval-size", "0"), ("--eval-k", "0"),
              ("--alpha", "0"), ("--eps-v", "0"), ("--actor-grad-clip", "0"), ("--verify-timeout", "0"),
              ("--top-p", "0"), ("--top-k", "-1"), ("--daps-decay", "0"), ("--steps", "-1"), ("--rho-max", "0"),
-             ("--vllm-gpu-memory-utilization", "1.5"), ("--report-to", "mlflow"), ("--k", "two")]
+             ("--vllm-gpu-memory-utilization", "1.5"), ("--report-to", "mlflow"), ("--k", "two"),
+             ("--eval-max-new-tokens", "0"), ("--eval-max-new-tokens", "2.5"), ("--eval-max-new-tokens", "long")]
 
 
 @pytest.mark.parametrize("flag,value", BAD_FLAGS)
@@ -1306,6 +1315,44 @@ class EvenLengthReward:
         self.closed = True
 
 
+class _SameTwoTokens:
+    """A rollout engine that answers every prompt with the same two tokens, no stop token (collect_rollouts alone)."""
+    def generate(self, prompts, index, eos_ids, pad_id, max_new_tokens, temperature, greedy, top_p, top_k,
+                 policy=None):
+        n = len(prompts)
+        return s3ac.Batch(torch.ones(n, 1, dtype=torch.long), torch.ones(n, 1), torch.full((n, 2), 5), torch.ones(n, 2),
+                          torch.ones(n, dtype=torch.bool), torch.tensor(index))
+
+
+def test_collect_rollouts_checks_the_reward_contract():
+    args = s3ac.resolve_args(s3ac.Args(k=2, max_new_tokens=2))
+    state = types.SimpleNamespace(engine=_SameTwoTokens(), prompts=[[1], [2]], eos_ids={2}, pad_id=2, policy=None,
+                                  problems=[s3ac.Problem("q0", "1"), s3ac.Problem("q1", "2")],
+                                  tokenizer=types.SimpleNamespace(batch_decode=lambda ids, **kw: ["ab"] * len(ids)))
+    outputs = {"keeps": ([1.0, -1, 1, -1], ["even", "odd", "even", "wrong"]),
+               "half": ([1.0, 0.5, 1.0, -1.0], ["even"] * 4), "zero": ([0.0] * 4, ["even"] * 4),
+               "short": ([1.0] * 3, ["even"] * 3), "text": ([1.0, "+1", 1.0, 1.0], ["even"] * 4),
+               "no_status": ([1.0] * 4, ["even"] * 3)}
+
+    def reward_fn_for(name):
+        def fn(golds, completions, truncated):
+            assert (golds, completions, truncated) == (["1", "1", "2", "2"], ["ab"] * 4, [True] * 4)
+            return outputs[name]
+        fn.__name__ = f"{name}_reward"
+        return fn
+
+    batch, rewards, statuses, texts, successes, attempts, _ = s3ac.collect_rollouts(args, state, [0, 1],
+                                                                                    reward_fn_for("keeps"))
+    assert rewards.tolist() == [1.0, -1.0, 1.0, -1.0] and statuses == ["even", "odd", "even", "wrong"]
+    assert successes.tolist() == [1.0, 1.0] and attempts.tolist() == [2.0, 2.0]
+    for name, needle in [("half", "half_reward: reward 0.5 at position 1 is not -1 or +1"),
+                         ("zero", "zero_reward: reward 0.0 at position 0"), ("text", "reward '+1' at position 1"),
+                         ("short", "short_reward: returned 3 rewards and 3 statuses for 4 completions"),
+                         ("no_status", "returned 4 rewards and 3 statuses")]:
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            s3ac.collect_rollouts(args, state, [0, 1], reward_fn_for(name))
+
+
 def test_train_with_a_custom_reward_function(tiny, tmp_path):
     """s3ac.train(args, reward_fn): the logged rollout/reward and rollout/acc are those of the rewards the function
     gave that step (one call per step; evaluations grade with the Verifier), the logged rollouts carry its rewards
@@ -1318,6 +1365,12 @@ def test_train_with_a_custom_reward_function(tiny, tmp_path):
         assert len(given) == 4 * 2  # batch_prompts x k
         assert r["rollout/reward"] == pytest.approx(sum(given) / len(given), abs=1e-6)
         assert r["rollout/acc"] == pytest.approx(sum(x > 0 for x in given) / len(given), abs=1e-6)
+        # its own statuses are counted too (those it returned that step); the Verifier's keys stay, at 0
+        assert (r.get("verify/even", 0), r.get("verify/odd", 0)) == (sum(x > 0 for x in given),
+                                                                      sum(x < 0 for x in given))
+        assert {k for k in r if k in ("verify/even", "verify/odd")} == {f"verify/{'even' if x > 0 else 'odd'}"
+                                                                       for x in given}
+        assert all(r[f"verify/{s}"] == 0 for s in s3ac.Verifier.STATUSES[2:]) and "verify/correct" not in r
     rollouts = [x for x in read_jsonl(os.path.join(out, "samples.jsonl")) if x["split"] == "train"]
     assert len(rollouts) == 2 * 4  # --log-samples 4 per step
     for x in rollouts:
@@ -1953,6 +2006,13 @@ def test_compare_help_runs():
     assert "--grpo-seeds" in proc.stdout and "--minutes" in proc.stdout
 
 
+@pytest.mark.parametrize("word,command", [("compare", "./run.sh compare"), ("gpu-check", "./run.sh gpu-check")])
+def test_s3ac_py_points_to_the_harnesses(word, command):
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "s3ac.py"), word], capture_output=True, text=True,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300, cwd=HERE)
+    assert proc.returncode == 1 and command in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
+
+
 def test_compare_table_arithmetic(tmp_path):
     """Means and standard errors over seeds, pass@1 at the least training time any run reached, the second half
     of the steps for EV, all steps for c, and '-' for the keys a critic-free run lacks."""
@@ -1978,19 +2038,29 @@ def test_compare_table_arithmetic(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Copy-paste: each math function of s3ac.py runs on its own, with only torch and the helpers its docstring names
+# Copy-paste: the math functions of sections 6-8 tested below run on their own, with only torch and the helpers
+# their docstrings name after "Needs:" (all_reduce, named so, pastes as the identity of a single process)
 # ---------------------------------------------------------------------------------------------------------------
 def _pasted(name):
     """s3ac.<name> as a reader who copies it gets it: its source and that of each helper named after "Needs:" in
-    its docstring, exec'd in a fresh namespace that holds only torch (helpers first: a default may name one)."""
+    its docstring, exec'd in a fresh namespace that holds only torch (helpers first: a default may name one).
+    A named all_reduce is not pasted but defined as the identity, as it is in a single process."""
     doc = inspect.getdoc(getattr(s3ac, name))
-    needs = re.search(r"Needs: ([\w, ]+)", doc)
+    needs = re.search(r"Needs: ((?:\w+,\s+)*\w+)", doc)
+    helpers = re.split(r",\s+", needs.group(1)) if needs else []
     namespace = {"torch": torch}
-    for part in (needs.group(1).split(", ") if needs else []) + [name]:
-        fn = getattr(s3ac, part)
-        assert not {"math", "kernels", "args", "all_reduce"} & set(fn.__code__.co_names), part  # no module state
-        exec(inspect.getsource(fn), namespace)
-    assert set(namespace) - {"torch", "__builtins__"} == set((needs.group(1).split(", ") if needs else []) + [name])
+    for part in helpers + [name]:
+        if part == "all_reduce":
+            namespace["all_reduce"] = lambda x, op="sum": x
+            continue
+        obj = getattr(s3ac, part)
+        codes = [f.__code__ for f in vars(obj).values() if inspect.isfunction(f)] if inspect.isclass(obj) \
+            else [obj.__code__]
+        used = set().union(*(code.co_names for code in codes))
+        assert not {"math", "kernels", "args"} & used, part  # no module state
+        assert "all_reduce" not in used or "all_reduce" in helpers, part  # a collective is named when used
+        exec(inspect.getsource(obj), namespace)
+    assert set(namespace) - {"torch", "__builtins__"} == set(helpers + [name])
     return namespace[name]
 
 
@@ -2072,6 +2142,63 @@ def test_pasted_pact_daps_grpo_and_efficiency_hand_cases():
     assert critic_efficiency(0.5, 0.25) == pytest.approx(1 / (0.5 * 1.25))
     assert all(math.isnan(critic_efficiency(ev, 0.1)) for ev in (float("nan"), 1.0, float("inf"), -float("inf")))
 
+    daps_select = _pasted("daps_select")
+    sampler = s3ac.PromptSampler(10, seed=0)
+    # p_c 0.5 and no counts: p_hat = 0.5, accept probability 1, so the first 3 draws are taken
+    chosen, m = daps_select(sampler, 3, lambda idx: torch.full((len(idx),), 0.5), torch.zeros(10), torch.zeros(10),
+                            2.0, 0.1, torch.Generator().manual_seed(0))
+    assert chosen == s3ac.PromptSampler(10, seed=0).draw(3) and m == {"drawn": 3, "accepted": 3, "p_hat_sum": 1.5}
+
+
+def test_pasted_baselines_and_critic_diagnostics_hand_cases():
+    nan = float("nan")
+    rloo_advantages = _pasted("rloo_advantages")
+    mask = torch.tensor([[1.0, 1], [1, 0], [1, 1], [1, 0], [1, 1]])
+    adv, m = rloo_advantages(torch.tensor([1.0, 0, 0, 1, -1]), torch.tensor([0, 0, 0, 1, 1]), mask)
+    # group 0 (K = 3): 1 - (0 + 0) / 2 = 1, 0 - (1 + 0) / 2 = -0.5 twice; group 1 (K = 2): 1 - (-1) = 2, -1 - 1 = -2
+    assert torch.allclose(adv, torch.tensor([[1.0], [-0.5], [-0.5], [2.0], [-2.0]]) * mask) and m == {}
+    adv, _ = rloo_advantages(torch.tensor([1.0, 1, 1, 0, 0, 0, 0, 0]), torch.zeros(8), torch.ones(8, 1))
+    assert torch.allclose(adv[:, 0], torch.tensor([1 - 2 / 7] * 3 + [-3 / 7] * 5))  # the docstring's example
+    with pytest.raises(ValueError):
+        rloo_advantages(torch.tensor([1.0, 0, 1]), torch.tensor([0, 0, 1]), torch.ones(3, 1))
+
+    reinforce_pp_advantages = _pasted("reinforce_pp_advantages")
+    adv, m = reinforce_pp_advantages(torch.tensor([1.0, -1.0]), torch.tensor([0, 1]),
+                                     torch.tensor([[1.0, 1, 0], [1, 0, 0]]))
+    # valid R: 1, 1, -1; mean 1/3; population variance (4/9 + 4/9 + 16/9) / 3 = 8/9; (R - 1/3) / sqrt(8/9)
+    root2 = math.sqrt(2)
+    assert torch.allclose(adv, torch.tensor([[1 / root2, 1 / root2, 0.0], [-root2, 0.0, 0.0]]), atol=1e-6) and m == {}
+    assert (reinforce_pp_advantages(torch.tensor([1.0, 1.0]), torch.tensor([0, 1]), torch.ones(2, 2))[0] == 0).all()
+
+    explained_variance = _pasted("explained_variance")
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    # R [2, 0]: Var[R] = 1; R - V = [0.5, -0.5]: Var = 0.25 -> EV = 0.75 (the masked slot holds junk)
+    assert explained_variance(torch.tensor([[1.5, 0.5, 9.0]]), torch.tensor([[2.0, 0.0, 7.0]]), mask) == \
+        pytest.approx(0.75)
+    assert math.isnan(explained_variance(torch.zeros(1, 3), torch.tensor([[1.0, 1.0, 7.0]]), mask))  # constant R
+
+    value_separation = _pasted("value_separation")
+    values = torch.tensor([[0.5, 0.7, nan], [-0.2, 0.0, nan]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
+    assert value_separation(values.nan_to_num(9.0), torch.tensor([1.0, -1.0]), mask) == pytest.approx(0.6 - -0.1)
+    assert math.isnan(value_separation(values, torch.tensor([1.0, 1.0]), mask))  # no wrong response
+
+    credit_sparsity = _pasted("credit_sparsity")
+    # row 0: V [0, 0.5], R 1 -> credits 0.25, 0.25 (both > 0.05); row 1: V [0.9, 0.95], R 1 -> 0.025, 0.025
+    counts, m = credit_sparsity(torch.tensor([[0.0, 0.5, nan], [0.9, 0.95, nan]]), torch.tensor([1.0, 1.0]), mask,
+                                0.05)
+    assert torch.equal(counts, torch.tensor([2.0, 0.0])) and m == {"critic/credit_sparsity": 1.0}
+
+    assert torch.equal(_pasted("mixed_groups")(torch.tensor([1.0, 1, 1, -1]), torch.tensor([0, 0, 1, 1])),
+                       torch.tensor([False, False, True, True]))
+    critic_metrics = _pasted("critic_metrics")  # pastes and runs on its own; its parts are checked above
+    values = torch.tensor([[0.5, 0.7, 0.0], [-0.2, 0.0, 0.0]])
+    m = critic_metrics(values, torch.tensor([[1.0, 1, 0], [-1, -1, 0]]), torch.tensor([1.0, -1.0]), mask, 1.0,
+                       2.0, 0.05)
+    assert m["critic/value_sep"] == pytest.approx(0.7) and m["critic/compute_ratio"] == 0.5
+    assert m == s3ac.critic_metrics(values, torch.tensor([[1.0, 1, 0], [-1, -1, 0]]), torch.tensor([1.0, -1.0]), mask,
+                                    1.0, 2.0, 0.05)
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # kernels.py: every Triton kernel against the s3ac.py function of the same math and against independent golds
@@ -2087,6 +2214,8 @@ if torch.cuda.is_available():
     if K.HAS_TRITON and os.environ.get("TRITON_INTERPRET") != "1":
         _K_CASES.append(("triton", "cuda"))
 _K_MATH = ("gae", "cispo_loss", "value_loss", "bce_value_loss")  # s3ac.py functions with a kernels.py twin
+# GAE has a third implementation, kernels.gae_scan (the fast path without Triton): the GAE tests run it too
+_K_GAE_CASES = _K_CASES + [("scan", "cpu")] + ([("scan", "cuda")] if torch.cuda.is_available() else [])
 
 
 def _k_on_device(fn, device):
@@ -2109,9 +2238,12 @@ def _k_on_device(fn, device):
 def _k_ops(backend, device):
     """The ops under test in one (backend, device) case: the _K_MATH ops as s3ac.py's function ("torch") or as
     kernels.py's Triton kernel ("triton"), and kernels.logprobs_from_hidden(_ref) with that backend selected; all
-    run on `device` with CPU tensors in and out."""
-    K.set_backend(backend)
+    run on `device` with CPU tensors in and out. "scan": as "torch" with the backend "auto", but gae is
+    kernels.gae_scan."""
+    K.set_backend("auto" if backend == "scan" else backend)
     ops = {name: getattr(K if backend == "triton" else s3ac, name) for name in _K_MATH}
+    if backend == "scan":
+        ops["gae"] = K.gae_scan
     ops.update(logprobs_from_hidden=K.logprobs_from_hidden, logprobs_from_hidden_ref=K.logprobs_from_hidden_ref)
     if device != "cpu":
         ops = {name: _k_on_device(fn, device) for name, fn in ops.items()}
@@ -2121,6 +2253,13 @@ def _k_ops(backend, device):
 @pytest.fixture(params=_K_CASES, ids=[b if d == "cpu" else f"{b}-{d}" for b, d in _K_CASES])
 def kops(request):
     """Runs the test once per (backend, device) case and restores "auto" afterwards; yields its ops (_k_ops)."""
+    yield _k_ops(*request.param)
+    K.set_backend("auto")
+
+
+@pytest.fixture(params=_K_GAE_CASES, ids=[b if d == "cpu" else f"{b}-{d}" for b, d in _K_GAE_CASES])
+def kgae(request):
+    """As kops, with the kernels.gae_scan cases added: for the GAE tests."""
     yield _k_ops(*request.param)
     K.set_backend("auto")
 
@@ -2205,22 +2344,31 @@ _K_ARGS = {  # small valid arguments per op
 def test_kernels_dispatch_point_follows_backend(monkeypatch, name):
     calls = []
     monkeypatch.setattr(K, name, lambda *a, **k: calls.append("triton"))
+    monkeypatch.setattr(K, "gae_scan", lambda *a, **k: calls.append("scan"))
 
     def math_fn(*a, **k):
         calls.append("torch")
     math_fn.__name__ = name
     fn = s3ac.kernel_or(math_fn)  # the kernel is looked up by name at each call
+    names = list(inspect.signature(getattr(s3ac, name)).parameters)
+    as_keywords = dict(zip(names, _K_ARGS[name]))  # the same call with every argument named
     try:
         K.set_backend("torch")
         fn(*_K_ARGS[name])
-        K.set_backend("auto")  # CPU tensors: the s3ac.py function
+        fn(**as_keywords)
+        K.set_backend("auto")  # CPU tensors: the scan for gae, else the s3ac.py function
         fn(*_K_ARGS[name])
+        fn(**as_keywords)
         if "triton" in _K_BACKENDS:
             K.set_backend("triton")
             fn(*_K_ARGS[name])
+            fn(**as_keywords)
     finally:
         K.set_backend("auto")
-    assert calls == ["torch", "torch"] + (["triton"] if "triton" in _K_BACKENDS else [])
+    auto = "scan" if name == "gae" else "torch"
+    assert calls == ["torch", "torch", auto, auto] + (["triton", "triton"] if "triton" in _K_BACKENDS else [])
+    with pytest.raises(ValueError, match="no tensor"):
+        fn(1.0, 2.0)
 
 
 def test_kernels_logprobs_dispatch_follows_backend(monkeypatch):
@@ -2258,18 +2406,18 @@ def test_kernels_signatures_match_s3ac_and_refuse_cpu_without_interpreter(monkey
 # ------------------------------------------------------------------------------------------------- GAE
 
 
-def test_kernels_gae_hand_cases(kops):
-    adv, ret = kops.gae(torch.tensor([[0.0, 1.0, 0.0]]), torch.tensor([[0.0, 0.0, 100.0]]),
+def test_kernels_gae_hand_cases(kgae):
+    adv, ret = kgae.gae(torch.tensor([[0.0, 1.0, 0.0]]), torch.tensor([[0.0, 0.0, 100.0]]),
                      torch.tensor([[1.0, 1.0, 0.0]]), 1.0, 0.95)
     assert torch.allclose(adv, torch.tensor([[0.95, 1.0, 0.0]]), atol=1e-6)
     assert torch.allclose(ret, torch.tensor([[0.95, 1.0, 0.0]]), atol=1e-6)
-    adv, ret = kops.gae(torch.tensor([[0.0, 0.0, 1.0, 0.0, 0.0]]), torch.tensor([[0.5, 0.6, 0.7, 9.0, 9.0]]),
+    adv, ret = kgae.gae(torch.tensor([[0.0, 0.0, 1.0, 0.0, 0.0]]), torch.tensor([[0.5, 0.6, 0.7, 9.0, 9.0]]),
                      torch.tensor([[1, 1, 1, 0, 0]]), 1.0, 0.95)
     # deltas: 0.1, 0.1, 0.3  ->  A_2 = 0.3, A_1 = 0.1 + 0.95 * 0.3 = 0.385, A_0 = 0.1 + 0.95 * 0.385 = 0.46575
     assert torch.allclose(adv, torch.tensor([[0.46575, 0.385, 0.30, 0.0, 0.0]]), atol=1e-6)
     assert torch.allclose(ret, torch.tensor([[0.96575, 0.985, 1.0, 0.0, 0.0]]), atol=1e-6)
     # interior masked span: the value after the gap is the next value, the advantage crosses the gap
-    adv, _ = kops.gae(torch.tensor([[0.0, 5.0, 0.0, 1.0]]), torch.tensor([[0.2, -7.0, 0.4, 0.5]]),
+    adv, _ = kgae.gae(torch.tensor([[0.0, 5.0, 0.0, 1.0]]), torch.tensor([[0.2, -7.0, 0.4, 0.5]]),
                    torch.tensor([[True, False, True, True]]), 0.9, 0.5)
     a3 = 1.0 - 0.5
     a2 = 0.9 * 0.5 - 0.4 + 0.45 * a3
@@ -2279,10 +2427,10 @@ def test_kernels_gae_hand_cases(kops):
 
 @pytest.mark.parametrize("gap", [True, False])
 @pytest.mark.parametrize("B,T", [(3, 1), (4, 63), (3, 1000)])
-def test_kernels_gae_matches_python_loop(kops, B, T, gap):
+def test_kernels_gae_matches_python_loop(kgae, B, T, gap):
     rewards, values, mask = _k_rl_batch(B, T, seed=T, gap=gap)
     for gamma, lam in [(1.0, 0.95), (0.99, 0.9), (1.0, torch.linspace(0.5, 0.999, B))]:
-        adv, ret = kops.gae(rewards, values, mask, gamma, lam)
+        adv, ret = kgae.gae(rewards, values, mask, gamma, lam)
         gold_adv, gold_ret = _k_gae_loop(rewards, values, mask, gamma, lam)
         assert adv.dtype == torch.float32 and adv.shape == (B, T)
         assert torch.isfinite(adv).all() and torch.isfinite(ret).all()  # no padding garbage leaked
@@ -2309,34 +2457,56 @@ def test_kernels_gae_triton_matches_s3ac_gae(ktriton, B, T):
     assert (adv_t[mask == 0] == 0).all() and (adv_r[mask == 0] == 0).all()
 
 
-def test_kernels_gae_fully_masked_and_single_token(kops):
-    adv, ret = kops.gae(torch.tensor([[2.0], [float("nan")]]), torch.tensor([[3.0], [float("inf")]]),
+@pytest.mark.parametrize("B,T", [(5, 1), (5, 700), (3, 2049)])
+@pytest.mark.parametrize("gap", [True, False])
+def test_kernels_gae_scan_matches_s3ac_gae(B, T, gap):
+    # kernels.gae_scan is what the training run uses on a CPU: same contract as s3ac.gae, results within fp32
+    # rounding of it and of the fp64 loop (gap=False: no packing; T = 2049 needs two levels of chunk starts)
+    rewards, values, mask = _k_rl_batch(B, T, seed=T, gap=gap)
+    for lam in (0.95, torch.linspace(0.0, 1.0, B)):
+        adv_s, ret_s = K.gae_scan(rewards, values, mask, 0.99, lam)
+        adv_r, ret_r = s3ac.gae(rewards, values, mask, 0.99, lam)  # the reverse loop
+        gold_adv, gold_ret = _k_gae_loop(rewards, values, mask, 0.99, lam)  # fp64
+        assert torch.allclose(adv_s, adv_r, atol=1e-5) and torch.allclose(ret_s, ret_r, atol=1e-5)
+        assert torch.allclose(adv_s.double(), gold_adv, atol=1e-5)
+        assert torch.allclose(ret_s.double(), gold_ret, atol=1e-5)
+        assert (adv_s[mask == 0] == 0).all() and (ret_s[mask == 0] == 0).all()
+    params = lambda fn: [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+    assert params(K.gae_scan) == params(s3ac.gae)
+    with pytest.raises(ValueError):  # shapes and lambda lengths are checked as in s3ac.gae
+        K.gae_scan(torch.zeros(2, 4), torch.zeros(2, 3), torch.ones(2, 3), 1.0, 0.95)
+    with pytest.raises(ValueError):
+        K.gae_scan(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3), 1.0, torch.ones(3))
+
+
+def test_kernels_gae_fully_masked_and_single_token(kgae):
+    adv, ret = kgae.gae(torch.tensor([[2.0], [float("nan")]]), torch.tensor([[3.0], [float("inf")]]),
                      torch.tensor([[1.0], [0.0]]), 1.0, 0.95)
     assert torch.equal(adv, torch.tensor([[-1.0], [0.0]])) and torch.equal(ret, torch.tensor([[2.0], [0.0]]))
-    adv, ret = kops.gae(torch.ones(3, 70), torch.ones(3, 70), torch.zeros(3, 70), 1.0, 1.0)
+    adv, ret = kgae.gae(torch.ones(3, 70), torch.ones(3, 70), torch.zeros(3, 70), 1.0, 1.0)
     assert (adv == 0).all() and (ret == 0).all()
 
 
 @pytest.mark.parametrize("gap", [True, False])
-def test_kernels_gae_huge_early_values_do_not_change_late_advantages(kops, gap):
+def test_kernels_gae_huge_early_values_do_not_change_late_advantages(kgae, gap):
     # gamma * lam = 1: an exact scan needs no 1 / (gamma * lam)^t rescaling, and late positions never see
     # early ones. T spans several chunks of both implementations.
     B, T, early = 3, 600, 5
     rewards, values, mask = _k_rl_batch(B, T, seed=3, garbage=False, gap=gap)
     mask[:, :early] = 1.0
     mask[0, early:] = 1.0  # row 0 was left padded
-    adv, _ = kops.gae(rewards, values, mask, 1.0, 1.0)
+    adv, _ = kgae.gae(rewards, values, mask, 1.0, 1.0)
     huge_r, huge_v = rewards.clone(), values.clone()
     huge_r[:, :early] += 1e8
     huge_v[:, :early] -= 1e8
-    adv_huge, _ = kops.gae(huge_r, huge_v, mask, 1.0, 1.0)
+    adv_huge, _ = kgae.gae(huge_r, huge_v, mask, 1.0, 1.0)
     assert torch.equal(adv_huge[:, early:], adv[:, early:])  # bit-exact
     assert (adv_huge[:, :early] - adv[:, :early]).abs().min() > 1e7  # the early change did happen
     gold, _ = _k_gae_loop(rewards, values, mask, 1.0, 1.0)
     assert torch.allclose(adv.double(), gold, atol=1e-5, rtol=1e-5)
 
 
-def test_kernels_gae_long_rows_with_gamma_lambda_one(kops):
+def test_kernels_gae_long_rows_with_gamma_lambda_one(kgae):
     # T = 8192 (32 chunks of the Triton kernel) and gamma * lambda = 1, PACT's setting: every advantage is an
     # undiscounted sum over up to 8192 tokens, so a chunk carry dropped or applied twice shows at O(1). Row 0 is
     # valid end to end, row 1 has an interior masked span and right padding holding garbage.
@@ -2347,13 +2517,14 @@ def test_kernels_gae_long_rows_with_gamma_lambda_one(kops):
     rewards[0] = 0.01 * torch.randn(T, generator=g)  # [T] dense shaping reward
     rewards[0, -1] += 1.0  # and the outcome on the last token
     values[0] = torch.rand(T, generator=g) * 2 - 1  # [T]
-    adv, ret = kops.gae(rewards, values, mask, 1.0, 1.0)
+    adv, ret = kgae.gae(rewards, values, mask, 1.0, 1.0)
     gold_adv, gold_ret = _k_gae_loop(rewards, values, mask, 1.0, 1.0)
-    ref_adv, _ = s3ac.gae(rewards, values, mask, 1.0, 1.0)  # the s3ac.py loop on the CPU
-    # fp32 sums of up to 8192 terms against fp64: about 2e-6 measured on CPU (both backends)
+    # fp32 sums of up to 8192 terms against fp64: about 2e-6 measured on CPU (every implementation)
     assert torch.allclose(adv.double(), gold_adv, atol=5e-5, rtol=1e-5)
     assert torch.allclose(ret.double(), gold_ret, atol=5e-5, rtol=1e-5)
-    assert torch.allclose(adv, ref_adv, atol=5e-5, rtol=1e-5)
+    if kgae.gae is not s3ac.gae:  # a faster implementation (or the loop on another device) against the CPU loop
+        ref_adv, _ = s3ac.gae(rewards, values, mask, 1.0, 1.0)  # [B, T]
+        assert torch.allclose(adv, ref_adv, atol=5e-5, rtol=1e-5)
     assert (adv[mask == 0] == 0).all() and torch.isfinite(adv).all()
     assert gold_adv[0, 0].abs() > 0.1  # the first token's advantage sums the whole row
 
