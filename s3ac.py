@@ -9,9 +9,11 @@ prompt alone, is a per-prompt baseline that works with a single rollout per prom
 Where to look first:
     one training step   train_step (section 11): sample_rollouts (choose_prompts, collect_rollouts, reward_fn) ->
                         critic_pass -> compute_advantages -> train_actor -> train_critic -> metrics
-    CISPO actor loss    cispo_loss (section 7), the loss update_actor minimises (ACTOR_LOSSES)
-    critic targets      the `returns` of decoupled_gae (section 6) with critic_lam (1, the Monte-Carlo return, for
-                        s3ac; 0.95 for ppo); PACT's rho-weighted ones: pact_targets (section 7), built in train_critic
+    CISPO actor loss    cispo_loss (section 7), the loss update_actor minimises (ACTOR_LOSSES; on a GPU kernel_or
+                        runs its Triton twin); one optimizer step per batch makes r_t = 1 (departure 2)
+    critic targets      the `returns` of decoupled_gae (section 6) with critic_lam (resolve_args: 1, the Monte-Carlo
+                        return, for s3ac; 0.95 for ppo); PACT's: pact_targets (section 7) applied to mc_returns
+                        (section 9) in train_critic
     critic loss         critic_loss_fn (section 7): value_loss (clipped) or bce_value_loss
     DAPS acceptance     daps_accept_prob (section 8), drawn in daps_select, called by choose_prompts
 
@@ -2064,7 +2066,8 @@ def daps_select(sampler: PromptSampler, count: int, p_c_of, successes, attempts,
 
     p_c_of(candidates) -> [n] critic estimates for a list of prompt indices; successes, attempts: [n_prompts]
     decayed counts (the paper's S and N).
-    Returns (accepted prompt indices, {"drawn", "accepted", "p_hat_sum"} summed over the accepted).
+    Returns (accepted prompt indices, {"drawn": candidates drawn, "accepted": their number, "p_hat_sum": p_hat
+    summed over the accepted}).
     Terminates since a >= a_min > 0. Needs: daps_estimate, daps_accept_prob, PromptSampler (the annotation; any
     object with draw(count) -> a list of indices will do).
     """
@@ -2521,7 +2524,8 @@ def train_critic(args: Args, state: TrainState, batch: Batch, values, features, 
     if args.critic_sync == "pact":
         with autocast(state.device, compute_dtype(args.dtype, state.device)):
             new_logprobs = policy_logprobs(state.policy, batch, args.temperature, args.micro_batch_size)  # [B, T]
-        mc = mc_returns(rewards, mask, args.gamma)  # [B, T] PACT weights the Monte-Carlo return
+        # PACT weights the Monte-Carlo return; `returns` are lambda-returns when critic_lam < 1 (--algo ppo)
+        mc = mc_returns(rewards, mask, args.gamma)  # [B, T]
         targets, critic_mask, metrics = pact_targets(mc, new_logprobs, behaviour_logprobs, mask, args.rho_min,
                                                      args.rho_max)
     state.critic.train()
