@@ -1660,7 +1660,7 @@ def grpo_advantages(rewards, prompt_index, response_mask, use_std: bool = True):
 
     std_g is the POPULATION std of the group (divide by K, not K - 1); use_std=False gives A_i = R_i - mean_g.
     A group whose rewards are all equal gets exactly 0 (fp64 statistics; std below 1e-6 counts as 0).
-    Example: rewards [1, 0, 1, 1], prompt_index [0, 0, 1, 1] -> [1, -1, 0, 0] on every token.
+    Example: rewards [1, -1, 1, 1], prompt_index [0, 0, 1, 1] -> [1, -1, 0, 0] on every token.
     rewards: [B]; prompt_index: [B]; response_mask: [B, T]. Returns (advantages [B, T] fp32, metrics).
     Raises ValueError when a group has fewer than 2 sequences. Needs: group_stats, _require_groups.
     """
@@ -1869,7 +1869,8 @@ def pact_targets(returns, logprobs, old_logprobs, response_mask, rho_min: float,
         mask_t   = response_mask_t * [rho_min <= rho_t <= rho_max]
 
     E_mu[target_t | s_t] = V^pi_new(s_t) when later tokens follow pi_new as well (exact for the last token).
-    A wrong answer (R = -1) keeps the target -1 whatever rho_t; a right one gets 2 rho_t - 1.
+    On a kept token a wrong answer (R = -1) keeps the target -1 whatever rho_t and a right one gets 2 rho_t - 1;
+    a token outside [rho_min, rho_max] gets target 0 and mask 0 (it leaves the loss).
     returns [B, T] (R_t on the +-1 scale, the Monte-Carlo return: mc_returns), logprobs [B, T] of the
     updated actor, old_logprobs [B, T] of the behaviour policy mu, response_mask [B, T].
     Returns (targets [B, T] on the +-1 scale, critic_mask [B, T] float, metrics).
