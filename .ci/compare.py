@@ -1,12 +1,14 @@
 """Side-by-side S3AC runs at equal training minutes: ./run.sh compare (or python .ci/compare.py).
 
-    ./run.sh compare [--seeds 3] [--minutes 20] [--critic-layers 2]    # the CPU demo's model and settings
+    ./run.sh compare [--seeds 3] [--minutes 20] [--critic-layers 4]    # the CPU demo's model and settings
     python .ci/compare.py --help                                       # its own flags; the others go to every run
 
-S3AC K=1 with the partial-trunk critic, REINFORCE++ K=1, GRPO K=4 on a quarter of the prompts (equal samples per
-step) and S3AC K=1 with the full critic, one run of s3ac.py per seed, one after another, each with the same
---max-minutes, training data and held-out problems (<out-dir>/data/); then one table (compare_table, printed and
-written to <out-dir>/table.md) and the curves of every run (s3ac.plot_runs, <out-dir>/compare.png).
+S3AC K=1 with the partial-trunk critic (its own --critic-layers, --critic-lr-ratio and --critic-epochs; the
+full-critic run keeps s3ac.py's defaults, the paper's), REINFORCE++ K=1, GRPO K=4 on a quarter of the prompts
+(equal samples per step) and S3AC K=1 with the full critic. One run of s3ac.py per seed, one after another, seed 0
+of every config first; each with the same --max-minutes, training data and held-out problems (<out-dir>/data/).
+Then one table (compare_table, printed and written to <out-dir>/table.md) and the curves of every run
+(s3ac.plot_runs, <out-dir>/compare.png).
 """
 
 import argparse
@@ -73,7 +75,10 @@ def compare(argv=None):
             ("--seeds", 3, "seeds of S3AC and REINFORCE++ (K = 1)"), ("--grpo-seeds", 2, "seeds of GRPO K = 4"),
             ("--full-critic-seeds", 1, "seeds of S3AC with the full critic"),
             ("--minutes", 20.0, "training minutes of every run (--max-minutes)"),
-            ("--critic-layers", 2, "k of the partial-trunk critic"),
+            ("--critic-layers", 4, "k of the partial-trunk critic"),
+            ("--critic-lr-ratio", 20.0, "the partial-trunk critic's learning rate over the actor's"),
+            ("--critic-epochs", 1, "the partial-trunk critic's passes over each batch"),
+            ("--eval-every", 15, "steps between evaluations of every run (and one at its end)"),
             ("--batch-prompts", 16, "prompts per step at K = 1; GRPO answers a quarter of them 4 times"),
             ("--eval-size", 200, "held-out problems, the same for every run"),
             ("--data", "builtin:arithmetic", "problems, split once into training and held-out"),
@@ -88,20 +93,25 @@ def compare(argv=None):
         _write_atomic(data[part], "".join(json.dumps({"question": p.question, "answer": p.answer}) + "\n"
                                           for i, p in enumerate(problems) if (i in held) == keep))
     b, k = opts.batch_prompts, str(opts.critic_layers)
-    configs = {f"s3ac-k1-layers{k}": (opts.seeds, ["--k", "1", "--batch-prompts", str(b), "--critic-layers", k]),
+    partial = ["--critic-layers", k, "--critic-lr-ratio", str(opts.critic_lr_ratio), "--critic-epochs",
+               str(opts.critic_epochs)]
+    configs = {f"s3ac-k1-layers{k}": (opts.seeds, ["--k", "1", "--batch-prompts", str(b), *partial]),
                "reinforce_pp-k1": (opts.seeds, ["--algo", "reinforce_pp", "--k", "1", "--batch-prompts", str(b)]),
                "grpo-k4": (opts.grpo_seeds, ["--algo", "grpo", "--k", "4", "--batch-prompts", str(b // 4)]),
                "s3ac-k1-full": (opts.full_critic_seeds, ["--k", "1", "--batch-prompts", str(b)])}
     runs = {name: [os.path.join(opts.out_dir, f"{name}-seed{s}") for s in range(n)] for name, (n, _) in configs.items()}
-    for name, dirs in runs.items():
-        for seed, out in enumerate(dirs):
-            if not os.path.exists(os.path.join(out, "done")):
-                subprocess.run([sys.executable, os.path.join(HERE, "s3ac.py"), "--data", data["train"], "--eval-data",
-                                data["eval"], "--eval-size", str(opts.eval_size), "--eval-every", "10", "--steps",
-                                "1000000", "--max-minutes", str(opts.minutes), "--save-every", "0", "--seed",
-                                str(seed), "--out-dir", out, *configs[name][1], *rest], check=True)
-                shutil.rmtree(os.path.join(out, "checkpoints"), ignore_errors=True)  # gigabytes per run
-                _write_atomic(os.path.join(out, "done"), "")
+    order = sorted(((seed, name, out) for name, dirs in runs.items() for seed, out in enumerate(dirs)),
+                   key=lambda run: run[0])  # seed 0 of every config first: a stopped comparison stays balanced
+    for seed, name, out in order:
+        if os.path.exists(os.path.join(out, "done")):
+            continue
+        subprocess.run([sys.executable, os.path.join(HERE, "s3ac.py"), "--data", data["train"],
+                        "--eval-data", data["eval"], "--eval-size", str(opts.eval_size),
+                        "--eval-every", str(opts.eval_every), "--steps", "1000000", "--max-minutes", str(opts.minutes),
+                        "--save-every", "0", "--seed", str(seed), "--out-dir", out, *configs[name][1], *rest],
+                       check=True)
+        shutil.rmtree(os.path.join(out, "checkpoints"), ignore_errors=True)  # gigabytes per run
+        _write_atomic(os.path.join(out, "done"), "")
     table = compare_table({name: [read_records(d) for d in dirs] for name, dirs in runs.items()})
     print(table)
     _write_atomic(os.path.join(opts.out_dir, "table.md"), table + "\n")
