@@ -2471,8 +2471,10 @@ def sample_rollouts(args: Args, state: TrainState, reward_fn):
 
 
 def critic_pass(args: Args, state: TrainState, batch: Batch):
-    """(values [B, T] on the +-1 scale, 0 on padding; raw head outputs [B, T]; a partial-trunk critic's features
-    [B, P + T, H], reused by its update, or None) of a rollout batch, without gradient."""
+    """The critic's values of a rollout batch, without gradient. Returns a tuple of three:
+    values [B, T] on the +-1 scale, 0 on padding (what GAE reads); raw [B, T], the head's outputs (V itself for mse, the
+    logit z for bce; critic_fit's loss reads them); features [B, P + T, H], the actor's hidden states after
+    block L - k that a partial-trunk critic reads, reused by its update (None for the full critic, k = 0)."""
     with autocast(state.device, compute_dtype(args.dtype, state.device)):
         features = trunk_features(state.critic, batch, args.micro_batch_size)  # [B, P + T, H]; None for k = 0
         values, raw = value_pass(state.critic, batch, args.critic_loss, args.micro_batch_size, features)  # [B, T]
@@ -2914,25 +2916,38 @@ PLOT_PANELS = [("minutes", "eval/pass@1", "greedy pass@1 against training minute
                ("step", "rollout/response_len", "response length"), ("step", "actor/entropy", "entropy")]
 
 
-def plot_runs(run_dirs: list, out: str) -> str:
-    """Training curves of several runs in one figure, one line per run labelled by its directory (the panels are
-    PLOT_PANELS: x, y, title), written to `out` (PNG); returns out. Missing and null values are skipped: a
-    critic-free run has no line in the critic panels."""
-    import matplotlib
-    matplotlib.use("Agg")  # a file, no display
+def curves_figure(run_dirs: list):
+    """A matplotlib figure with one panel per PLOT_PANELS entry (x, y, title) and one line per run, in one colour
+    per run in every panel, labelled by its directory's name (the whole path when two names are the same).
+    Missing and null values are skipped: a critic-free run has no line in the critic panels."""
     import matplotlib.pyplot as plt
+    names = [os.path.basename(os.path.normpath(d)) for d in run_dirs]
+    labels = names if len(set(names)) == len(names) else list(run_dirs)
+    colours = plt.get_cmap("tab10" if len(run_dirs) <= 10 else "tab20")
     fig, axes = plt.subplots(2, 4, figsize=(22, 9))
-    for run_dir in run_dirs:
+    for i, (run_dir, label) in enumerate(zip(run_dirs, labels)):
         records = read_records(run_dir)
         for ax, (x, y, _) in zip(axes.flat, PLOT_PANELS):
             points = [(r[x], r[y]) for r in records if isinstance(r.get(y), (int, float)) and math.isfinite(r[y])]
             if points:
-                ax.plot(*zip(*points), marker="o" if y == "eval/pass@1" else None, label=run_dir)
+                ax.plot(*zip(*points), marker="o" if y == "eval/pass@1" else None, label=label,
+                        color=colours(i % colours.N))
     for ax, (x, y, title) in zip(axes.flat, PLOT_PANELS):
         ax.set(title=title, xlabel=x, ylabel=y)
         ax.grid(alpha=0.3)
     axes.flat[0].legend(fontsize=8)
     fig.tight_layout()
+    return fig
+
+
+def plot_runs(run_dirs: list, out: str) -> str:
+    """Training curves of several runs in one PNG, one colour per run.
+
+    Draws curves_figure(run_dirs) into `out`; returns out."""
+    import matplotlib
+    matplotlib.use("Agg")  # a file, no display
+    import matplotlib.pyplot as plt
+    fig = curves_figure(run_dirs)
     fig.savefig(out, dpi=90)
     plt.close(fig)
     return out

@@ -1989,6 +1989,28 @@ def test_plot_writes_a_png_of_every_run(tmp_path):
     assert struct.unpack(">II", data[16:24]) == (22 * 90, 9 * 90)  # the IHDR width and height
 
 
+def test_curves_figure_one_colour_per_run_in_every_panel(tmp_path):
+    """A critic-free run has no line in the critic panels; the runs after it keep their colours there."""
+    import matplotlib.pyplot as plt
+    critic = {"critic/explained_var": 0.2, "critic/adv_explained_var": 0.1, "critic/compute_ratio": 0.4}
+    write_run(str(tmp_path / "a" / "s3ac"), {0: 0.1, 2: 0.3}, [critic, critic])
+    write_run(str(tmp_path / "grpo"), {0: 0.1, 2: 0.2}, [{"rollout/response_len": 20.0, "actor/entropy": 0.5}] * 2)
+    write_run(str(tmp_path / "b" / "s3ac"), {0: 0.1, 2: 0.25}, [critic, critic])  # the same name as the first
+    dirs = [str(tmp_path / "a" / "s3ac"), str(tmp_path / "grpo"), str(tmp_path / "b" / "s3ac")]
+    fig = s3ac.curves_figure(dirs)
+    colour = {}  # label -> the colours of its lines over all panels
+    for ax in fig.axes:
+        for line in ax.get_lines():
+            colour.setdefault(line.get_label(), set()).add(line.get_color())
+    assert set(colour) == set(dirs)  # two runs named s3ac: whole paths
+    assert all(len(c) == 1 for c in colour.values()) and len(set.union(*colour.values())) == 3
+    assert sum(line.get_label() == dirs[1] for ax in fig.axes for line in ax.get_lines()) == 5  # no EV, V0 EV, c
+    plt.close(fig)
+    fig = s3ac.curves_figure(dirs[:2])  # distinct names: the directories' names
+    assert {line.get_label() for ax in fig.axes for line in ax.get_lines()} == {"s3ac", "grpo"}
+    plt.close(fig)
+
+
 def load_compare():
     """.ci/compare.py (the side-by-side comparison harness) as a module."""
     import importlib.util
@@ -2014,8 +2036,9 @@ def test_s3ac_py_points_to_the_harnesses(word, command):
 
 
 def test_compare_table_arithmetic(tmp_path):
-    """Means and standard errors over seeds, pass@1 at the least training time any run reached, the second half
-    of the steps for EV, all steps for c, and '-' for the keys a critic-free run lacks."""
+    """Means and standard errors over seeds, pass@1 at the least training time any run reached (a step that runs
+    across it counts), the second half of the steps for EV, all steps for c, and '-' for the keys a critic-free run
+    lacks."""
     compare = load_compare()
     ev = lambda e, v0, c: {"critic/explained_var": e, "critic/adv_explained_var": v0, "critic/compute_ratio": c}
     write_run(str(tmp_path / "s0"), {0: 0.1, 2: 0.3, 4: 0.5}, [ev(0.0, 0.0, 0.5), ev(0.0, 0.0, 0.5),
@@ -2023,18 +2046,60 @@ def test_compare_table_arithmetic(tmp_path):
     write_run(str(tmp_path / "s1"), {0: 0.1, 2: 0.2, 4: 0.4}, [ev(0.9, 0.9, 0.2), ev(0.1, 0.2, 0.4),
                                                                ev(None, None, 0.5), ev(0.6, 0.5, 0.3)])
     write_run(str(tmp_path / "g"), {0: 0.1, 3: 0.25}, [{}, {}, {}])  # 3 steps: 3 minutes, the least
+    # half a minute of pretraining: step 3 runs from minute 2.5 to 3.5, across the equal minute
+    write_run(str(tmp_path / "late"), {0: 0.1, 1: 0.15, 3: 0.35}, [{}, {}, {}], pretrain_s=30.0)
     runs = {"s3ac": [s3ac.read_records(str(tmp_path / d)) for d in ("s0", "s1")],
-            "grpo": [s3ac.read_records(str(tmp_path / "g"))]}
+            "grpo": [s3ac.read_records(str(tmp_path / "g"))], "late": [s3ac.read_records(str(tmp_path / "late"))]}
     table = compare.compare_table(runs).splitlines()
-    assert table[0] == ("| run | seeds | final pass@1 | pass@1 at 3.0 min | token EV | V(s_0) EV | c | efficiency |")
+    assert table[0] == ("| run | seeds | minutes | final pass@1 | pass@1 at 3.0 min | token EV | V(s_0) EV | c | "
+                        "efficiency, token EV | efficiency, V(s_0) EV |")
     # by hand: final 0.5, 0.4; at 3 min the step-2 evaluations (2 min) 0.3, 0.2; token EV over steps 3-4:
-    # 0.3 and 0.6 (null skipped); V(s_0) EV 0.2 and 0.5; c 0.4 and 0.35; efficiency 1 / ((1 - V0 EV)(1 + c))
+    # 0.3 and 0.6 (null skipped); V(s_0) EV 0.2 and 0.5; c 0.4 and 0.35; efficiency 1 / ((1 - EV)(1 + c))
     se = lambda a, b: abs(a - b) / 2  # the standard error of two values: std (n - 1) / sqrt(2) = |a - b| / 2
-    eff = (1 / (0.8 * 1.4), 1 / (0.5 * 1.35))
-    want = [(0.45, se(0.5, 0.4)), (0.25, se(0.3, 0.2)), (0.45, se(0.3, 0.6)), (0.35, se(0.2, 0.5)),
-            (0.375, se(0.4, 0.35)), (sum(eff) / 2, se(*eff))]
+    eff_token, eff_v0 = (1 / (0.7 * 1.4), 1 / (0.4 * 1.35)), (1 / (0.8 * 1.4), 1 / (0.5 * 1.35))
+    want = [(4.0, 0.0), (0.45, se(0.5, 0.4)), (0.25, se(0.3, 0.2)), (0.45, se(0.3, 0.6)), (0.35, se(0.2, 0.5)),
+            (0.375, se(0.4, 0.35)), (sum(eff_token) / 2, se(*eff_token)), (sum(eff_v0) / 2, se(*eff_v0))]
     assert table[2] == "| s3ac | 2 | " + " | ".join(f"{m:.3f} ± {s:.3f}" for m, s in want) + " |"
-    assert table[3] == "| grpo | 1 | 0.250 | 0.250 | - | - | - | - |"
+    assert table[3] == "| grpo | 1 | 3.000 | 0.250 | 0.250 | - | - | - | - | - |"
+    assert table[4] == "| late | 1 | 3.500 | 0.350 | 0.350 | - | - | - | - | - |"  # its step 3 began before minute 3
+
+
+def test_compare_runs_seed_major_with_each_configs_flags(tmp_path, monkeypatch):
+    """compare() with s3ac.py replaced by a recorder: seed 0 of every config first; the partial-trunk critic's
+    flags reach only its own run; shared flags reach every run; a rerun skips finished runs, and stops on a run
+    finished with other settings."""
+    compare = load_compare()
+    calls = []
+
+    def fake_run(command, check):
+        flags = command[2:]  # after python and s3ac.py
+        out = flags[flags.index("--out-dir") + 1]
+        calls.append((os.path.basename(out), flags))
+        write_run(out, {0: 0.1, 2: 0.2}, [{}, {}])
+
+    monkeypatch.setattr(compare.subprocess, "run", fake_run)
+    monkeypatch.setattr(compare, "plot_runs", lambda dirs, out: out)
+    argv = ["--data", "builtin:arithmetic:40", "--eval-size", "5", "--seeds", "2", "--grpo-seeds", "1",
+            "--minutes", "3", "--out-dir", str(tmp_path), "--lr", "1e-5"]
+    compare.compare(argv)
+    assert [name for name, _ in calls] == ["s3ac-k1-layers4-seed0", "reinforce_pp-k1-seed0", "grpo-k4-seed0",
+                                           "s3ac-k1-full-seed0", "s3ac-k1-layers4-seed1", "reinforce_pp-k1-seed1"]
+    value = lambda flags, flag: flags[flags.index(flag) + 1] if flag in flags else None
+    runs = dict(calls)
+    critic_flags = ("--critic-layers", "--critic-lr-ratio", "--critic-epochs", "--critic-warmup-steps")
+    assert [value(runs["s3ac-k1-layers4-seed1"], f) for f in critic_flags] == ["4", "20.0", "1", "4"]
+    for name in ("reinforce_pp-k1-seed0", "grpo-k4-seed0", "s3ac-k1-full-seed0"):
+        assert [value(runs[name], f) for f in critic_flags] == [None] * 4
+    assert value(runs["grpo-k4-seed0"], "--k") == "4" and value(runs["grpo-k4-seed0"], "--batch-prompts") == "4"
+    for flags in runs.values():
+        assert [value(flags, f) for f in ("--eval-every", "--max-minutes", "--lr", "--eval-size")] == \
+            ["15", "3.0", "1e-5", "5"]
+    calls.clear()
+    compare.compare(argv)  # everything finished with these settings
+    assert calls == []
+    with pytest.raises(SystemExit, match="s3ac-k1-layers4-seed0: finished with other settings"):
+        compare.compare(argv + ["--critic-epochs", "2"])
+    assert calls == []
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -3,12 +3,12 @@
     ./run.sh compare [--seeds 3] [--minutes 20] [--critic-layers 4]    # the CPU demo's model and settings
     python .ci/compare.py --help                                       # its own flags; the others go to every run
 
-S3AC K=1 with the partial-trunk critic (its own --critic-layers, --critic-lr-ratio and --critic-epochs; the
-full-critic run keeps s3ac.py's defaults, the paper's), REINFORCE++ K=1, GRPO K=4 on a quarter of the prompts
-(equal samples per step) and S3AC K=1 with the full critic. One run of s3ac.py per seed, one after another, seed 0
-of every config first; each with the same --max-minutes, training data and held-out problems (<out-dir>/data/).
-Then one table (compare_table, printed and written to <out-dir>/table.md) and the curves of every run
-(s3ac.plot_runs, <out-dir>/compare.png).
+S3AC K=1 with the partial-trunk critic (its own --critic-layers, --critic-lr-ratio, --critic-epochs and
+--critic-warmup-steps; the full-critic run keeps s3ac.py's defaults, the paper's), REINFORCE++ K=1, GRPO K=4 on a
+quarter of the prompts (equal samples per step) and S3AC K=1 with the full critic. One run of s3ac.py per seed, one
+after another, seed 0 of every config first; each with the same --max-minutes, training data and held-out problems
+(<out-dir>/data/). Then one table (compare_table, printed and written to <out-dir>/table.md) and the curves of every
+run (s3ac.plot_runs, <out-dir>/compare.png).
 """
 
 import argparse
@@ -34,23 +34,32 @@ def mean_se(values: list):
 
 
 def run_summary(records: list, at_minutes: float) -> dict:
-    """One run of the comparison, from s3ac.read_records: its final pass@1 (last evaluation), pass@1 at at_minutes
-    (the last evaluation at or before that minute of training), token EV and V(s_0) EV averaged over the second half
-    of its steps, c over all steps, and efficiency 1 / ((1 - V(s_0) EV)(1 + c)) of those means (as
+    """One run of the comparison, from s3ac.read_records: the training minutes it reached (a run stopped by
+    --max-minutes passes the budget by up to one step); its final pass@1 (last evaluation); pass@1 at at_minutes
+    (the last evaluation by that minute of training, or after the step running at that minute: a run stopped by
+    --max-minutes ends with the step that crosses the budget, so its final evaluation counts at it); token EV and
+    V(s_0) EV averaged over the second half of its steps; c over all steps; and efficiency 1 / ((1 - EV)(1 + c)) of
+    those means, once with the token EV (the variance the per-token values remove) and once with V(s_0) EV (as
     critic/efficiency). NaN where the run logged no such key (critic-free runs)."""
     steps, evals = [r for r in records if "perf/step_s" in r], [r for r in records if r.get("eval/pass@1") is not None]
     half = steps[len(steps) // 2:]
+    begun = [r["minutes"] if "perf/step_s" not in r else prev["minutes"]  # training minutes when r's step began
+             for prev, r in zip([{"minutes": 0.0}] + records, records)]
+    on_time = [r for r, t in zip(records, begun)
+               if r.get("eval/pass@1") is not None and (r["minutes"] <= at_minutes or t < at_minutes)]
+    token_ev = mean_se([r.get("critic/explained_var") for r in half])[0]
     v0_ev = mean_se([r.get("critic/adv_explained_var") for r in half])[0]
     c = mean_se([r.get("critic/compute_ratio") for r in steps])[0]
-    return {"final pass@1": evals[-1]["eval/pass@1"],
-            "pass@1 at equal minutes": [r for r in evals if r["minutes"] <= at_minutes][-1]["eval/pass@1"],
-            "token EV": mean_se([r.get("critic/explained_var") for r in half])[0], "V(s_0) EV": v0_ev, "c": c,
-            "efficiency": critic_efficiency(v0_ev, c)}
+    return {"minutes": records[-1]["minutes"], "final pass@1": evals[-1]["eval/pass@1"],
+            "pass@1 at equal minutes": on_time[-1]["eval/pass@1"],
+            "token EV": token_ev, "V(s_0) EV": v0_ev, "c": c, "efficiency, token EV": critic_efficiency(token_ev, c),
+            "efficiency, V(s_0) EV": critic_efficiency(v0_ev, c)}
 
 
 def compare_table(runs: dict) -> str:
     """A markdown table of runs {name: [s3ac.read_records of each seed]}: per name, mean ± standard error over seeds
-    of each run_summary column ("-": none). Equal minutes: the least training time any run reached."""
+    of each run_summary column ("-": none). Equal minutes: the least training time any run reached (with
+    --max-minutes, the budget plus the shortest overshoot)."""
     at = min(seed[-1]["minutes"] for seeds in runs.values() for seed in seeds)
     rows = {name: [run_summary(seed, at) for seed in seeds] for name, seeds in runs.items()}
     columns = list(next(iter(rows.values()))[0])
@@ -67,8 +76,9 @@ def compare_table(runs: dict) -> str:
 def compare(argv=None):
     """Side-by-side runs at equal training minutes (./run.sh compare), then one table and one figure.
 
-    The runs and outputs are those of this file's docstring. Other flags go to every run; a finished run (its
-    directory holds `done`) is not run again."""
+    The runs and outputs are those of this file's docstring. Other flags go to every run. A finished run (its
+    directory holds `done`, the flags it ran with) is not run again; one finished with other flags stops the
+    comparison with a one-line error (SystemExit) that names its directory."""
     parser = argparse.ArgumentParser(prog=".ci/compare.py", description=compare.__doc__.split("\n")[0],
                                      epilog="Other flags (python s3ac.py --help) go to every run.")
     for flag, default, text in (
@@ -78,6 +88,7 @@ def compare(argv=None):
             ("--critic-layers", 4, "k of the partial-trunk critic"),
             ("--critic-lr-ratio", 20.0, "the partial-trunk critic's learning rate over the actor's"),
             ("--critic-epochs", 1, "the partial-trunk critic's passes over each batch"),
+            ("--critic-warmup-steps", 4, "the partial-trunk critic's on-policy updates before training (timed)"),
             ("--eval-every", 15, "steps between evaluations of every run (and one at its end)"),
             ("--batch-prompts", 16, "prompts per step at K = 1; GRPO answers a quarter of them 4 times"),
             ("--eval-size", 200, "held-out problems, the same for every run"),
@@ -94,7 +105,7 @@ def compare(argv=None):
                                           for i, p in enumerate(problems) if (i in held) == keep))
     b, k = opts.batch_prompts, str(opts.critic_layers)
     partial = ["--critic-layers", k, "--critic-lr-ratio", str(opts.critic_lr_ratio), "--critic-epochs",
-               str(opts.critic_epochs)]
+               str(opts.critic_epochs), "--critic-warmup-steps", str(opts.critic_warmup_steps)]
     configs = {f"s3ac-k1-layers{k}": (opts.seeds, ["--k", "1", "--batch-prompts", str(b), *partial]),
                "reinforce_pp-k1": (opts.seeds, ["--algo", "reinforce_pp", "--k", "1", "--batch-prompts", str(b)]),
                "grpo-k4": (opts.grpo_seeds, ["--algo", "grpo", "--k", "4", "--batch-prompts", str(b // 4)]),
@@ -103,15 +114,19 @@ def compare(argv=None):
     order = sorted(((seed, name, out) for name, dirs in runs.items() for seed, out in enumerate(dirs)),
                    key=lambda run: run[0])  # seed 0 of every config first: a stopped comparison stays balanced
     for seed, name, out in order:
-        if os.path.exists(os.path.join(out, "done")):
+        flags = ["--data", data["train"], "--eval-data", data["eval"], "--eval-size", str(opts.eval_size),
+                 "--eval-every", str(opts.eval_every), "--steps", "1000000", "--max-minutes", str(opts.minutes),
+                 "--save-every", "0", "--seed", str(seed), "--out-dir", out, *configs[name][1], *rest]
+        done = os.path.join(out, "done")  # a finished run: the flags it ran with, one JSON list
+        if os.path.exists(done):
+            with open(done) as f:
+                if f.read().strip() != json.dumps(flags):
+                    raise SystemExit(f"{out}: finished with other settings (see {done}); remove it or pick another "
+                                     "--out-dir")
             continue
-        subprocess.run([sys.executable, os.path.join(HERE, "s3ac.py"), "--data", data["train"],
-                        "--eval-data", data["eval"], "--eval-size", str(opts.eval_size),
-                        "--eval-every", str(opts.eval_every), "--steps", "1000000", "--max-minutes", str(opts.minutes),
-                        "--save-every", "0", "--seed", str(seed), "--out-dir", out, *configs[name][1], *rest],
-                       check=True)
+        subprocess.run([sys.executable, os.path.join(HERE, "s3ac.py"), *flags], check=True)
         shutil.rmtree(os.path.join(out, "checkpoints"), ignore_errors=True)  # gigabytes per run
-        _write_atomic(os.path.join(out, "done"), "")
+        _write_atomic(done, json.dumps(flags) + "\n")
     table = compare_table({name: [read_records(d) for d in dirs] for name, dirs in runs.items()})
     print(table)
     _write_atomic(os.path.join(opts.out_dir, "table.md"), table + "\n")
