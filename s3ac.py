@@ -729,10 +729,12 @@ class Critic(nn.Module):
                 states after block L - k, without gradient, and the backbone is the critic's own trainable copy of
                 the actor's last k blocks and final norm (top_blocks). The critic loss never reaches the actor, and
                 the trunk moves under the critic: it fits batch n on the features of the actor that generated it
-                and reads the updated actor's at step n + 1.
+                and reads the updated actor's at step n + 1. With HF rollouts those features are recorded while
+                generating (generate_hf's record_block), so the trunk runs no second pass; after vLLM rollouts
+                (and for coverage data) trunk_features runs it once per batch.
     """
 
-    def __init__(self, backbone: nn.Module, seed: int, trunk=None):
+    def __init__(self, backbone: nn.Module, seed: int, trunk=None, block: int = None):
         super().__init__()
         hidden = backbone.config.hidden_size
         self.backbone = backbone
@@ -741,6 +743,7 @@ class Critic(nn.Module):
                         generator=torch.Generator().manual_seed(seed))
         self.trunk = trunk  # k >= 1: (input_ids, attention_mask, position_ids) -> [B, P + T, H], the actor's
         #                     hidden states (a function, not a submodule: the actor's weights are not the critic's)
+        self.block = block  # k >= 1: L - k, the actor block whose input the trunk gives; None for k = 0
 
     def forward(self, input_ids, attention_mask, position_ids, features=None):
         """Values at every position, [B, P + T] fp32. features [B, P + T, H]: the trunk's hidden states of these
@@ -821,11 +824,12 @@ def load_critic(path: str, device, seed: int, head_file: str = "", layers: int =
         if head_file and saved != layers:
             raise ValueError(f"{path}: a critic of --critic-layers {saved}; resume it with --critic-layers {saved}")
         backbone = AutoModel.from_pretrained(path, config=config, dtype=torch.float32)
-    trunk = None
+    trunk = block = None
     if layers:
         backbone.get_input_embeddings().requires_grad_(False)  # never used: the backbone reads hidden states
-        trunk = functools.partial(actor_hidden_states, actor, actor.lm.config.num_hidden_layers - layers)
-    critic = Critic(no_dropout(backbone), seed, trunk)
+        block = actor.lm.config.num_hidden_layers - layers
+        trunk = functools.partial(actor_hidden_states, actor, block)
+    critic = Critic(no_dropout(backbone), seed, trunk, block)
     if head_file:
         from safetensors.torch import load_file
         critic.value_head.load_state_dict(load_file(head_file))
@@ -953,6 +957,9 @@ class Batch:
     truncated: torch.Tensor  # [B] bool, True when no stop token was generated (length limit hit)
     prompt_index: torch.Tensor  # [B] index of the problem each sequence answers (groups for K > 1)
     sampler_logprobs: torch.Tensor = None  # [B, T] the sampler's own log mu (vLLM), 0 on padding; None for hf
+    features: torch.Tensor = None  # [B, P + T, H] fp32, the actor's hidden states after block L - k that the
+    #                                partial-trunk critic reads, recorded during HF generation (generate_hf's
+    #                                record_block); 0 at each row's last token and after it; None otherwise
 
     def rows(self, idx):
         """The sub-batch of the sequences `idx` (a list or a [b] index tensor)."""
@@ -1007,34 +1014,82 @@ def cat_batches(batches: list, pad_id: int) -> Batch:
                  torch.cat([widen(b.response_mask, T, 0.0, False) for b in batches]),  # [B, T]
                  torch.cat([b.truncated for b in batches]), torch.cat([b.prompt_index for b in batches]),  # [B]
                  None if any(b.sampler_logprobs is None for b in batches) else
-                 torch.cat([widen(b.sampler_logprobs, T, 0.0, False) for b in batches]))  # [B, T]
+                 torch.cat([widen(b.sampler_logprobs, T, 0.0, False) for b in batches]),  # [B, T]
+                 None if any(b.features is None for b in batches) else
+                 torch.cat([pad_features(b.features, b.prompt_ids.shape[1], P, T) for b in batches]))  # [B, P + T, H]
+
+
+def pad_features(features, p: int, P: int, T: int):
+    """[b, p + t, H] hidden states of p prompt and t response positions -> [b, P + T, H]: zeros added on the left
+    of the prompt part and on the right of the response part, as cat_batches pads the token ids."""
+    t = features.shape[1] - p
+    prompt = torch.nn.functional.pad(features[:, :p], (0, 0, P - p, 0))  # [b, P, H]
+    return torch.cat([prompt, torch.nn.functional.pad(features[:, p:], (0, 0, 0, T - t))], 1)  # [b, P + T, H]
+
+
+@contextlib.contextmanager
+def recording_block_input(lm: nn.Module, block: int):
+    """While active, every forward call of the causal LM lm appends the input of its block `block` (0-based), the
+    hidden states after blocks 0 .. block - 1 (hidden_states[block] of output_hidden_states; block 0: the token
+    embeddings), [b, s, H] fp32 without gradient, to the list it yields. In generate() the first call is the
+    prefill (s = the prompt length) and each later call one decoding step (s = 1)."""
+    calls = []
+
+    def hook(module, args, kwargs):
+        calls.append((args[0] if args else kwargs["hidden_states"]).detach().float())
+
+    handle = lm.base_model.layers[block].register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield calls
+    finally:
+        handle.remove()
 
 
 @torch.no_grad()
 def generate_hf(model, prompts: list, prompt_index: list, eos_ids, pad_id: int, max_new_tokens: int,
-                temperature: float, batch_size: int, greedy: bool = False, top_p: float = 1.0, top_k: int = 0) -> Batch:
+                temperature: float, batch_size: int, greedy: bool = False, top_p: float = 1.0, top_k: int = 0,
+                record_block: int = None) -> Batch:
     """Sample one response per prompt with transformers' generate (left padding, stop on any eos id).
 
     prompts: list of token-id lists (repeat a prompt K times for K rollouts). Sampling is plain temperature
     sampling (over the full vocabulary unless top_p < 1 or top_k > 0; the model's generation_config is not used),
     or greedy. Under torchrun (FSDP2) every rank must pass the same number of prompts: all ranks step together.
+
+    record_block = L - k keeps what the partial-trunk critic reads, the hidden states after block L - k at every
+    position, from the generation's own forward passes (recording_block_input) in Batch.features [B, P + T, H] fp32
+    on the model's device, so no second trunk pass is needed. They equal trunk_features of the batch up to float
+    rounding (the KV cache against one whole-sequence pass). They are 0 at each row's last response token (the
+    last sampled token of a chunk is never fed to the model) and on response padding: the critic reads neither
+    (V(s_t) for t < T_i sits at positions P - 1 .. P + T_i - 2, and causal attention looks no later). Memory:
+    4 B (P + T) H bytes more while generating (the batch's features).
     """
     from transformers import GenerationConfig
     config = GenerationConfig(do_sample=not greedy, temperature=None if greedy else temperature,
                               top_k=None if greedy else top_k, top_p=None if greedy else top_p,
                               max_new_tokens=max_new_tokens, eos_token_id=sorted(eos_ids), pad_token_id=pad_id)
     device = next(model.parameters()).device
-    responses = []
+    responses, features = [], []
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start: start + batch_size]
-        ids, attn = (x.to(device) for x in _pad_prompts(chunk, pad_id))  # [b, P] each
-        out = model.generate(input_ids=ids, attention_mask=attn, generation_config=config,
-                             synced_gpus=distributed())  # [b, P + T]
+        ids, attn = (x.to(device) for x in _pad_prompts(chunk, pad_id))  # [b, p] each
+        with (recording_block_input(model, record_block) if record_block is not None
+              else contextlib.nullcontext([])) as calls:
+            out = model.generate(input_ids=ids, attention_mask=attn, generation_config=config,
+                                 synced_gpus=distributed())  # [b, p + t]
         responses += out[:, ids.shape[1]:].cpu().tolist()  # generated tokens only
+        if record_block is not None:  # the inputs of out[:, :-1] (synced_gpus may add calls after the end)
+            fed = torch.cat(calls, 1)[:, :out.shape[1] - 1]  # [b, p + t - 1, H]
+            features.append((ids.shape[1], torch.nn.functional.pad(fed, (0, 0, 0, 1))))  # p, [b, p + t, H]
     response_ids = _pad(responses, pad_id, left=False)  # [B, T]
     response_mask, truncated = response_mask_from_ids(response_ids, eos_ids)
     response_ids = torch.where(response_mask.bool(), response_ids, pad_id)  # clean tail after the stop
-    return Batch(*_pad_prompts(prompts, pad_id), response_ids, response_mask, truncated, torch.as_tensor(prompt_index))
+    batch = Batch(*_pad_prompts(prompts, pad_id), response_ids, response_mask, truncated, torch.as_tensor(prompt_index))
+    if record_block is not None:
+        P, T = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
+        batch.features = torch.cat([pad_features(f, p, P, T) for p, f in features])  # [B, P + T, H]
+        fed = torch.nn.functional.pad(response_mask[:, 1:], (0, 1)).to(device)  # [B, T] 1 where a later token is
+        batch.features[:, P:] *= fed[:, :, None]  # 0 at each row's last token and on its padding, whether fed or not
+    return batch
 
 
 class VLLMRollout:
@@ -2357,16 +2412,18 @@ class TrainState:
 
 
 def generate_responses(args: Args, state: TrainState, prompts: list, index: list, max_new_tokens: int,
-                       greedy: bool = False) -> Batch:
+                       greedy: bool = False, record: bool = False) -> Batch:
     """The current policy's responses (a Batch) to token-id prompts of problems `index`, at most max_new_tokens
-    tokens each, from vLLM (weights synced first when stale) or Hugging Face generate."""
+    tokens each, from vLLM (weights synced first when stale) or Hugging Face generate. record: with HF generate and
+    a partial-trunk critic, keep the critic's input features in Batch.features (generate_hf's record_block)."""
     if state.engine is not None:
         return state.engine.generate(prompts, index, state.eos_ids, state.pad_id, max_new_tokens, args.temperature,
                                      greedy, args.top_p, args.top_k, policy=state.policy if args.vllm_sync else None)
+    block = state.critic.block if record and state.critic is not None else None  # None for k = 0 too
     state.policy.lm.eval()
     with gathered(state.policy), autocast(state.device, compute_dtype(args.dtype, state.device)):
         return generate_hf(state.policy.lm, prompts, index, state.eos_ids, state.pad_id, max_new_tokens,
-                           args.temperature, args.gen_batch_size, greedy, args.top_p, args.top_k)
+                           args.temperature, args.gen_batch_size, greedy, args.top_p, args.top_k, block)
 
 
 def choose_prompts(args: Args, state: TrainState, count: int, generator):
@@ -2413,7 +2470,8 @@ def collect_rollouts(args: Args, state: TrainState, prompt_list: list, reward_fn
     breaks the contract (check_reward_output)."""
     t0 = time.time()
     index = [i for i in prompt_list for _ in range(args.k)]
-    batch = generate_responses(args, state, [state.prompts[i] for i in index], index, args.max_new_tokens)
+    batch = generate_responses(args, state, [state.prompts[i] for i in index], index, args.max_new_tokens,
+                               record=True)  # a partial-trunk critic's features come with HF rollouts
     t1 = time.time()
     texts = state.tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
     reward_list, statuses = reward_fn([state.problems[i].answer for i in index], texts, batch.truncated.tolist())
@@ -2474,9 +2532,12 @@ def critic_pass(args: Args, state: TrainState, batch: Batch):
     """The critic's values of a rollout batch, without gradient. Returns a tuple of three:
     values [B, T] on the +-1 scale, 0 on padding (what GAE reads); raw [B, T], the head's outputs (V itself for mse, the
     logit z for bce; critic_fit's loss reads them); features [B, P + T, H], the actor's hidden states after
-    block L - k that a partial-trunk critic reads, reused by its update (None for the full critic, k = 0)."""
+    block L - k that a partial-trunk critic reads, reused by its update (None for the full critic, k = 0): those
+    recorded during HF generation (batch.features), else one trunk pass."""
     with autocast(state.device, compute_dtype(args.dtype, state.device)):
-        features = trunk_features(state.critic, batch, args.micro_batch_size)  # [B, P + T, H]; None for k = 0
+        features = batch.features
+        if features is None:
+            features = trunk_features(state.critic, batch, args.micro_batch_size)  # [B, P + T, H]; None for k = 0
         values, raw = value_pass(state.critic, batch, args.critic_loss, args.micro_batch_size, features)  # [B, T]
     return values, raw, features
 

@@ -1650,18 +1650,30 @@ def test_torchrun_with_one_vllm_engine_per_rank(vllm_python, tmp_path):
 
 def check_gpu_check_rows(rows: list, engine: str):
     """The JSON lines of `.ci/gpu_check.py step-check` on the tiny model: which rows there are, and their arithmetic."""
-    rows = {row["check"] + row.get("algo", ""): row for row in rows}
+    rows = {row["check"] + row.get("algo", "") + str(row.get("critic_layers", "")): row for row in rows}
     assert rows["rollout"]["engine"] == engine and 0 < rows["rollout"]["generated_tokens"] <= 8 * 16
     assert ("weight_sync" in rows) == (engine == "vllm")
-    grpo, s3 = rows["stepgrpo"], rows["steps3ac"]
-    assert "critic_s" in s3 and "values_s" in s3 and "critic_s" not in grpo
-    assert s3["train_s"] == pytest.approx(sum(v for k, v in s3.items() if k.endswith("_s") and k not in
-                                              ("rollout_s", "train_s", "step_s")), rel=1e-9)
-    extra = (s3["train_s"] - grpo["train_s"]) / (grpo["train_s"] + grpo["rollout_s"])
-    assert rows["critic_overhead"]["extra_wall_time"] == pytest.approx(extra, rel=1e-9)
-    assert rows["critic_overhead"]["rollout"] == engine
-    assert all(s3[k] > 0 for k in ("values_s", "actor_s", "critic_s", "rollout_s"))
-    assert "peak_memory_gib" in s3 and "peak_memory_gib" in grpo  # None on the CPU
+    grpo = rows["stepgrpo"]
+    assert "critic_s" not in grpo and "peak_memory_gib" in grpo  # None on the CPU
+    for k in (0, 2):  # the full critic and the partial-trunk critic on all of the tiny model's 2 blocks
+        s3, overhead = rows[f"steps3ac{k}"], rows[f"critic_overhead{k}"]
+        assert ("trunk_s" in s3) == (k > 0) and ("c_features_recorded" in overhead) == (k > 0)
+        assert s3["train_s"] == pytest.approx(sum(v for n, v in s3.items() if n.endswith("_s") and n not in
+                                                  ("rollout_s", "train_s", "step_s")), rel=1e-9)
+        extra = (s3["train_s"] - grpo["train_s"]) / (grpo["train_s"] + grpo["rollout_s"])
+        assert overhead["extra_wall_time"] == pytest.approx(extra, rel=1e-9) and overhead["rollout"] == engine
+        critic_side = s3["values_s"] + s3["critic_s"]
+        assert overhead["c"] == pytest.approx((critic_side + s3.get("trunk_s", 0.0)) / s3["actor_s"], rel=1e-9)
+        if k:
+            assert overhead["c_features_recorded"] == pytest.approx(critic_side / s3["actor_s"], rel=1e-9)
+        assert all(s3[n] > 0 for n in ("values_s", "actor_s", "critic_s", "rollout_s"))
+        assert "peak_memory_gib" in s3
+    if engine == "hf":  # features recorded while generating, against a second trunk pass
+        recorded = rows["recorded_features2"]
+        assert recorded["max_abs_diff_vs_trunk"] <= 1e-5 < recorded["max_abs_feature"]
+        assert recorded["values_max_abs_diff"] <= 1e-5 and recorded["generate_recording_s"] > 0
+    else:
+        assert "recorded_features2" not in rows
 
 
 def test_gpu_check_runs_on_a_tiny_model_with_vllm(vllm_python):
@@ -1689,10 +1701,13 @@ def test_gpu_check_script_tiny_path(tmp_path):
     summaries = {r["part"]: r for r in results if "status" in r}
     assert [summaries[p]["status"] for p in ("step", "train", "all")] == ["ok", "ok", "ok"]
     check_gpu_check_rows([r for r in results if r["part"] == "step" and "check" in r], "hf")
-    (train,) = [r for r in results if r.get("check") == "train"]
-    assert train["ok"] and train["problems"] == [] and train["steps_logged"] == [0, 1, 2, 3, 4, 5]
-    assert train["accept_rate"][0] is None and all(0 < a <= 1 for a in train["accept_rate"][1:])  # DAPS from step 2
-    assert sorted(os.listdir(out)) == ["results.jsonl", "step.log", "train.log", "train_metrics.jsonl"]
+    trains = [r for r in results if r.get("check") == "train"]
+    assert [t["critic_layers"] for t in trains] == [0, 1]  # the full critic, then the partial-trunk critic
+    for train in trains:
+        assert train["ok"] and train["problems"] == [] and train["steps_logged"] == [0, 1, 2, 3, 4, 5]
+        assert train["accept_rate"][0] is None and all(0 < a <= 1 for a in train["accept_rate"][1:])  # DAPS from 2
+    assert sorted(os.listdir(out)) == ["results.jsonl", "step.log", "train.log", "train_metrics.jsonl",
+                                       "train_metrics_partial.jsonl"]
     assert "resumed from" in (out / "train.log").read_text()
 
 
@@ -1803,6 +1818,45 @@ def test_partial_trunk_values_equal_a_full_model_truncated_by_hand(tmp_path, kin
                                batch.response_ids[i:i + 1, :t], batch.response_mask[i:i + 1, :t],
                                batch.truncated[i:i + 1], batch.prompt_index[i:i + 1])
             assert torch.allclose(s3ac.critic_values(critic, alone)[0], got[i, :t], atol=1e-5), i
+
+
+@pytest.mark.parametrize("kind,k", [("llama", 1), ("qwen2", 2)])
+def test_generate_records_the_trunk_features_of_a_second_pass(tmp_path, kind, k):
+    """Batch.features recorded by generate_hf (record_block = L - k) equal trunk_features, a second whole-sequence
+    pass of the actor, at every position the critic reads: two chunks with prompts of other lengths, rows that stop
+    early, two batches joined by cat_batches; the values from either are the same, and critic_pass then runs no
+    trunk pass."""
+    import types
+    actor, tok = make_trunk_actor(str(tmp_path), kind)
+    policy = s3ac.Policy(actor)
+    critic = s3ac.load_critic(str(tmp_path), "cpu", seed=3, layers=k, actor=policy).eval()
+    assert critic.block == 3 - k
+    prompts = [tok(q)["input_ids"] for q in ("1+1=", "What is 33 - 4?", "7*8", "12 + 30 =", "9")]
+    eos = set(range(0, len(tok), 3))  # a third of the vocabulary stops: rows end at different lengths
+    torch.manual_seed(0)
+    batches = [s3ac.generate_hf(actor, prompts[a:b], list(range(a, b)), eos, 2, t, 1.0, batch_size=2,
+                                record_block=critic.block) for a, b, t in ((0, 5, 9), (2, 4, 4))]
+    batch = s3ac.cat_batches(batches, 2)
+    lengths = batch.response_mask.sum(1)
+    assert lengths.min() < lengths.max() and batches[0].prompt_ids.shape[1] > batches[1].prompt_ids.shape[1]
+    P, T = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
+    assert batch.features.shape == (7, P + T, 32)
+    want = s3ac.trunk_features(critic, batch, micro_batch_size=3)  # [B, P + T, H]
+    # what the critic reads: the prompt, and each response but its last token (V(s_t) for t < T_i sits at P - 1 + t)
+    read = torch.cat([batch.prompt_mask, batch.response_mask[:, 1:], torch.zeros(7, 1)], 1).bool()  # [B, P + T]
+    assert torch.allclose(batch.features[read], want[read], atol=1e-5)
+    assert (batch.features[:, P:][~read[:, P:]] == 0).all()  # the last token and the padding of each response
+    values, raw = s3ac.value_pass(critic, batch, "mse", 3, want)
+    got, raw_got = s3ac.value_pass(critic, batch, "mse", 3, batch.features)
+    assert torch.allclose(got, values, atol=1e-5)
+
+    def no_trunk(*a):
+        raise AssertionError("a second trunk pass")
+    critic.trunk = no_trunk
+    state = types.SimpleNamespace(device=torch.device("cpu"), critic=critic)
+    args = s3ac.resolve_args(s3ac.Args(micro_batch_size=3, critic_layers=k))
+    v, _, f = s3ac.critic_pass(args, state, batch)
+    assert f is batch.features and torch.equal(v, got)
 
 
 def test_partial_trunk_critic_loss_reaches_only_its_blocks_norm_and_head(tmp_path):

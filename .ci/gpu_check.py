@@ -44,8 +44,8 @@ import time
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 PARTS = ("kernels", "bench", "step", "train")
 NEEDS_CUDA = ("kernels", "bench")
-TIMEOUT_S = {"kernels": 120, "bench": 75, "step": 180, "train": 105}  # seconds, 8 minutes in all
-TIMEOUT_TINY_S = {"kernels": 300, "bench": 75, "step": 120, "train": 180}  # --tiny on 2 CPU cores
+TIMEOUT_S = {"kernels": 120, "bench": 75, "step": 210, "train": 150}  # seconds, 9 minutes in all
+TIMEOUT_TINY_S = {"kernels": 300, "bench": 75, "step": 120, "train": 240}  # --tiny on 2 CPU cores
 
 
 def default_out_dir() -> str:
@@ -238,7 +238,12 @@ def step_check(argv) -> int:
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--rollout", default="auto", choices=("auto", "vllm", "hf"))
     parser.add_argument("--micro-batch-size", type=int, default=16)
+    parser.add_argument("--critic-layers", default="0,3,6",
+                        help="the S3AC critics to time, comma-separated: 0 the full separate critic, k >= 1 the "
+                             "partial-trunk critic on the actor's last k blocks (at most all of them)")
     opts = parser.parse_args(argv)
+    L = MODEL_SIZES[opts.size]["num_hidden_layers"]
+    layers = list(dict.fromkeys(min(int(k), L) for k in opts.critic_layers.split(",") if k.strip()))
     import tempfile
     import torch
     if opts.size != "tiny" and not torch.cuda.is_available():
@@ -246,8 +251,8 @@ def step_check(argv) -> int:
     from transformers import AutoModel, Qwen2Config, Qwen2ForCausalLM
     sys.path.insert(0, HERE)  # s3ac.py, at the repository root
     from s3ac import (Args, Critic, Policy, VLLMRollout, adaptive_lambda, autocast, compute_dtype, decoupled_gae,
-                      gae, generate_hf, grpo_advantages, kernel_or, resolve_args, synced_time, update_actor,
-                      update_critic, value_pass, vllm_available)
+                      gae, generate_hf, grpo_advantages, kernel_or, load_critic, resolve_args, synced_time,
+                      trunk_features, update_actor, update_critic, value_pass, vllm_available)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     def report(row: dict):
@@ -269,14 +274,20 @@ def step_check(argv) -> int:
         config.save_pretrained(path)
         torch.manual_seed(0)
         with torch.device(device):  # random weights drawn where they live: fast for 1.5B parameters on a GPU
-            model, backbone = Qwen2ForCausalLM(config).float(), AutoModel.from_config(config).float()
+            model = Qwen2ForCausalLM(config).float()
+            backbone = AutoModel.from_config(config).float() if 0 in layers else None
         model.generation_config.eos_token_id = None
-        policy, critic = Policy(model), Critic(backbone, args.critic_seed).to(device)
+        policy = Policy(model)
+        critics = {k: Critic(backbone, args.critic_seed).to(device) if k == 0 else
+                   load_critic(path, device, args.critic_seed, layers=k, actor=policy) for k in layers}
         actor_opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
-        critic_opt = torch.optim.AdamW(critic.parameters(), lr=args.lr * args.critic_lr_ratio, weight_decay=0.0)
+        critic_opts = {k: torch.optim.AdamW(c.parameters(), lr=args.lr * args.critic_lr_ratio, weight_decay=0.0)
+                       for k, c in critics.items()}
         report({"check": "setup", "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                 "model": f"qwen2-{opts.size}-shaped, random weights", "parameters": sum(p.numel() for p in
-                model.parameters()), "rollout": "vllm" if use_vllm else "hf", "torch": torch.__version__})
+                model.parameters()), "rollout": "vllm" if use_vllm else "hf", "torch": torch.__version__,
+                "critic_parameters": {k: sum(p.numel() for p in c.parameters() if p.requires_grad)
+                                      for k, c in critics.items()}})
 
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -308,15 +319,45 @@ def step_check(argv) -> int:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 
-        rewards = torch.where(torch.rand(opts.prompts, generator=g) < 0.5, 1.0, -1.0).to(device)  # [B]
+        if not use_vllm and any(layers):  # HF rollouts record the partial critic's features while generating
+            k = max(layers)
+            block, sub = config.num_hidden_layers - k, (prompts[:min(32, opts.prompts)], index[:min(32, opts.prompts)])
+            seconds = {}
+            for record in (None, block, None, block):  # alternated; the second of each is kept
+                torch.manual_seed(1)
+                t = synced_time(device)
+                with autocast(device, amp):
+                    small = generate_hf(model, *sub, eos_ids, pad_id, min(opts.tokens, 128), 1.0, len(sub[0]),
+                                        record_block=record)
+                seconds[record is not None] = synced_time(device) - t
+            with autocast(device, amp):
+                want = trunk_features(critics[k], small, args.micro_batch_size)  # [b, P + T, H] a second pass
+                read = torch.cat([small.prompt_mask, small.response_mask[:, 1:],  # what the critic reads
+                                  torch.zeros(len(sub[0]), 1)], 1).bool().to(device)  # [b, P + T]
+                got, ref = (value_pass(critics[k], small, "mse", args.micro_batch_size, f)[0] for f in
+                            (small.features, want))  # [b, T] each
+            report({"check": "recorded_features", "critic_layers": k, "prompts": len(sub[0]),
+                    "tokens": int(small.response_mask.sum()), "generate_s": seconds[False],
+                    "generate_recording_s": seconds[True], "overhead": seconds[True] / seconds[False] - 1,
+                    "max_abs_diff_vs_trunk": (small.features - want)[read].abs().max().item(),
+                    "max_abs_feature": want[read].abs().max().item(),
+                    "values_max_abs_diff": (got - ref).abs().max().item()})
+            del small, want
 
-        def phases(algo):  # seconds of each phase of one step of `algo` on the rollout batch
+        full, all_rewards = batch, torch.where(torch.rand(opts.prompts, generator=g) < 0.5, 1.0, -1.0).to(device)
+
+        def phases(algo, k=0, rows=None):  # seconds of each phase of one step of `algo` (critic k) on the batch
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
+            batch, rewards = (full, all_rewards) if rows is None else (full.rows(rows), all_rewards[rows])
             times, t, mask = {}, synced_time(device), batch.response_mask.to(device)  # mask [B, T]
             if algo == "s3ac":
+                critic = critics[k]
                 with autocast(device, amp):
-                    values, _ = value_pass(critic, batch, "mse", args.micro_batch_size)  # [B, T]
+                    features = trunk_features(critic, batch, args.micro_batch_size)  # None for k = 0
+                    if k:  # the extra trunk pass (after vLLM rollouts; HF rollouts record it, see above)
+                        times["trunk"], t = synced_time(device) - t, synced_time(device)
+                    values, _ = value_pass(critic, batch, "mse", args.micro_batch_size, features)  # [B, T]
                 times["values"], t = synced_time(device) - t, synced_time(device)
                 advantages, returns, _ = decoupled_gae(rewards, values, mask, args.gamma, args.critic_lam,
                                                        adaptive_lambda(mask, args.alpha), gae_fn=kernel_or(gae))
@@ -328,24 +369,33 @@ def step_check(argv) -> int:
             times["actor"], t = synced_time(device) - t, synced_time(device)
             if algo == "s3ac":
                 critic.train()
-                update_critic(critic, critic_opt, batch, values, returns, mask, args, torch.Generator().manual_seed(0))
+                update_critic(critic, critic_opts[k], batch, values, returns, mask, args,
+                              torch.Generator().manual_seed(0), features)
                 times["critic"] = synced_time(device) - t
             return times
 
-        phases("s3ac")  # warm-up on the full batch: first allocations, optimizer states, kernels
+        runs = [("grpo", 0)] + [("s3ac", k) for k in layers]
+        for algo, k in runs[1:]:  # warm-up on a quarter of the batch: kernels, optimizer states, first allocations
+            phases(algo, k, list(range(0, opts.prompts, 4)))
         times, peaks = {}, {}
-        for algo in ("grpo", "s3ac"):
-            times[algo] = phases(algo)
-            peaks[algo] = peak_memory_gib()  # weights, gradients, Adam states and this step's activations
-        for algo, seconds in times.items():
-            report({"check": "step", "algo": algo, "sequences": opts.prompts, "tokens": generated,
-                    **{f"{k}_s": v for k, v in seconds.items()}, "rollout_s": rollout_s,
-                    "train_s": sum(seconds.values()), "step_s": sum(seconds.values()) + rollout_s,
-                    "peak_memory_gib": peaks[algo]})
-        s3ac_s, grpo_s = (sum(times[a].values()) for a in ("s3ac", "grpo"))
-        report({"check": "critic_overhead", "extra_wall_time": (s3ac_s - grpo_s) / (grpo_s + rollout_s),
-                "extra_train_time": (s3ac_s - grpo_s) / grpo_s, "rollout": "vllm" if use_vllm else "hf",
-                "target": "extra_wall_time < 0.27", "paper_range": [0.27, 0.40]})
+        for algo, k in runs:
+            times[algo, k] = phases(algo, k)
+            peaks[algo, k] = peak_memory_gib()  # weights, gradients, Adam states and this step's activations
+        for (algo, k), seconds in times.items():
+            report({"check": "step", "algo": algo, **({"critic_layers": k} if algo == "s3ac" else {}),
+                    "sequences": opts.prompts, "tokens": generated, **{f"{n}_s": v for n, v in seconds.items()},
+                    "rollout_s": rollout_s, "train_s": sum(seconds.values()),
+                    "step_s": sum(seconds.values()) + rollout_s, "peak_memory_gib": peaks[algo, k]})
+        grpo_s = sum(times["grpo", 0].values())
+        for k in layers:
+            seconds = times["s3ac", k]
+            s3ac_s, critic_side = sum(seconds.values()), sum(seconds.get(n, 0.0) for n in ("trunk", "values", "critic"))
+            report({"check": "critic_overhead", "critic_layers": k,
+                    "extra_wall_time": (s3ac_s - grpo_s) / (grpo_s + rollout_s),
+                    "extra_train_time": (s3ac_s - grpo_s) / grpo_s, "c": critic_side / seconds["actor"],
+                    **({"c_features_recorded": (critic_side - seconds["trunk"]) / seconds["actor"]} if k else {}),
+                    "rollout": "vllm" if use_vllm else "hf", "target": "extra_wall_time < 0.27",
+                    "paper_range": [0.27, 0.40]})
     return 0
 
 
@@ -420,8 +470,10 @@ def check_records(records: list, steps: int, daps_start: int, rollouts_per_step:
 def train_check(argv) -> int:
     """Part 4 (python .ci/gpu_check.py train-check [--tiny] [--out DIR]): a small random model trained for a few
     steps by s3ac.py with --critic-sync pact --critic-loss bce --prompt-selection daps, a checkpoint, then
-    --resume for two more steps, on CUDA when there is a GPU (--tiny: a tiny model and batch, for the CPU).
-    Prints one JSON line {"check": "train", "ok", ...}; returns 0 when every check passed."""
+    --resume for two more steps, on CUDA when there is a GPU (--tiny: a tiny model and batch, for the CPU); once
+    with the full critic and once with the partial-trunk critic (--critic-layers 2, tiny 1), whose HF rollouts
+    record its features. Prints one JSON line {"check": "train", "critic_layers", "ok", ...} per critic; returns 0
+    when every check of both passed."""
     import importlib.util
     import math
     import shutil
@@ -447,45 +499,53 @@ def train_check(argv) -> int:
     if opts.tiny:
         env["OMP_NUM_THREADS"] = "1"
     work = tempfile.mkdtemp(prefix="s3ac-train-check-")
+    failed = 0
     try:
-        model, out = os.path.join(work, "model"), os.path.join(work, "run")
+        model = os.path.join(work, "model")
         make_random_model(model, **shape)
-        flags = ["--model", model, "--out-dir", out, "--device", device, "--rollout", "hf",
-                 "--data", "builtin:arithmetic:200", "--eval-data", "heldout", "--eval-every", "0", "--lr", "1e-4",
-                 "--save-every", str(first),
-                 "--critic-sync", "pact", "--critic-loss", "bce", "--prompt-selection", "daps",
-                 "--daps-start", str(daps_start), *size]
-        t0 = time.time()
-        runs = []
-        for extra in (["--steps", str(first)], ["--steps", str(last), "--resume"]):
-            cmd = [sys.executable, os.path.join(HERE, "s3ac.py"), *flags, *extra]
-            print("$ " + shlex.join(cmd), flush=True)
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=HERE)
-            print(proc.stdout[-4000:] + proc.stderr[-8000:], flush=True)
-            runs.append(proc)
-            if proc.returncode != 0:
-                print(json.dumps({**row, "ok": False, "error": f"s3ac.py {shlex.join(extra)} exited with "
-                                                              f"{proc.returncode}"}))
-                return 1
-        row["seconds"] = round(time.time() - t0, 1)
-        with open(os.path.join(out, "metrics.jsonl")) as f:
-            records = [json.loads(line) for line in f]
-        shutil.copy(os.path.join(out, "metrics.jsonl"), os.path.join(opts.out, "train_metrics.jsonl"))
-        found = check_records(records, last, daps_start, rollouts_per_step=prompts * k)
-        if f"at step {first}" not in runs[1].stderr:
-            found["problems"].append(f"the second run did not resume at step {first}")
-        from safetensors.torch import load_file
-        ckpt = os.path.join(out, "checkpoints", f"step_{last}")
-        bad = [f"{part}:{name}" for part in ("actor/model.safetensors", "critic/model.safetensors",
-                                             "critic/value_head.safetensors")
-               for name, t in load_file(os.path.join(ckpt, part)).items() if not torch.isfinite(t).all()]
-        found["problems"] += [f"non-finite weights in step_{last}: {b}" for b in bad[:10]]
-        row.update({"model": f"qwen2 hidden {shape['hidden']} x {shape['layers']} layers, random weights",
-                    "flags": "--critic-sync pact --critic-loss bce --prompt-selection daps "
-                             f"--daps-start {daps_start}; --steps {first}, then --resume --steps {last}",
-                    **found, "ok": not found["problems"] and all(math.isfinite(s) for s in found["step_s"])})
-        print(json.dumps(row), flush=True)
-        return 0 if row["ok"] else 1
+        for layers, metrics_file in ((0, "train_metrics.jsonl"), (shape["layers"] // 2, "train_metrics_partial.jsonl")):
+            out = os.path.join(work, f"run-k{layers}")
+            flags = ["--model", model, "--out-dir", out, "--device", device, "--rollout", "hf",
+                     "--data", "builtin:arithmetic:200", "--eval-data", "heldout", "--eval-every", "0", "--lr", "1e-4",
+                     "--save-every", str(first), "--critic-layers", str(layers),
+                     "--critic-sync", "pact", "--critic-loss", "bce", "--prompt-selection", "daps",
+                     "--daps-start", str(daps_start), *size]
+            result = dict(row, critic_layers=layers)
+            t0 = time.time()
+            runs = []
+            for extra in (["--steps", str(first)], ["--steps", str(last), "--resume"]):
+                cmd = [sys.executable, os.path.join(HERE, "s3ac.py"), *flags, *extra]
+                print("$ " + shlex.join(cmd), flush=True)
+                proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=HERE)
+                print(proc.stdout[-4000:] + proc.stderr[-8000:], flush=True)
+                runs.append(proc)
+                if proc.returncode != 0:
+                    result.update(ok=False, error=f"s3ac.py {shlex.join(extra)} exited with {proc.returncode}")
+                    break
+            if result.get("error"):
+                print(json.dumps(result), flush=True)
+                failed += 1
+                continue
+            result["seconds"] = round(time.time() - t0, 1)
+            with open(os.path.join(out, "metrics.jsonl")) as f:
+                records = [json.loads(line) for line in f]
+            shutil.copy(os.path.join(out, "metrics.jsonl"), os.path.join(opts.out, metrics_file))
+            found = check_records(records, last, daps_start, rollouts_per_step=prompts * k)
+            if f"at step {first}" not in runs[1].stderr:
+                found["problems"].append(f"the second run did not resume at step {first}")
+            from safetensors.torch import load_file
+            ckpt = os.path.join(out, "checkpoints", f"step_{last}")
+            bad = [f"{part}:{name}" for part in ("actor/model.safetensors", "critic/model.safetensors",
+                                                 "critic/value_head.safetensors")
+                   for name, t in load_file(os.path.join(ckpt, part)).items() if not torch.isfinite(t).all()]
+            found["problems"] += [f"non-finite weights in step_{last}: {b}" for b in bad[:10]]
+            result.update({"model": f"qwen2 hidden {shape['hidden']} x {shape['layers']} layers, random weights",
+                           "flags": f"--critic-layers {layers} --critic-sync pact --critic-loss bce --prompt-selection "
+                                    f"daps --daps-start {daps_start}; --steps {first}, then --resume --steps {last}",
+                           **found, "ok": not found["problems"] and all(math.isfinite(s) for s in found["step_s"])})
+            print(json.dumps(result), flush=True)
+            failed += not result["ok"]
+        return 1 if failed else 0
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
