@@ -1826,6 +1826,7 @@ def test_generate_records_the_trunk_features_of_a_second_pass(tmp_path, kind, k)
     pass of the actor, at every position the critic reads: two chunks with prompts of other lengths, rows that stop
     early, two batches joined by cat_batches; the values from either are the same, and critic_pass then runs no
     trunk pass."""
+    import copy
     import types
     actor, tok = make_trunk_actor(str(tmp_path), kind)
     policy = s3ac.Policy(actor)
@@ -1853,10 +1854,16 @@ def test_generate_records_the_trunk_features_of_a_second_pass(tmp_path, kind, k)
     def no_trunk(*a):
         raise AssertionError("a second trunk pass")
     critic.trunk = no_trunk
-    state = types.SimpleNamespace(device=torch.device("cpu"), critic=critic)
+    state = types.SimpleNamespace(device=torch.device("cpu"), critic=critic, engine=None, policy=policy, eos_ids=eos,
+                                  pad_id=2)
     args = s3ac.resolve_args(s3ac.Args(micro_batch_size=3, critic_layers=k))
     v, _, f = s3ac.critic_pass(args, state, batch)
     assert f is batch.features and torch.equal(v, got)
+    # the training rollouts record (collect_rollouts passes record=True); evaluation and a full critic do not
+    assert s3ac.generate_responses(args, state, prompts[:2], [0, 1], 3, record=True).features.shape[0] == 2
+    assert s3ac.generate_responses(args, state, prompts[:2], [0, 1], 3).features is None
+    state.critic = s3ac.Critic(copy.deepcopy(actor.model), seed=3)  # k = 0
+    assert s3ac.generate_responses(args, state, prompts[:2], [0, 1], 3, record=True).features is None
 
 
 def test_partial_trunk_critic_loss_reaches_only_its_blocks_norm_and_head(tmp_path):
