@@ -959,7 +959,7 @@ class Batch:
     sampler_logprobs: torch.Tensor = None  # [B, T] the sampler's own log mu (vLLM), 0 on padding; None for hf
     features: torch.Tensor = None  # [B, P + T, H] fp32, the actor's hidden states after block L - k that the
     #                                partial-trunk critic reads, recorded during HF generation (generate_hf's
-    #                                record_block); 0 at each row's last token and after it; None otherwise
+    #                                record_block); 0 on padding and at each row's last token; None otherwise
 
     def rows(self, idx):
         """The sub-batch of the sequences `idx` (a list or a [b] index tensor)."""
@@ -1058,10 +1058,11 @@ def generate_hf(model, prompts: list, prompt_index: list, eos_ids, pad_id: int, 
     record_block = L - k keeps what the partial-trunk critic reads, the hidden states after block L - k at every
     position, from the generation's own forward passes (recording_block_input) in Batch.features [B, P + T, H] fp32
     on the model's device, so no second trunk pass is needed. They equal trunk_features of the batch up to float
-    rounding (the KV cache against one whole-sequence pass). They are 0 at each row's last response token (the
-    last sampled token of a chunk is never fed to the model) and on response padding: the critic reads neither
-    (V(s_t) for t < T_i sits at positions P - 1 .. P + T_i - 2, and causal attention looks no later). Memory:
-    4 B (P + T) H bytes more while generating (the batch's features).
+    rounding (the KV cache against one whole-sequence pass). They are 0 on padding and at each row's last response
+    token (the last sampled token of a chunk is never fed to the model): the critic reads none of these (V(s_t) for
+    t < T_i sits at positions P - 1 .. P + T_i - 2, and causal attention looks no later). Memory: the batch's
+    features, 4 B (P + T) H bytes, held to the critic update, and about twice that for a moment while the chunks
+    are joined. Time: the hook's copies land in the rollout's time (time/rollout), not in c.
     """
     from transformers import GenerationConfig
     config = GenerationConfig(do_sample=not greedy, temperature=None if greedy else temperature,
@@ -1079,16 +1080,18 @@ def generate_hf(model, prompts: list, prompt_index: list, eos_ids, pad_id: int, 
         responses += out[:, ids.shape[1]:].cpu().tolist()  # generated tokens only
         if record_block is not None:  # the inputs of out[:, :-1] (synced_gpus may add calls after the end)
             fed = torch.cat(calls, 1)[:, :out.shape[1] - 1]  # [b, p + t - 1, H]
-            features.append((ids.shape[1], torch.nn.functional.pad(fed, (0, 0, 0, 1))))  # p, [b, p + t, H]
+            features.append((torch.nn.functional.pad(fed, (0, 0, 0, 1)), ids.shape[1]))  # [b, p + t, H], p
     response_ids = _pad(responses, pad_id, left=False)  # [B, T]
     response_mask, truncated = response_mask_from_ids(response_ids, eos_ids)
     response_ids = torch.where(response_mask.bool(), response_ids, pad_id)  # clean tail after the stop
     batch = Batch(*_pad_prompts(prompts, pad_id), response_ids, response_mask, truncated, torch.as_tensor(prompt_index))
     if record_block is not None:
         P, T = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
-        batch.features = torch.cat([pad_features(f, p, P, T) for p, f in features])  # [B, P + T, H]
-        fed = torch.nn.functional.pad(response_mask[:, 1:], (0, 1)).to(device)  # [B, T] 1 where a later token is
-        batch.features[:, P:] *= fed[:, :, None]  # 0 at each row's last token and on its padding, whether fed or not
+        padded = [pad_features(*features.pop(0), P, T) for _ in range(len(features))]  # each chunk freed once padded
+        batch.features = torch.cat(padded)  # [B, P + T, H]
+        fed = torch.nn.functional.pad(response_mask[:, 1:], (0, 1))  # [B, T] 1 where a later token follows
+        keep = torch.cat([batch.prompt_mask.float(), fed], 1).to(device)  # [B, P + T] what the critic reads
+        batch.features *= keep[:, :, None]  # 0 on padding and at each row's last token, whether fed or not
     return batch
 
 
@@ -2533,9 +2536,9 @@ def critic_pass(args: Args, state: TrainState, batch: Batch):
     values [B, T] on the +-1 scale, 0 on padding (what GAE reads); raw [B, T], the head's outputs (V itself for mse, the
     logit z for bce; critic_fit's loss reads them); features [B, P + T, H], the actor's hidden states after
     block L - k that a partial-trunk critic reads, reused by its update (None for the full critic, k = 0): those
-    recorded during HF generation (batch.features), else one trunk pass."""
+    recorded during HF generation (batch.features, which this call moves out of the batch), else one trunk pass."""
     with autocast(state.device, compute_dtype(args.dtype, state.device)):
-        features = batch.features
+        features, batch.features = batch.features, None  # taken out: the actor's micro-batches need not copy them
         if features is None:
             features = trunk_features(state.critic, batch, args.micro_batch_size)  # [B, P + T, H]; None for k = 0
         values, raw = value_pass(state.critic, batch, args.critic_loss, args.micro_batch_size, features)  # [B, T]

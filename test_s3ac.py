@@ -1668,12 +1668,9 @@ def check_gpu_check_rows(rows: list, engine: str):
             assert overhead["c_features_recorded"] == pytest.approx(critic_side / s3["actor_s"], rel=1e-9)
         assert all(s3[n] > 0 for n in ("values_s", "actor_s", "critic_s", "rollout_s"))
         assert "peak_memory_gib" in s3
-    if engine == "hf":  # features recorded while generating, against a second trunk pass
-        recorded = rows["recorded_features2"]
-        assert recorded["max_abs_diff_vs_trunk"] <= 1e-5 < recorded["max_abs_feature"]
-        assert recorded["values_max_abs_diff"] <= 1e-5 and recorded["generate_recording_s"] > 0
-    else:
-        assert "recorded_features2" not in rows
+    recorded = rows["recorded_features2"]  # features recorded by HF generate, against a second trunk pass
+    assert recorded["max_abs_diff_vs_trunk"] <= 1e-5 < recorded["max_abs_feature"]
+    assert recorded["values_max_abs_diff"] <= 1e-5 and recorded["generate_recording_s"] > 0
 
 
 def test_gpu_check_runs_on_a_tiny_model_with_vllm(vllm_python):
@@ -1838,15 +1835,16 @@ def test_generate_records_the_trunk_features_of_a_second_pass(tmp_path, kind, k)
     batches = [s3ac.generate_hf(actor, prompts[a:b], list(range(a, b)), eos, 2, t, 1.0, batch_size=2,
                                 record_block=critic.block) for a, b, t in ((0, 5, 9), (2, 4, 4))]
     batch = s3ac.cat_batches(batches, 2)
-    lengths = batch.response_mask.sum(1)
-    assert lengths.min() < lengths.max() and batches[0].prompt_ids.shape[1] > batches[1].prompt_ids.shape[1]
+    lengths = batches[0].response_mask.sum(1)  # chunks of rows 0-1 and 2-3: one row stops, the other goes on
+    assert lengths[0] != lengths[1] and lengths[2] != lengths[3]
+    assert batches[0].prompt_ids.shape[1] > batches[1].prompt_ids.shape[1]
     P, T = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
     assert batch.features.shape == (7, P + T, 32)
     want = s3ac.trunk_features(critic, batch, micro_batch_size=3)  # [B, P + T, H]
     # what the critic reads: the prompt, and each response but its last token (V(s_t) for t < T_i sits at P - 1 + t)
     read = torch.cat([batch.prompt_mask, batch.response_mask[:, 1:], torch.zeros(7, 1)], 1).bool()  # [B, P + T]
     assert torch.allclose(batch.features[read], want[read], atol=1e-5)
-    assert (batch.features[:, P:][~read[:, P:]] == 0).all()  # the last token and the padding of each response
+    assert (batch.features[~read] == 0).all()  # padding, and the last token of each response
     values, raw = s3ac.value_pass(critic, batch, "mse", 3, want)
     got, raw_got = s3ac.value_pass(critic, batch, "mse", 3, batch.features)
     assert torch.allclose(got, values, atol=1e-5)
@@ -1857,8 +1855,23 @@ def test_generate_records_the_trunk_features_of_a_second_pass(tmp_path, kind, k)
     state = types.SimpleNamespace(device=torch.device("cpu"), critic=critic, engine=None, policy=policy, eos_ids=eos,
                                   pad_id=2)
     args = s3ac.resolve_args(s3ac.Args(micro_batch_size=3, critic_layers=k))
+    recorded = batch.features
     v, _, f = s3ac.critic_pass(args, state, batch)
-    assert f is batch.features and torch.equal(v, got)
+    assert f is recorded and batch.features is None and torch.equal(v, got)  # moved out for the actor's update
+    # forward calls after the end of generation (synced_gpus under FSDP keeps a finished rank stepping) are dropped
+    generate = actor.generate
+
+    def generate_then_step(**kw):
+        out = generate(**kw)
+        actor(input_ids=out[:, -1:])  # one more call, as a finished rank makes
+        return out
+    torch.manual_seed(0)
+    again = s3ac.generate_hf(actor, prompts, list(range(5)), eos, 2, 9, 1.0, batch_size=2, record_block=critic.block)
+    actor.generate = generate_then_step
+    torch.manual_seed(0)
+    extra = s3ac.generate_hf(actor, prompts, list(range(5)), eos, 2, 9, 1.0, batch_size=2, record_block=critic.block)
+    del actor.generate
+    assert torch.equal(extra.response_ids, again.response_ids) and torch.equal(extra.features, again.features)
     # the training rollouts record (collect_rollouts passes record=True); evaluation and a full critic do not
     assert s3ac.generate_responses(args, state, prompts[:2], [0, 1], 3, record=True).features.shape[0] == 2
     assert s3ac.generate_responses(args, state, prompts[:2], [0, 1], 3).features is None

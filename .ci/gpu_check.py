@@ -44,7 +44,7 @@ import time
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 PARTS = ("kernels", "bench", "step", "train")
 NEEDS_CUDA = ("kernels", "bench")
-TIMEOUT_S = {"kernels": 120, "bench": 75, "step": 210, "train": 150}  # seconds, 9 minutes in all
+TIMEOUT_S = {"kernels": 120, "bench": 75, "step": 210, "train": 180}  # seconds, 9.75 minutes in all
 TIMEOUT_TINY_S = {"kernels": 300, "bench": 75, "step": 120, "train": 240}  # --tiny on 2 CPU cores
 
 
@@ -319,24 +319,26 @@ def step_check(argv) -> int:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 
-        if not use_vllm and any(layers):  # HF rollouts record the partial critic's features while generating
+        if any(layers):  # HF rollouts record the partial critic's features while generating
             k = max(layers)
             block, sub = config.num_hidden_layers - k, (prompts[:min(32, opts.prompts)], index[:min(32, opts.prompts)])
-            seconds = {}
-            for record in (None, block, None, block):  # alternated; the second of each is kept
+            seconds = {False: [], True: []}
+            model.eval()
+            for record in (None, block) * 4:  # alternated; the first pair warms up, the median of the rest is kept
                 torch.manual_seed(1)
                 t = synced_time(device)
                 with autocast(device, amp):
                     small = generate_hf(model, *sub, eos_ids, pad_id, min(opts.tokens, 128), 1.0, len(sub[0]),
                                         record_block=record)
-                seconds[record is not None] = synced_time(device) - t
+                seconds[record is not None].append(synced_time(device) - t)
+            seconds = {key: sorted(times[1:])[1] for key, times in seconds.items()}  # median of 3
             with autocast(device, amp):
                 want = trunk_features(critics[k], small, args.micro_batch_size)  # [b, P + T, H] a second pass
                 read = torch.cat([small.prompt_mask, small.response_mask[:, 1:],  # what the critic reads
                                   torch.zeros(len(sub[0]), 1)], 1).bool().to(device)  # [b, P + T]
                 got, ref = (value_pass(critics[k], small, "mse", args.micro_batch_size, f)[0] for f in
                             (small.features, want))  # [b, T] each
-            report({"check": "recorded_features", "critic_layers": k, "prompts": len(sub[0]),
+            report({"check": "recorded_features", "critic_layers": k, "prompts": len(sub[0]), "repeats": 3,
                     "tokens": int(small.response_mask.sum()), "generate_s": seconds[False],
                     "generate_recording_s": seconds[True], "overhead": seconds[True] / seconds[False] - 1,
                     "max_abs_diff_vs_trunk": (small.features - want)[read].abs().max().item(),
@@ -375,8 +377,8 @@ def step_check(argv) -> int:
             return times
 
         runs = [("grpo", 0)] + [("s3ac", k) for k in layers]
-        for algo, k in runs[1:]:  # warm-up on a quarter of the batch: kernels, optimizer states, first allocations
-            phases(algo, k, list(range(0, opts.prompts, 4)))
+        for algo, k in runs:  # warm-up on the first quarter of the batch (whole GRPO groups): kernels, optimizer
+            phases(algo, k, list(range(opts.prompts // 4)))  # states, first allocations
         times, peaks = {}, {}
         for algo, k in runs:
             times[algo, k] = phases(algo, k)
