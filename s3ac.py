@@ -727,9 +727,11 @@ class Critic(nn.Module):
         k = 0   a whole separate model that reads the token ids (the paper's critic).
         k >= 1  partial trunk (Baseten's value head on the last k of L layers): `trunk` gives the ACTOR's hidden
                 states after block L - k, without gradient, and the backbone is the critic's own trainable copy of
-                the actor's last k blocks and final norm (top_blocks). The critic loss never reaches the actor, and
-                the trunk moves under the critic: it fits batch n on the features of the actor that generated it
-                and reads the updated actor's at step n + 1. With HF rollouts those features are recorded while
+                the actor's last k blocks and final norm (top_blocks). The critic loss never reaches the actor. The
+                actor's lower blocks keep training, so the critic's input shifts from step to step: it fits batch n
+                on the features of the actor that generated it and reads the updated actor's at step n + 1. "After
+                block L - k" counts blocks from 1: it is the input of block L - k counted from 0
+                (hidden_states[L - k] of output_hidden_states). With HF rollouts those features are recorded while
                 generating (generate_hf's record_block), so the trunk runs no second pass; after vLLM rollouts
                 (and for coverage data) trunk_features runs it once per batch.
     """
@@ -959,7 +961,8 @@ class Batch:
     sampler_logprobs: torch.Tensor = None  # [B, T] the sampler's own log mu (vLLM), 0 on padding; None for hf
     features: torch.Tensor = None  # [B, P + T, H] fp32, the actor's hidden states after block L - k that the
     #                                partial-trunk critic reads, recorded during HF generation (generate_hf's
-    #                                record_block); 0 on padding and at each row's last token; None otherwise
+    #                                record_block); 0 on padding and at each row's last response token; None
+    #                                otherwise
 
     def rows(self, idx):
         """The sub-batch of the sequences `idx` (a list or a [b] index tensor)."""
@@ -1059,10 +1062,11 @@ def generate_hf(model, prompts: list, prompt_index: list, eos_ids, pad_id: int, 
     position, from the generation's own forward passes (recording_block_input) in Batch.features [B, P + T, H] fp32
     on the model's device, so no second trunk pass is needed. They equal trunk_features of the batch up to float
     rounding (the KV cache against one whole-sequence pass). They are 0 on padding and at each row's last response
-    token (the last sampled token of a chunk is never fed to the model): the critic reads none of these (V(s_t) for
-    t < T_i sits at positions P - 1 .. P + T_i - 2, and causal attention looks no later). Memory: the batch's
-    features, 4 B (P + T) H bytes, held to the critic update, and about twice that for a moment while the chunks
-    are joined. Time: the hook's copies land in the rollout's time (time/rollout), not in c.
+    token (the last token sampled in a generate call of batch_size prompts is never fed to the model): the critic
+    reads none of these (V(s_t) for t < T_i sits at positions P - 1 .. P + T_i - 2, and causal attention looks no
+    later). Memory: the batch's features, 4 B (P + T) H bytes, held to the critic update, and about twice that for
+    a moment while the generate calls' features are joined. Time: the hook's copies land in the rollout's time
+    (time/rollout), not in c.
     """
     from transformers import GenerationConfig
     config = GenerationConfig(do_sample=not greedy, temperature=None if greedy else temperature,
