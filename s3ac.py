@@ -800,16 +800,16 @@ def top_blocks(lm: nn.Module, k: int) -> nn.Module:
 
 @torch.no_grad()
 def actor_hidden_states(policy: nn.Module, block: int, input_ids, attention_mask, position_ids):
-    """The actor's hidden states after block `block` (0: the token embeddings), [B, P + T, H], without gradient:
-    the partial-trunk critic's input. policy: a Policy or a causal LM. It runs the model's own forward and keeps
-    hidden_states[block] (below L, before the final norm); the forward has no early exit, so the last L - block
+    """The actor's hidden states after block `block` (0: the token embeddings), [B, P + T, H] fp32, without
+    gradient: the partial-trunk critic's input. policy: a Policy or a causal LM. It runs the model's own forward and
+    keeps the input of block `block` counted from 0 (recording_block_input; hidden_states[block] of
+    output_hidden_states, below L, before the final norm); the forward has no early exit, so the last L - block
     blocks run too and their work is thrown away. Under FSDP2 the actor's own parameters are gathered for the
     call, as for generate()."""
     lm = policy.lm if isinstance(policy, Policy) else policy
-    with gathered(policy):
-        out = lm.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            use_cache=False, output_hidden_states=True)
-    return out.hidden_states[block]  # [B, P + T, H]
+    with gathered(policy), recording_block_input(lm, block) as calls:
+        lm.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    return calls[0]  # [B, P + T, H]
 
 
 def load_critic(path: str, device, seed: int, head_file: str = "", layers: int = 0, actor=None) -> Critic:
@@ -1562,8 +1562,8 @@ def trunk_features(critic: Critic, batch: Batch, micro_batch_size: int):
     hidden states after block L - k, in micro-batches; None for a separate critic (k = 0). Computed once per batch,
     passed to value_pass and update_critic, and reused for the values and every critic epoch.
 
-    Memory: 4 B (P + T) H bytes for the batch (64 sequences of 1,200 tokens at H = 1536: 0.47 GB), plus the
-    4 (L + 1) b (P + T) H bytes of a micro-batch's L + 1 hidden states while it runs."""
+    Memory: 4 B (P + T) H bytes for the batch (64 sequences of 1,200 tokens at H = 1536: 0.47 GB), plus one
+    micro-batch's no-grad forward while it runs (only block L - k's input is kept: recording_block_input)."""
     if critic.trunk is None:
         return None
     device = critic.value_head.weight.device
