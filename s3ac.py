@@ -1035,7 +1035,8 @@ def recording_block_input(lm: nn.Module, block: int):
     """While active, every forward call of the causal LM lm appends the input of its block `block` (0-based), the
     hidden states after blocks 0 .. block - 1 (hidden_states[block] of output_hidden_states; block 0: the token
     embeddings), [b, s, H] fp32 without gradient, to the list it yields. In generate() the first call is the
-    prefill (s = the prompt length) and each later call one decoding step (s = 1)."""
+    prefill (s = the prompt length) and each later call one decoding step (s = 1). Raises IndexError unless
+    0 <= block < L (lm.base_model.layers, the Llama / Qwen2 / Mistral layout)."""
     calls = []
 
     def hook(module, args, kwargs):
@@ -1093,8 +1094,8 @@ def generate_hf(model, prompts: list, prompt_index: list, eos_ids, pad_id: int, 
         P, T = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
         padded = [pad_features(*features.pop(0), P, T) for _ in range(len(features))]  # each chunk freed once padded
         batch.features = torch.cat(padded)  # [B, P + T, H]
-        fed = torch.nn.functional.pad(response_mask[:, 1:], (0, 1))  # [B, T] 1 where a later token follows
-        keep = torch.cat([batch.prompt_mask.float(), fed], 1).to(device)  # [B, P + T] what the critic reads
+        followed = torch.nn.functional.pad(response_mask[:, 1:], (0, 1))  # [B, T] 1 where a later token follows
+        keep = torch.cat([batch.prompt_mask.float(), followed], 1).to(device)  # [B, P + T] what the critic reads
         batch.features *= keep[:, :, None]  # 0 on padding and at each row's last token, whether fed or not
     return batch
 
