@@ -7,14 +7,13 @@ op, in this order:
 
     _name_kernel (Triton, @triton.jit)  ->  launcher / autograd.Function  ->  name (same signature as s3ac.name)
 
-`name` here always runs Triton. GAE also has a fast path without Triton, `gae_scan` (a chunked, vectorised scan
-with the same signature). s3ac.py calls these at one dispatch point, `s3ac.kernel_or(fn)`, which asks
-`use_triton(tensor)`. What runs where:
+`name` here always runs Triton. s3ac.py dispatches at one point: its function of the same name runs
+kernels.name when `use_triton(first tensor argument)` holds, else its own PyTorch definition. What runs where:
 
-    backend   CUDA tensor, Triton imports   CPU tensor, or no Triton          set by
-    "auto"    kernels.name (Triton)         gae: gae_scan; losses: s3ac.name  the default
+    backend   CUDA tensor, Triton imports   CPU tensor, or no Triton           set by
+    "auto"    kernels.name (Triton)         s3ac.name (gae: the reverse loop)  the default
     "triton"  kernels.name (Triton)         kernels.name (TRITON_INTERPRET=1)  --kernels triton
-    "torch"   s3ac.name                     s3ac.name (gae: the reverse loop)  --kernels torch
+    "torch"   s3ac.name                     s3ac.name                          --kernels torch
 
 `logprobs_from_hidden` (and its chunked PyTorch reference) lives here whole and dispatches itself the same way
 (Triton where use_triton holds, else logprobs_from_hidden_ref). The backend can be forced:
@@ -35,7 +34,7 @@ whole batch so that the micro-batch losses add up to the token mean over the bat
 Benchmarks (one JSON line per op and size):
     python kernels.py --bench        # the GPU section when CUDA and Triton are present, else the CPU section
     python kernels.py --bench-cpu    # CPU section, one thread (about 10 minutes: log-probs at V = 151,936)
-    python kernels.py --bench-gpu    # GPU section: copy bandwidth, GAE, fused losses, log-prob memory
+    python kernels.py --bench-gpu    # GPU section: copy bandwidth, GAE (3 shapes), fused losses, log-prob memory
 """
 
 from __future__ import annotations
@@ -47,7 +46,6 @@ if __name__ == "__main__" and any(a.startswith("--bench") for a in sys.argv[1:])
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # the CPU bench is single-threaded; must precede torch import
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 try:  # Triton is optional: without it s3ac.py runs its PyTorch functions.
@@ -120,13 +118,6 @@ def _require_triton(x: Tensor) -> None:
         raise RuntimeError("Triton on CPU tensors needs TRITON_INTERPRET=1 set before triton is imported")
 
 
-def _num_tokens(response_mask: Tensor, num_tokens) -> Tensor | float:
-    """The loss normaliser: `num_tokens` when given, else the count of valid tokens (at least 1)."""
-    if num_tokens is None:
-        return (response_mask != 0).sum().clamp(min=1).float()
-    return num_tokens
-
-
 def _row_lambda(lam, B: int, device) -> Tensor:
     """lambda as an fp32 tensor [B] (a float is broadcast to every row)."""
     if isinstance(lam, Tensor):
@@ -155,81 +146,147 @@ def _check_same_shape(**tensors) -> None:
 # over the valid tokens of a row, with V = 0 after the last one. Masked positions are skipped: the next value
 # and the running advantage are carried across them (the convention of verl's compute_gae_advantage_return).
 # The readable definition is s3ac.gae, a reverse loop over T.
+#
+# The loop carries a state (A, V) leftwards: A the running advantage, V the next valid token's value (0, 0 past
+# the row's end). A valid step t maps it to (gl * A + gamma * V + r_t - v_t, v_t) with gl = gamma * lam (that is
+# A_t = delta_t + gl * A_{t+1}); a masked step leaves it. Any span of steps is such a map, five numbers
+#     A <- P * A + K * V + S,     V <- F if H else V       (H: the span holds a valid token; F: its earliest value)
+# and spans compose associatively (_gae_combine), so rows are cut into chunks of BLOCK_T steps, two launches:
+#   (a) _gae_summary_kernel, a program per (row, chunk): its chunk's map (chunk 0's is never needed; T <= BLOCK_T
+#       skips this launch);
+#   (b) _gae_kernel, a program per (row, chunk): folds the later chunks' maps into the state (A_in, V_in) entering
+#       its chunk, scans the chunk and writes A_t = P_t * A_in + K_t * V_in + S_t and R_t = A_t + v_t.
+# A result only ever combines steps at or after it (never a 1 / gl factor): a huge early value cannot disturb
+# later positions and gamma * lam = 1 stays exact. Inputs are read twice (once per launch), outputs written once.
 # ---------------------------------------------------------------------------------------------------------
 
-
-@_jit
-def _last_valid(h1, v1, h2, v2):
-    # Scan combine for "value of the most recent valid element": the right operand wins when it is valid.
-    return tl.maximum(h1, h2), tl.where(h2 != 0, v2, v1)
+GAE_BLOCK_T = 2048  # time steps per program (one chunk); a runtime T never changes the compiled kernels
+GAE_NUM_WARPS = 8
+GAE_BLOCK_C = 64  # chunk maps folded per step of _gae_kernel's carry loop
 
 
 @_jit
-def _affine_compose(a1, b1, a2, b2):
-    # Scan combine for x -> b + a * x maps: apply (a1, b1) first, then (a2, b2):  b2 + a2 * (b1 + a1 * x).
-    return a1 * a2, b2 + a2 * b1
+def _gae_combine(p1, k1, s1, h1, f1, p2, k2, s2, h2, f2):
+    # Scan combine of two span maps: span 1 holds the LATER time steps and is applied first, span 2 after it.
+    #   A <- P2 * (P1 * A + K1 * V + S1) + K2 * V1' + S2   with V1' = F1 if H1 else V, so K2 reaches V only
+    #   when span 1 has no valid token, and otherwise multiplies its earliest value F1 (F is 0 when H is, so
+    #   K2 * F1 needs no select).
+    p = p1 * p2
+    k = p2 * k1 + tl.where(h1 != 0, 0.0, k2)
+    s = p2 * s1 + s2 + k2 * f1
+    return p, k, s, h1 | h2, tl.where(h2 != 0, f2, f1)
+
+
+@_jit
+def _gae_chunk_load(rewards_ptr, values_ptr, mask_ptr, row_start, chunk, T, BLOCK_T: tl.constexpr):
+    # The chunk's positions in reversed order (i = 0 is its latest time step), so the backward-in-time recursion
+    # is a FORWARD associative scan; we do not use `tl.associative_scan(..., reverse=True)`: triton-lang/triton#4362
+    # reports wrong GPU results for reverse scans with non-commutative combines.
+    i = tl.arange(0, BLOCK_T)
+    t = chunk.to(tl.int64) * BLOCK_T + (BLOCK_T - 1 - i)  # [BLOCK_T] time index, decreasing with i
+    in_row = t < T
+    valid = tl.load(mask_ptr + row_start + t, mask=in_row, other=0) != 0
+    r = tl.load(rewards_ptr + row_start + t, mask=valid, other=0.0).to(tl.float32)  # padding is never read
+    v = tl.load(values_ptr + row_start + t, mask=valid, other=0.0).to(tl.float32)
+    return t, in_row, valid, r, v
+
+
+@_jit
+def _gae_chunk_scan(valid, r, v, gamma, gl):
+    # Element i of the scan: the map of positions t .. chunk end (each step's own map: see the section comment)
+    return tl.associative_scan((tl.where(valid, gl, 1.0), tl.where(valid, gamma, 0.0), r - v, valid.to(tl.int32), v),
+                               0, _gae_combine)
+
+
+@_jit
+def _lane(x, pick):
+    return tl.sum(tl.where(pick, x, 0), 0)  # the one element of x where pick holds
 
 
 @_jit(do_not_specialize=["T"])
-def _gae_kernel(rewards_ptr, values_ptr, mask_ptr, lam_ptr, adv_ptr, ret_ptr, T, gamma, BLOCK: tl.constexpr):
-    # One program per row. The row is walked in chunks of BLOCK from its end to its start; inside a chunk the
-    # positions are loaded in reversed order (i = 0 is the latest time step), so the backward-in-time GAE
-    # recursion becomes a FORWARD associative scan. We do not use `tl.associative_scan(..., reverse=True)`:
-    # triton-lang/triton#4362 reports wrong GPU results for reverse scans with non-commutative combines, and
-    # both combines here are non-commutative. Two carries link the chunks: the advantage and the value at the
-    # earliest valid position seen so far (both 0 past the end of the row).
+def _gae_summary_kernel(rewards_ptr, values_ptr, mask_ptr, lam_ptr, summary_ptr, T, gamma, lam,
+                        BLOCK_T: tl.constexpr, LAM_PER_ROW: tl.constexpr):
+    # Launch (a): grid (B, n_chunks - 1). Writes the map of chunk c = 1 + program_id(1) of its row to
+    # summary[:, row, c], a [5, B, n_chunks] fp32 tensor (P, K, S, H, F; H as 0.0 / 1.0).
     row = tl.program_id(0).to(tl.int64)
-    gl = gamma * tl.load(lam_ptr + row).to(tl.float32)
-    row_start = row * T
-    i = tl.arange(0, BLOCK)
-    carry_adv = 0.0  # A at the first valid position after the current chunk
-    carry_v = 0.0  # V at the first valid position after the current chunk (0 = terminal value)
-    for c in range(0, tl.cdiv(T, BLOCK)):
-        t = (T - c * BLOCK - 1 - i).to(tl.int64)  # [BLOCK] time index, decreasing with i
-        in_row = t >= 0
-        valid = tl.load(mask_ptr + row_start + t, mask=in_row, other=0) != 0
-        r = tl.load(rewards_ptr + row_start + t, mask=valid, other=0.0).to(tl.float32)
-        v = tl.load(values_ptr + row_start + t, mask=valid, other=0.0).to(tl.float32)
-
-        # V_next(t) = V at the nearest valid position > t: scan the sequence shifted by one time step.
-        t1 = t + 1
-        valid1 = tl.load(mask_ptr + row_start + t1, mask=in_row & (t1 < T), other=0) != 0
-        v1 = tl.load(values_ptr + row_start + t1, mask=valid1, other=0.0).to(tl.float32)
-        seen, v_scan = tl.associative_scan((valid1.to(tl.int32), v1), 0, _last_valid)
-        v_next = tl.where(seen != 0, v_scan, carry_v)
-
-        # A_t = delta_t + gl * A_next on valid steps, A_t = A_next on masked ones: the map x -> b + a * x.
-        delta = r + gamma * v_next - v
-        a = tl.where(valid, gl, 1.0)
-        b = tl.where(valid, delta, 0.0)
-        a_cum, b_cum = tl.associative_scan((a, b), 0, _affine_compose)
-        adv = b_cum + a_cum * carry_adv
-        tl.store(adv_ptr + row_start + t, tl.where(valid, adv, 0.0), mask=in_row)
-        tl.store(ret_ptr + row_start + t, tl.where(valid, adv + v, 0.0), mask=in_row)
-
-        # The last scan element (earliest time, maybe before the row start) carries A across masked steps.
-        carry_adv = tl.sum(tl.where(i == BLOCK - 1, adv, 0.0), 0)
-        earliest = tl.max(tl.where(valid, i, -1), 0)
-        v_earliest = tl.sum(tl.where(i == earliest, v, 0.0), 0)
-        carry_v = tl.where(earliest >= 0, v_earliest, carry_v)
+    chunk = tl.program_id(1) + 1
+    gl = gamma * (tl.load(lam_ptr + row).to(tl.float32) if LAM_PER_ROW else lam)
+    _, _, valid, r, v = _gae_chunk_load(rewards_ptr, values_ptr, mask_ptr, row * T, chunk, T, BLOCK_T)
+    p, k, s, h, f = _gae_chunk_scan(valid, r, v, gamma, gl)
+    i = tl.arange(0, BLOCK_T)
+    last = i == BLOCK_T - 1  # the scan's last element is the whole chunk: store that one lane only
+    at = summary_ptr + row * tl.cdiv(T, BLOCK_T) + chunk + 0 * i.to(tl.int64)  # [BLOCK_T] all the same address
+    stride = tl.num_programs(0).to(tl.int64) * tl.cdiv(T, BLOCK_T)  # B * n_chunks
+    tl.store(at, p, mask=last)
+    tl.store(at + stride, k, mask=last)
+    tl.store(at + 2 * stride, s, mask=last)
+    tl.store(at + 3 * stride, h.to(tl.float32), mask=last)
+    tl.store(at + 4 * stride, f, mask=last)
 
 
-def _gae_triton(rewards, values, response_mask, gamma, lam):
+@_jit(do_not_specialize=["T"])
+def _gae_kernel(rewards_ptr, values_ptr, mask_ptr, lam_ptr, summary_ptr, adv_ptr, ret_ptr, T, gamma, lam,
+                BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, LAM_PER_ROW: tl.constexpr):
+    # Launch (b): grid (B, n_chunks), walked backwards (the first programs take the last rows' last chunks, which
+    # launch (a) read last, so part of them may still sit in L2).
+    n_chunks = tl.cdiv(T, BLOCK_T)
+    row = (tl.num_programs(0) - 1 - tl.program_id(0)).to(tl.int64)
+    chunk = n_chunks - 1 - tl.program_id(1)
+    gl = gamma * (tl.load(lam_ptr + row).to(tl.float32) if LAM_PER_ROW else lam)
+    t, in_row, valid, r, v = _gae_chunk_load(rewards_ptr, values_ptr, mask_ptr, row * T, chunk, T, BLOCK_T)
+
+    # While those loads are in flight, the state entering this chunk: the maps of chunks n_chunks - 1, ...,
+    # chunk + 1 (latest first) applied to (A, V) = (0, 0), BLOCK_C maps per step (padding: the identity 1, 0, 0, 0, 0).
+    stride = tl.num_programs(0).to(tl.int64) * n_chunks
+    j = tl.arange(0, BLOCK_C)
+    last = j == BLOCK_C - 1
+    a_in, v_in = 0.0, 0.0
+    for k0 in range(0, n_chunks - 1 - chunk, BLOCK_C):
+        c = n_chunks - 1 - k0 - j  # [BLOCK_C] chunk index, decreasing
+        m = c > chunk
+        at = summary_ptr + row * n_chunks + c
+        p, k, s, h, f = tl.associative_scan((tl.load(at, mask=m, other=1.0), tl.load(at + stride, mask=m, other=0.0),
+                                             tl.load(at + 2 * stride, mask=m, other=0.0),
+                                             (tl.load(at + 3 * stride, mask=m, other=0.0) != 0).to(tl.int32),
+                                             tl.load(at + 4 * stride, mask=m, other=0.0)), 0, _gae_combine)
+        a_in = _lane(p, last) * a_in + _lane(k, last) * v_in + _lane(s, last)  # the block's map: its last lane
+        v_in = tl.where(_lane(h, last) != 0, _lane(f, last), v_in)
+
+    p, k, s, _, _ = _gae_chunk_scan(valid, r, v, gamma, gl)
+    adv = p * a_in + k * v_in + s  # A_t = the map of positions t .. chunk end applied to the entering state
+    tl.store(adv_ptr + row * T + t, tl.where(valid, adv, 0.0), mask=in_row)
+    tl.store(ret_ptr + row * T + t, tl.where(valid, adv + v, 0.0), mask=in_row)
+
+
+def _gae_triton(rewards, values, response_mask, gamma, lam, block_t=None, num_warps=None):
+    """Launches (a) and (b) with block_t time steps per program (default GAE_BLOCK_T; num_warps: GAE_NUM_WARPS).
+    Returns (advantages, returns, the chunk maps [5, B, n_chunks] fp32 (P, K, S, H, F), chunk 0's never written)."""
     B, T = rewards.shape
+    block_t, num_warps = block_t or GAE_BLOCK_T, num_warps or GAE_NUM_WARPS
+    n_chunks = triton.cdiv(T, block_t)
+    adv = torch.empty(B, T, device=rewards.device, dtype=torch.float32)
+    ret = torch.empty_like(adv)
+    summary = torch.empty(5, B, n_chunks, device=rewards.device, dtype=torch.float32)
+    if B == 0 or T == 0:
+        return adv, ret, summary
     mask = response_mask.contiguous()
     if mask.dtype == torch.bool:
         mask = mask.view(torch.uint8)
-    adv = torch.empty(B, T, device=rewards.device, dtype=torch.float32)
-    ret = torch.empty_like(adv)
-    if B == 0 or T == 0:
-        return adv, ret
-    lam_rows = _row_lambda(lam, B, rewards.device)
-    _gae_kernel[(B,)](rewards.contiguous(), values.contiguous(), mask, lam_rows, adv, ret, T, float(gamma), BLOCK=256)
-    return adv, ret
+    per_row = isinstance(lam, Tensor)
+    inputs = (rewards.contiguous(), values.contiguous(), mask,
+              _row_lambda(lam, B, rewards.device) if per_row else mask)  # (an unread pointer for a float lam)
+    scalars = (T, float(gamma), 0.0 if per_row else float(lam))
+    if n_chunks > 1:
+        _gae_summary_kernel[(B, n_chunks - 1)](*inputs, summary, *scalars, BLOCK_T=block_t, LAM_PER_ROW=per_row,
+                                               num_warps=num_warps)
+    _gae_kernel[(B, n_chunks)](*inputs, summary, adv, ret, *scalars, BLOCK_T=block_t, BLOCK_C=GAE_BLOCK_C,
+                               LAM_PER_ROW=per_row, num_warps=num_warps)
+    return adv, ret, summary
 
 
 def gae(rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: float, lam) -> tuple[Tensor, Tensor]:
-    """Token-level GAE as one Triton program per row: s3ac.gae's signature, contract and result (to fp32 rounding).
+    """Token-level GAE as a chunked parallel scan in Triton: s3ac.gae's signature, contract and result (to fp32
+    rounding).
 
     rewards, values, response_mask: [B, T] (padding may hold NaN or inf); gamma: float; lam: float or Tensor [B].
     Returns (advantages, returns), both [B, T] fp32, 0 at masked positions. Source: Schulman et al. 2016, eq. 16.
@@ -238,86 +295,7 @@ def gae(rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: float, la
     """
     _check_same_shape(rewards=rewards, values=values, response_mask=response_mask)
     _require_triton(rewards)
-    return _gae_triton(rewards, values, response_mask, gamma, lam)
-
-
-# The fast path without Triton (CPU tensors, or CUDA without Triton): the same recursion as a chunked,
-# vectorised scan. It rounds differently from s3ac.gae's loop (a few fp32 ulps), so the training run uses it
-# wherever the Triton kernel does not apply, and `--kernels torch` selects s3ac.gae itself.
-def _discounted_reverse_cumsum(x: Tensor, w: Tensor, chunk: int = 32) -> Tensor:
-    """y[b, t] = sum_{s >= t} w[b]^(s - t) * x[b, s]  for x [B, T] fp32 and w [B] fp32 (or [1]) in [0, 1].
-
-    Exact scan without rescaling: positions are cut into chunks of `chunk`; inside a chunk the sum is a matmul
-    with the upper-triangular matrix K[j, i] = w^(j - i) (j >= i, else 0), and the chunk starts are linked by
-    the same recursion with factor w^chunk, solved by calling this function on them. Every position only ever
-    receives terms from positions at or after it, multiplied by an exact 0 otherwise, so a huge value early in
-    a row cannot disturb later positions, and w = 1 stays exact (no 1 / w^t factors).
-    """
-    B, T = x.shape
-    C = min(chunk, T)
-    n = -(-T // C)
-    xc = F.pad(x, (0, n * C - T)).view(B, n, C)  # [B, n, C]
-    idx = torch.arange(C, device=x.device)  # [C]
-    expo = (idx[:, None] - idx[None, :]).to(torch.float32)  # [C, C]  j - i (row j, column i)
-    upper = expo >= 0  # [C, C]
-    if w.numel() == 1:  # one factor for all rows: a single GEMM over all chunks
-        K = torch.where(upper, w.reshape(()) ** expo.clamp(min=0), 0.0)  # [C, C]
-        local = (xc.reshape(B * n, C) @ K).view(B, n, C)  # [B, n, C]
-    else:  # a factor per row: one [C, C] matrix per row
-        K = torch.where(upper, w[:, None, None] ** expo.clamp(min=0), 0.0)  # [B, C, C]
-        local = torch.bmm(xc, K)  # [B, n, C]
-    if n > 1:
-        w_col = w.reshape(-1, 1)  # [B or 1, 1]
-        starts = _discounted_reverse_cumsum(local[:, :, 0].contiguous(), w ** C, chunk)  # [B, n] y at chunk starts
-        next_start = F.pad(starts[:, 1:], (0, 1))  # [B, n]  y at the start of the following chunk (0 past the end)
-        decay = w_col ** (C - idx).to(torch.float32)  # [B or 1, C]  w^(C - i)
-        local = local + decay[:, None, :] * next_start[:, :, None]  # [B, n, C]
-    return local.reshape(B, n * C)[:, :T]
-
-
-def gae_scan(rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: float, lam) -> tuple[Tensor, Tensor]:
-    """Token-level GAE in PyTorch, vectorised over rows and positions: s3ac.gae's signature, contract and result
-    (to fp32 rounding). The path s3ac.kernel_or(gae) takes when the Triton kernel does not apply.
-
-    rewards, values, response_mask: [B, T] (padding may hold NaN or inf); gamma: float; lam: float or Tensor [B].
-    Returns (advantages, returns), both [B, T] fp32, 0 at masked positions. Source: Schulman et al. 2016, eq. 16.
-    Raises ValueError if the tensors are not of one shape [B, T] or lam has the wrong length.
-
-    Skipping masked positions is made plain adjacency first: when some row has a masked gap between valid
-    tokens, the valid tokens of every row are packed to the front (scattered by their running count) and
-    unpacked at the end; rows padded only on the left or right need no packing. Then
-    delta = r + gamma * V_next - V and A = the discounted reverse cumsum of delta with factor gamma * lam
-    (`_discounted_reverse_cumsum`, exact and vectorised).
-    """
-    _check_same_shape(rewards=rewards, values=values, response_mask=response_mask)
-    B, T = rewards.shape
-    valid = response_mask != 0  # [B, T]
-    if B == 0 or T == 0:
-        z = torch.zeros(B, T, device=rewards.device, dtype=torch.float32)  # [B, T]
-        return z, z.clone()
-    r = torch.where(valid, rewards.float(), 0.0)  # [B, T] padding garbage dropped here
-    v = torch.where(valid, values.float(), 0.0)  # [B, T]
-    span_starts = valid[:, :1].sum(1) + (valid[:, 1:] & ~valid[:, :-1]).sum(1)  # [B] runs of valid tokens
-    packed = bool((span_starts > 1).any())
-    if packed:
-        slot = valid.cumsum(1, dtype=torch.int32) - 1  # [B, T]  index of each valid token among the valid ones
-        dest = torch.where(valid, slot, T).long()  # [B, T]  masked positions go to a spare column T
-        spare = torch.zeros(B, T + 1, device=r.device, dtype=torch.float32)  # [B, T+1]
-        r = spare.scatter(1, dest, r)[:, :T]  # [B, T] valid tokens first
-        v = spare.scatter(1, dest, v)[:, :T]  # [B, T] (only zeros reach column T)
-    v_next = F.pad(v[:, 1:], (0, 1))  # [B, T]  V of the next valid token; 0 after the last one (terminal)
-    delta = r + gamma * v_next - v  # [B, T]  exactly 0 wherever r = v = 0 (padding, or past the packed tokens)
-    if isinstance(lam, Tensor):
-        gl = gamma * _row_lambda(lam, B, r.device)  # [B]
-    else:
-        gl = torch.tensor([gamma * float(lam)], device=r.device, dtype=torch.float32)  # [1]
-    adv = _discounted_reverse_cumsum(delta, gl)  # [B, T]
-    if packed:
-        adv = F.pad(adv, (0, 1)).gather(1, dest)  # [B, T] back to the original positions; column T is 0
-        v = torch.where(valid, values.float(), 0.0)  # [B, T] unpacked values
-    else:
-        adv = torch.where(valid, adv, 0.0)  # [B, T]
-    return adv, adv + v  # returns = A + V, exactly 0 at masked positions (both terms are 0 there)
+    return _gae_triton(rewards, values, response_mask, gamma, lam)[:2]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -327,68 +305,116 @@ def gae_scan(rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: floa
 #     J = sg(clip(ratio, 1 - eps_low, 1 + eps_high)) * A * log pi(token),   ratio = pi / pi_old
 # The clipped ratio is a stop-gradient weight, so every token keeps a gradient (unlike PPO clipping).
 # The readable definition is s3ac.cispo_loss.
+#
+# The three fused losses share one shape, one launch forward and one multiply backward: a program reads a block
+# of tokens once, writes d(loss)/d(input) for an upstream gradient of 1 (divided by num_tokens, read from a device
+# tensor: no host sync) and adds its block sums to the loss and metrics in the same launch (_finish_loss_sums).
 # ---------------------------------------------------------------------------------------------------------
+
+LOSS_BLOCK = 4096  # tokens per program of the fused losses
+LOSS_NUM_WARPS = 8
+LOSS_RBLOCK = 1024  # block sums added per step by the program that finishes a loss
+
+
+@_jit
+def _finish_loss_sums(partial_ptr, out_ptr, n_tok, s0, s1, s2, RBLOCK: tl.constexpr):
+    # A deterministic sum over programs inside the launch: each program stores its block sums in partial [3,
+    # programs], then draws a ticket from the counter out[3] (an fp32 count, exact below 2^24 programs); the one
+    # with the last ticket adds every block sum in program order and writes out[0:3] = sums / num_tokens. The
+    # ticket's acquire-release order (after a barrier) makes the others' stores visible; volatile loads skip L1.
+    pid = tl.program_id(0)
+    n = tl.num_programs(0)
+    tl.store(partial_ptr + pid, s0)
+    tl.store(partial_ptr + n + pid, s1)
+    tl.store(partial_ptr + 2 * n + pid, s2)
+    tl.debug_barrier()
+    if tl.atomic_add(out_ptr + 3, 1.0, sem="acq_rel") == n - 1:
+        k = tl.arange(0, 4)
+        acc = tl.zeros([4, RBLOCK], dtype=tl.float32)  # [sum, block]; row 3 stays 0
+        for start in range(0, n, RBLOCK):
+            offs = start + tl.arange(0, RBLOCK)
+            at = partial_ptr + k[:, None] * n + offs[None, :]
+            acc += tl.load(at, mask=(k[:, None] < 3) & (offs[None, :] < n), other=0.0, volatile=True)
+        tl.store(out_ptr + k, tl.sum(acc, 1) / n_tok, mask=k < 3)
 
 
 @_jit(do_not_specialize=["n_elements"])
-def _cispo_kernel(logp_ptr, old_logp_ptr, adv_ptr, mask_ptr, coef_ptr, partial_ptr, n_elements, eps_low, eps_high,
-                  BLOCK: tl.constexpr):
-    # One program per BLOCK tokens of the flattened [B*T] batch. Writes d(per-token loss)/d(logprob) and three
-    # block partial sums (loss, clipped count, k3 KL) that the host adds up in a fixed order.
+def _cispo_kernel(logp_ptr, old_logp_ptr, adv_ptr, mask_ptr, n_tok_ptr, grad_ptr, partial_ptr, out_ptr, n_elements,
+                  eps_low, eps_high, BLOCK: tl.constexpr, RBLOCK: tl.constexpr):
+    # One program per BLOCK tokens of the flattened [B*T] batch. Writes d loss / d logprob (upstream 1) and
+    # out = [loss, clipped share, k3 KL, ticket count].
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     valid = tl.load(mask_ptr + offs, mask=offs < n_elements, other=0) != 0
-    logp = tl.load(logp_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+    logp = tl.load(logp_ptr + offs, mask=valid, other=0.0).to(tl.float32)  # padding is never read
     old_logp = tl.load(old_logp_ptr + offs, mask=valid, other=0.0).to(tl.float32)
     adv = tl.load(adv_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+    n_tok = tl.load(n_tok_ptr).to(tl.float32)
     log_ratio = logp - old_logp
     ratio = tl.exp(log_ratio)
     weight = tl.minimum(tl.maximum(ratio, 1.0 - eps_low), 1.0 + eps_high)  # sg(clip(ratio))
     coef = tl.where(valid, -weight * adv, 0.0)  # d(-J)/d logp with the weight held constant
     clipped = valid & ((ratio < 1.0 - eps_low) | (ratio > 1.0 + eps_high))
     kl = tl.where(valid, (ratio - 1.0) - log_ratio, 0.0)  # k3 estimator of KL(old || new)
-    tl.store(coef_ptr + offs, coef, mask=offs < n_elements)
-    tl.store(partial_ptr + pid * 3 + 0, tl.sum(coef * logp, 0))
-    tl.store(partial_ptr + pid * 3 + 1, tl.sum(clipped.to(tl.float32), 0))
-    tl.store(partial_ptr + pid * 3 + 2, tl.sum(kl, 0))
+    tl.store(grad_ptr + offs, coef * (1.0 / n_tok), mask=offs < n_elements)
+    _finish_loss_sums(partial_ptr, out_ptr, n_tok, tl.sum(coef * logp, 0), tl.sum(clipped.to(tl.float32), 0),
+                      tl.sum(kl, 0), RBLOCK)
+
+
+def _loss_launch(kernel, inputs, response_mask, num_tokens, scalars):
+    """kernel(*inputs, mask, num_tokens, grad, partial, out, n_elements, *scalars), one launch. Returns (grad =
+    d loss / d inputs[0] for an upstream gradient of 1, fp32 [B, T]; out = [loss, metric, metric, tickets] fp32)."""
+    n_elements = inputs[0].numel()
+    n_blocks = triton.cdiv(n_elements, LOSS_BLOCK)
+    device = inputs[0].device
+    grad = torch.empty(inputs[0].shape, device=device, dtype=torch.float32)
+    partial = torch.empty(3, max(n_blocks, 1), device=device, dtype=torch.float32)
+    out = torch.zeros(4, device=device, dtype=torch.float32)
+    mask = response_mask.contiguous()
+    if mask.dtype == torch.bool:
+        mask = mask.view(torch.uint8)
+    if n_blocks:
+        kernel[(n_blocks,)](*(x.detach().contiguous() for x in inputs), mask, _num_tokens(response_mask, num_tokens),
+                            grad, partial, out,
+                            n_elements, *scalars, BLOCK=LOSS_BLOCK, RBLOCK=LOSS_RBLOCK, num_warps=LOSS_NUM_WARPS)
+    return grad, out
+
+
+def _num_tokens(response_mask: Tensor, num_tokens) -> Tensor:
+    """The loss normaliser as an fp32 tensor on the mask's device (read there: no host sync): `num_tokens` (a number
+    or tensor), else the valid tokens (at least 1; one more pass over the mask; the training loop passes it)."""
+    if num_tokens is None:
+        return (response_mask != 0).sum().clamp(min=1).float()
+    if isinstance(num_tokens, Tensor):
+        return num_tokens.to(device=response_mask.device, dtype=torch.float32)
+    return torch.full((), float(num_tokens), device=response_mask.device, dtype=torch.float32)
+
+
+def _loss_outputs(ctx, grad, out, dtype):
+    """What each fused loss's forward returns, (loss, metrics = out[1:3]), and saves: the gradient only."""
+    ctx.save_for_backward(grad)
+    ctx.dtype = dtype
+    metrics = out[1:3]
+    ctx.mark_non_differentiable(metrics)
+    return out[0], metrics
 
 
 class _CispoLossFn(torch.autograd.Function):
-    """Fused CISPO loss: one kernel computes the loss, its gradient coefficient and the metric partials."""
+    """Fused CISPO loss: one launch computes the loss, its metrics and its gradient; backward scales that."""
 
     @staticmethod
     def forward(ctx, logprobs, old_logprobs, advantages, response_mask, eps_low, eps_high, num_tokens):
-        n_elements = logprobs.numel()
-        BLOCK = 1024
-        n_blocks = triton.cdiv(n_elements, BLOCK)
-        coef = torch.empty(logprobs.shape, device=logprobs.device, dtype=torch.float32)
-        partial = torch.empty(n_blocks, 3, device=logprobs.device, dtype=torch.float32)
-        mask = response_mask.contiguous()
-        if mask.dtype == torch.bool:
-            mask = mask.view(torch.uint8)
-        _cispo_kernel[(n_blocks,)](logprobs.detach().contiguous(), old_logprobs.contiguous(),
-                                   advantages.contiguous(), mask, coef, partial, n_elements,
-                                   float(eps_low), float(eps_high), BLOCK=BLOCK)
-        sums = partial.sum(0)  # [3]  loss, clipped tokens, k3 KL; each a sum over valid tokens
-        ctx.save_for_backward(coef)
-        ctx.num_tokens = num_tokens
-        ctx.logprobs_dtype = logprobs.dtype
-        ctx.mark_non_differentiable(sums)
-        return sums[0] / num_tokens, sums
+        grad, out = _loss_launch(_cispo_kernel, (logprobs, old_logprobs, advantages), response_mask, num_tokens,
+                                 (float(eps_low), float(eps_high)))
+        return _loss_outputs(ctx, grad, out, logprobs.dtype)
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_sums):
+    def backward(ctx, grad_loss, grad_metrics):
         # loss = (1 / n) * sum_t  -w_t * A_t * logp_t        with w_t = sg(clip(exp(logp_t - old_t), ...)) constant
-        # d loss / d logp_t = -w_t * A_t / n  on valid tokens, 0 on masked ones  (coef_t = -w_t * A_t, saved)
-        # chain rule with the scalar upstream gradient g:  grad_logp_t = g * coef_t / n
-        (coef,) = ctx.saved_tensors
-        grad_logprobs = (coef * (grad_loss / ctx.num_tokens)).to(ctx.logprobs_dtype)
-        return grad_logprobs, None, None, None, None, None, None
-
-
-def _cispo_loss_triton(logprobs, old_logprobs, advantages, response_mask, eps_low, eps_high, num_tokens):
-    loss, sums = _CispoLossFn.apply(logprobs, old_logprobs, advantages, response_mask, eps_low, eps_high, num_tokens)
-    return loss, {"pg_clipfrac": sums[1] / num_tokens, "approx_kl": sums[2] / num_tokens}
+        # d loss / d logp_t = -w_t * A_t / n  on valid tokens, 0 on masked ones: the kernel's grad_t
+        # chain rule with the scalar upstream gradient g:  grad_logp_t = g * grad_t
+        (grad,) = ctx.saved_tensors
+        return (grad * grad_loss).to(ctx.dtype), None, None, None, None, None, None
 
 
 def cispo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor, eps_low: float,
@@ -404,8 +430,9 @@ def cispo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, respo
     _check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages,
                       response_mask=response_mask)
     _require_triton(logprobs)
-    n = _num_tokens(response_mask, num_tokens)
-    return _cispo_loss_triton(logprobs, old_logprobs, advantages, response_mask, eps_low, eps_high, n)
+    loss, metrics = _CispoLossFn.apply(logprobs, old_logprobs, advantages, response_mask, eps_low, eps_high,
+                                       num_tokens)
+    return loss, {"pg_clipfrac": metrics[0], "approx_kl": metrics[1]}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -419,68 +446,52 @@ def cispo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, respo
 #
 # Soft BCE value loss on a sigmoid critic (PACT, "unique token credit and policy-aligned critic training"):
 #     L = softplus(z) - y * z  = BCE(sigmoid(z), y),   d L / d z = sigmoid(z) - y
-# The readable definitions are s3ac.value_loss and s3ac.bce_value_loss.
+# The readable definitions are s3ac.value_loss and s3ac.bce_value_loss. Both have _cispo_kernel's shape.
 # ---------------------------------------------------------------------------------------------------------
 
 
 @_jit(do_not_specialize=["n_elements"])
-def _value_loss_kernel(values_ptr, old_values_ptr, returns_ptr, mask_ptr, coef_ptr, partial_ptr, n_elements, eps_v,
-                       BLOCK: tl.constexpr):
+def _value_loss_kernel(values_ptr, old_values_ptr, returns_ptr, mask_ptr, n_tok_ptr, grad_ptr, partial_ptr, out_ptr,
+                       n_elements, eps_v, BLOCK: tl.constexpr, RBLOCK: tl.constexpr):
+    # Stores d loss / dV_t (see _ValueLossFn); out = [loss, clipped share, 0, ticket count].
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     valid = tl.load(mask_ptr + offs, mask=offs < n_elements, other=0) != 0
     v = tl.load(values_ptr + offs, mask=valid, other=0.0).to(tl.float32)
     v_old = tl.load(old_values_ptr + offs, mask=valid, other=0.0).to(tl.float32)
     ret = tl.load(returns_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+    n_tok = tl.load(n_tok_ptr).to(tl.float32)
     v_clip = tl.minimum(tl.maximum(v, v_old - eps_v), v_old + eps_v)
     err = v - ret
     err_clip = v_clip - ret
     use_clip = valid & (err_clip * err_clip > err * err)
     loss = 0.5 * tl.where(use_clip, err_clip * err_clip, err * err)
-    coef = tl.where(use_clip, 0.0, tl.where(valid, err, 0.0))  # see _ValueLossFn.backward
-    tl.store(coef_ptr + offs, coef, mask=offs < n_elements)
-    tl.store(partial_ptr + pid * 2 + 0, tl.sum(tl.where(valid, loss, 0.0), 0))
-    tl.store(partial_ptr + pid * 2 + 1, tl.sum(use_clip.to(tl.float32), 0))
+    coef = tl.where(use_clip, 0.0, tl.where(valid, err, 0.0))  # dL_t/dV_t, 0 on masked tokens
+    tl.store(grad_ptr + offs, coef * (1.0 / n_tok), mask=offs < n_elements)
+    _finish_loss_sums(partial_ptr, out_ptr, n_tok, tl.sum(tl.where(valid, loss, 0.0), 0),
+                      tl.sum(use_clip.to(tl.float32), 0), 0.0, RBLOCK)
 
 
 class _ValueLossFn(torch.autograd.Function):
-    """Fused clipped value loss: one kernel computes loss, gradient coefficient and clip count."""
+    """Fused clipped value loss: one launch computes the loss, the clip share and the gradient."""
 
     @staticmethod
     def forward(ctx, values, old_values, returns, response_mask, eps_v, num_tokens):
-        n_elements = values.numel()
-        BLOCK = 1024
-        n_blocks = triton.cdiv(n_elements, BLOCK)
-        coef = torch.empty(values.shape, device=values.device, dtype=torch.float32)
-        partial = torch.empty(n_blocks, 2, device=values.device, dtype=torch.float32)
-        mask = response_mask.contiguous()
-        if mask.dtype == torch.bool:
-            mask = mask.view(torch.uint8)
-        _value_loss_kernel[(n_blocks,)](values.detach().contiguous(), old_values.contiguous(), returns.contiguous(),
-                                        mask, coef, partial, n_elements, float(eps_v), BLOCK=BLOCK)
-        sums = partial.sum(0)  # [2]  loss, clipped tokens
-        ctx.save_for_backward(coef)
-        ctx.num_tokens = num_tokens
-        ctx.values_dtype = values.dtype
-        ctx.mark_non_differentiable(sums)
-        return sums[0] / num_tokens, sums
+        grad, out = _loss_launch(_value_loss_kernel, (values, old_values, returns), response_mask, num_tokens,
+                                 (float(eps_v),))
+        return _loss_outputs(ctx, grad, out, values.dtype)
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_sums):
+    def backward(ctx, grad_loss, grad_metrics):
         # Per valid token, L = 0.5 * max(e^2, e_c^2) with e = V - R and e_c = clip(V, V_old - eps, V_old + eps) - R.
         #  - unclipped branch wins (e^2 >= e_c^2):   dL/dV = e
         #  - clipped branch strictly larger:        then clip(V, ...) != V, so V lies strictly outside
         #    [V_old - eps, V_old + eps], the clip is flat there and dL/dV = e_c * d clip/dV = 0.
         # Inside the range clip(V, ...) == V exactly, so the branches tie and the first case applies.
-        # coef_t holds dL_t/dV_t (0 on masked tokens); loss = sum_t L_t / n, upstream scalar g:
-        #     grad_V_t = g * coef_t / n
-        (coef,) = ctx.saved_tensors
-        return (coef * (grad_loss / ctx.num_tokens)).to(ctx.values_dtype), None, None, None, None, None
-
-
-def _value_loss_triton(values, old_values, returns, response_mask, eps_v, num_tokens):
-    loss, sums = _ValueLossFn.apply(values, old_values, returns, response_mask, eps_v, num_tokens)
-    return loss, {"v_clipfrac": sums[1] / num_tokens}
+        # The kernel stored grad_t = dL_t/dV_t / n (0 on masked tokens); loss = sum_t L_t / n, upstream scalar g:
+        #     grad_V_t = g * grad_t
+        (grad,) = ctx.saved_tensors
+        return (grad * grad_loss).to(ctx.dtype), None, None, None, None, None
 
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, response_mask: Tensor, eps_v: float,
@@ -495,55 +506,41 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, response_mas
     """
     _check_same_shape(values=values, old_values=old_values, returns=returns, response_mask=response_mask)
     _require_triton(values)
-    n = _num_tokens(response_mask, num_tokens)
-    return _value_loss_triton(values, old_values, returns, response_mask, eps_v, n)
+    loss, metrics = _ValueLossFn.apply(values, old_values, returns, response_mask, eps_v, num_tokens)
+    return loss, {"v_clipfrac": metrics[0]}
 
 
 @_jit(do_not_specialize=["n_elements"])
-def _bce_value_loss_kernel(logits_ptr, targets_ptr, mask_ptr, coef_ptr, partial_ptr, n_elements, BLOCK: tl.constexpr):
+def _bce_value_loss_kernel(logits_ptr, targets_ptr, mask_ptr, n_tok_ptr, grad_ptr, partial_ptr, out_ptr, n_elements,
+                           BLOCK: tl.constexpr, RBLOCK: tl.constexpr):
+    # Stores d loss / dz_t = (sigmoid(z_t) - y_t) / n (see _BceValueLossFn); out = [loss, 0, 0, ticket count].
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     valid = tl.load(mask_ptr + offs, mask=offs < n_elements, other=0) != 0
     z = tl.load(logits_ptr + offs, mask=valid, other=0.0).to(tl.float32)
     y = tl.load(targets_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+    n_tok = tl.load(n_tok_ptr).to(tl.float32)
     softplus = tl.maximum(z, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(z)))  # log(1 + e^z) without overflow
     loss = tl.where(valid, softplus - y * z, 0.0)
     coef = tl.where(valid, tl.sigmoid(z) - y, 0.0)
-    tl.store(coef_ptr + offs, coef, mask=offs < n_elements)
-    tl.store(partial_ptr + pid, tl.sum(loss, 0))
+    tl.store(grad_ptr + offs, coef * (1.0 / n_tok), mask=offs < n_elements)
+    _finish_loss_sums(partial_ptr, out_ptr, n_tok, tl.sum(loss, 0), 0.0, 0.0, RBLOCK)
 
 
 class _BceValueLossFn(torch.autograd.Function):
-    """Fused soft-BCE value loss: one kernel computes loss partials and the gradient coefficient."""
+    """Fused soft-BCE value loss: one launch computes the loss and the gradient."""
 
     @staticmethod
     def forward(ctx, value_logits, targets, response_mask, num_tokens):
-        n_elements = value_logits.numel()
-        BLOCK = 1024
-        n_blocks = triton.cdiv(n_elements, BLOCK)
-        coef = torch.empty(value_logits.shape, device=value_logits.device, dtype=torch.float32)
-        partial = torch.empty(n_blocks, device=value_logits.device, dtype=torch.float32)
-        mask = response_mask.contiguous()
-        if mask.dtype == torch.bool:
-            mask = mask.view(torch.uint8)
-        _bce_value_loss_kernel[(n_blocks,)](value_logits.detach().contiguous(), targets.contiguous(), mask, coef,
-                                            partial, n_elements, BLOCK=BLOCK)
-        ctx.save_for_backward(coef)
-        ctx.num_tokens = num_tokens
-        ctx.logits_dtype = value_logits.dtype
-        return partial.sum() / num_tokens
+        grad, out = _loss_launch(_bce_value_loss_kernel, (value_logits, targets), response_mask, num_tokens, ())
+        return _loss_outputs(ctx, grad, out, value_logits.dtype)
 
     @staticmethod
-    def backward(ctx, grad_loss):
-        # L_t = softplus(z_t) - y_t * z_t;  d softplus(z)/dz = sigmoid(z)  =>  dL_t/dz_t = sigmoid(z_t) - y_t
-        # (saved as coef_t, 0 on masked tokens).  loss = sum_t L_t / n, upstream scalar g:
-        #     grad_z_t = g * coef_t / n
-        (coef,) = ctx.saved_tensors
-        return (coef * (grad_loss / ctx.num_tokens)).to(ctx.logits_dtype), None, None, None
-
-
-def _bce_value_loss_triton(value_logits, targets, response_mask, num_tokens):
-    return _BceValueLossFn.apply(value_logits, targets, response_mask, num_tokens), {}
+    def backward(ctx, grad_loss, grad_metrics):
+        # L_t = softplus(z_t) - y_t * z_t;  d softplus(z)/dz = sigmoid(z)  =>  dL_t/dz_t = sigmoid(z_t) - y_t, so the
+        # kernel's grad_t = (sigmoid(z_t) - y_t) / n (0 on masked tokens); upstream scalar g:  grad_z_t = g * grad_t
+        (grad,) = ctx.saved_tensors
+        return (grad * grad_loss).to(ctx.dtype), None, None, None
 
 
 def bce_value_loss(value_logits: Tensor, targets: Tensor, response_mask: Tensor, num_tokens=None) -> tuple[Tensor, dict]:
@@ -556,7 +553,7 @@ def bce_value_loss(value_logits: Tensor, targets: Tensor, response_mask: Tensor,
     """
     _check_same_shape(value_logits=value_logits, targets=targets, response_mask=response_mask)
     _require_triton(value_logits)
-    return _bce_value_loss_triton(value_logits, targets, response_mask, _num_tokens(response_mask, num_tokens))
+    return _BceValueLossFn.apply(value_logits, targets, response_mask, num_tokens)[0], {}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -790,22 +787,6 @@ def _gae_verl_loop(rewards, values, response_mask, gamma, lam):
     return adv, (adv + values) * mask
 
 
-def _gae_elementwise_loop(rewards, values, response_mask, gamma, lam):
-    """GAE as a plain per-element PyTorch loop (row by row, token by token): the slowest baseline."""
-    B, T = rewards.shape
-    adv = torch.zeros(B, T, dtype=rewards.dtype)
-    for b in range(B):
-        next_v = torch.zeros((), dtype=rewards.dtype)
-        lastgaelam = torch.zeros((), dtype=rewards.dtype)
-        for t in reversed(range(T)):
-            if response_mask[b, t]:
-                delta = rewards[b, t] + gamma * next_v - values[b, t]
-                lastgaelam = delta + gamma * lam * lastgaelam
-                next_v = values[b, t]
-                adv[b, t] = lastgaelam
-    return adv, torch.where(response_mask != 0, adv + values, 0.0)
-
-
 def _bench_gae_inputs(B, T, seed=0):
     """RL-like inputs: sparse +-1 final reward plus small dense noise, values in (-1, 1), lengths in [T/2, T],
     right padding; a second mask also cuts a masked span out of the middle of every row."""
@@ -821,52 +802,40 @@ def _bench_gae_inputs(B, T, seed=0):
     return rewards, values, {"right_padded": right_padded, "with_gaps": with_gaps}
 
 
-def _timed(fn, *args):
-    import time
-
-    t0 = time.perf_counter()
-    fn(*args)
-    return time.perf_counter() - t0
-
-
 def _bench_gae_cpu(print_json):
-    """GAE on the CPU: "scan" is gae_scan (what the training run uses there) against s3ac.gae's reverse loop
-    ("s3ac_loop", what --kernels torch runs) and verl's loop."""
+    """GAE on the CPU: s3ac.gae's reverse loop (what runs on CPU tensors) against verl's loop."""
     import statistics
+    import time
 
     import s3ac
 
+    loop = getattr(s3ac.gae, "__wrapped__", s3ac.gae)  # the PyTorch definition, whatever s3ac.py dispatches to
     gamma, lam = 1.0, 0.95
     for B, T in [(64, 512), (256, 2048), (512, 4096), (512, 8192)]:
         rewards, values, masks = _bench_gae_inputs(B, T)
         reps = 7 if B * T <= 2**20 else 3
-        impls = {"scan": lambda m: gae_scan(rewards, values, m, gamma, lam),
-                 "s3ac_loop": lambda m: s3ac.gae(rewards, values, m, gamma, lam),
+        impls = {"s3ac_loop": lambda m: loop(rewards, values, m, gamma, lam),
                  "verl_loop": lambda m: _gae_verl_loop(rewards, values, m, gamma, lam)}
-        if B * T <= 64 * 512:
-            impls["elementwise_loop"] = lambda m: _gae_elementwise_loop(rewards, values, m, gamma, lam)
         for name, mask in masks.items():
-            impls["scan"](mask), impls["s3ac_loop"](mask), impls["verl_loop"](mask)  # warm-up
+            impls["s3ac_loop"](mask), impls["verl_loop"](mask)  # warm-up
             times = {k: [] for k in impls}
             for rep in range(reps):
                 order = list(impls)[rep % len(impls):] + list(impls)[:rep % len(impls)]  # rotate the order
                 for k in order:
-                    times[k].append(_timed(impls[k], mask))
+                    t0 = time.perf_counter()
+                    impls[k](mask)
+                    times[k].append(time.perf_counter() - t0)
             gold, _ = _gae_verl_loop(rewards.double(), values.double(), mask.double(), gamma, lam)
-            err_scan = (gae_scan(rewards, values, mask, gamma, lam)[0].double() - gold).abs().max().item()
-            err_s3ac = (s3ac.gae(rewards, values, mask, gamma, lam)[0].double() - gold).abs().max().item()
-            err_loop = (_gae_verl_loop(rewards, values, mask, gamma, lam)[0].double() - gold).abs().max().item()
             row = {"op": "gae", "device": "cpu", "B": B, "T": T, "mask": name, "reps": reps,
                    "threads": torch.get_num_threads()}
             for k, ts in times.items():
                 row[f"{k}_ms"] = round(statistics.median(ts) * 1e3, 3)
             for k in impls:
-                if k != "scan":  # ratio per repetition (measured side by side), then the median
+                if k != "s3ac_loop":  # ratio per repetition (measured side by side), then the median
                     row[f"speedup_vs_{k}"] = round(statistics.median(
-                        [a / b for a, b in zip(times[k], times["scan"])]), 2)
-            row["max_abs_err_scan_vs_fp64"] = err_scan
-            row["max_abs_err_s3ac_loop_vs_fp64"] = err_s3ac
-            row["max_abs_err_verl_loop_fp32_vs_fp64"] = err_loop
+                        [a / b for a, b in zip(times[k], times["s3ac_loop"])]), 2)
+            for key, fn in (("s3ac_loop", loop), ("verl_loop_fp32", _gae_verl_loop)):
+                row[f"max_abs_err_{key}_vs_fp64"] = (fn(rewards, values, mask, gamma, lam)[0] - gold).abs().max().item()
             print_json(row)
 
 
@@ -961,16 +930,23 @@ def _bench_logprobs_cpu(print_json):
         print_json(row)
 
 
-def _cuda_time_us(fn, warmup=3, reps=20):
-    """Median wall time of fn() in microseconds, with CUDA events."""
+def _cuda_time_us(fn, warmup=3, reps=20, kernels_only=False):
+    """Median time of fn() in microseconds, with CUDA events. kernels_only=False: one call from an idle GPU, host
+    launch overhead included. kernels_only=True: the kernels alone, L2 cold: before each call the GPU zeroes 256 MiB
+    (as triton.testing.do_bench does), then sleeps ~1 ms while the host queues all of fn's launches (as when a
+    training step keeps the GPU busy)."""
     import statistics
 
+    flush = torch.empty(2**26 if kernels_only else 0, device="cuda", dtype=torch.int32)
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if kernels_only:
+            flush.zero_()
+            torch.cuda._sleep(2_000_000)  # GPU cycles
         start.record()
         fn()
         end.record()
@@ -979,16 +955,24 @@ def _cuda_time_us(fn, warmup=3, reps=20):
     return statistics.median(times)
 
 
-GAE_TARGET_PCT_OF_COPY_BW = 70.0  # GAE reads and writes every element once, so a copy is its speed limit
+GAE_TARGET_PCT_OF_COPY_BW = 70.0  # issue 22's targets, of the copy bandwidth measured in the same run: GAE moves
+LOSS_FWD_TARGET_PCT_OF_COPY_BW = 50.0  # each byte once in the best case, so a copy of its bytes is its floor
 
 
 def _bench_gpu(print_json):
-    """The GPU section, one JSON line per op: copy bandwidth, GAE at [512, 8192], the fused losses forward and
-    forward + backward, log-prob peak memory against the naive path. A section that raises prints
-    {"op": ..., "error": ...} and the next section runs. "ref" is the s3ac.py function of the same math."""
+    """The GPU section, one JSON line per op: copy bandwidth; GAE at [512, 8192], [4096, 1024] and [64, 32768] (and
+    other time steps / warps per program at the first); the fused losses forward and forward + backward at [512, 8192];
+    log-prob peak memory against the naive path. A section that raises prints {"op": ..., "error": ...} and the next
+    section runs. "ref" is the s3ac.py function of the same math (its PyTorch definition).
+    Times (_cuda_time_us): "us" = the kernels alone, "call_us" = one call from an idle GPU, launches included;
+    "pct_of_copy_bw" = bytes / us against the copy ("call_pct_of_copy_bw" the same for call_us). Loads skip masked
+    positions, so "valid_frac" says which share of the inputs' bytes (beyond the mask) had to be read at all."""
     import traceback
 
     import s3ac
+
+    def plain(fn):  # s3ac.py's PyTorch definition, even where s3ac.py dispatches CUDA tensors to this file
+        return getattr(fn, "__wrapped__", fn)
 
     dev = torch.device("cuda")
     name = torch.cuda.get_device_name(dev)
@@ -1016,28 +1000,36 @@ def _bench_gpu(print_json):
         print_json({"op": "copy", "device": name, "bytes": nbytes, "us": round(us, 1),
                     "GB_s": round(state["copy_GB_s"], 1)})
 
-    def gae_bench():  # [512, 8192] fp32, bool mask
+    def gae_bench(B, T):  # fp32 rewards and values, bool mask with a masked span and right padding
         rewards, values, masks = _bench_gae_inputs(B, T)
         rewards, values = rewards.to(dev), values.to(dev)
         mask = masks["with_gaps"].to(dev).bool()
         lam = 0.95
-        adv_t, _ = _gae_triton(rewards, values, mask, 1.0, lam)
-        adv_r, _ = s3ac.gae(rewards, values, mask, 1.0, lam)
-        err = (adv_t - adv_r).abs().max().item()
+        adv_t = _gae_triton(rewards, values, mask, 1.0, lam)[0]
+        adv_r, _ = plain(s3ac.gae)(rewards, values, mask, 1.0, lam)  # the reverse loop, on the GPU
         nbytes = B * T * (4 + 4 + 1 + 4 + 4)  # read rewards, values, mask; write advantages, returns
-        us_t = _cuda_time_us(lambda: _gae_triton(rewards, values, mask, 1.0, lam))
-        us_r = _cuda_time_us(lambda: s3ac.gae(rewards, values, mask, 1.0, lam), warmup=1, reps=3)  # a loop over T
-        us_loop = _cuda_time_us(lambda: _gae_verl_loop(rewards, values, mask.float(), 1.0, lam), warmup=1, reps=3)
-        pct = pct_of_copy(nbytes, us_t)
-        copy = state.get("copy_GB_s")
-        print_json({"op": "gae_triton", "device": name, "shape": [B, T], "dtype": "float32", "us": round(us_t, 1),
-                    "bytes": nbytes, "GB_s": round(nbytes / (us_t * 1e3), 1), "pct_of_copy_bw": pct,
-                    "us_at_copy_bw": round(nbytes / (copy * 1e3), 1) if copy else None,
-                    "target_pct_of_copy_bw": GAE_TARGET_PCT_OF_COPY_BW,
-                    "meets_target": pct is not None and pct >= GAE_TARGET_PCT_OF_COPY_BW,
-                    "ref_us": round(us_r, 1), "verl_loop_us": round(us_loop, 1),
-                    "speedup_vs_ref": round(us_r / us_t, 2), "speedup_vs_verl_loop": round(us_loop / us_t, 1),
-                    "max_abs_diff_vs_ref": err})
+        us = _cuda_time_us(lambda: _gae_triton(rewards, values, mask, 1.0, lam), kernels_only=True)
+        call_us = _cuda_time_us(lambda: _gae_triton(rewards, values, mask, 1.0, lam))
+        pct, copy = pct_of_copy(nbytes, us), state.get("copy_GB_s")
+        row = {"op": "gae_triton", "device": name, "shape": [B, T], "dtype": "float32", "block_t": GAE_BLOCK_T,
+               "us": round(us, 1), "call_us": round(call_us, 1), "bytes": nbytes,
+               "GB_s": round(nbytes / (us * 1e3), 1), "pct_of_copy_bw": pct,
+               "call_pct_of_copy_bw": pct_of_copy(nbytes, call_us),
+               "us_at_copy_bw": round(nbytes / (copy * 1e3), 1) if copy else None,
+               "target_pct_of_copy_bw": GAE_TARGET_PCT_OF_COPY_BW,
+               "meets_target": pct is not None and pct >= GAE_TARGET_PCT_OF_COPY_BW,
+               "valid_frac": round(mask.float().mean().item(), 3),
+               "max_abs_diff_vs_ref": (adv_t - adv_r).abs().max().item()}
+        if (B, T) == (512, 8192):  # the loops over T, and the chunk size
+            us_r = _cuda_time_us(lambda: plain(s3ac.gae)(rewards, values, mask, 1.0, lam), warmup=1, reps=3)
+            us_loop = _cuda_time_us(lambda: _gae_verl_loop(rewards, values, mask.float(), 1.0, lam), warmup=1, reps=3)
+            row.update(ref_us=round(us_r, 1), verl_loop_us=round(us_loop, 1), speedup_vs_ref=round(us_r / us, 1),
+                       speedup_vs_verl_loop=round(us_loop / us, 1))
+        print_json(row)
+        for b, w in ((1024, 4), (1024, 8), (4096, 8), (4096, 16)) if (B, T) == (512, 8192) else ():  # other sizes
+            us = _cuda_time_us(lambda: _gae_triton(rewards, values, mask, 1.0, lam, b, w), kernels_only=True)
+            print_json({"op": "gae_triton_config", "device": name, "shape": [B, T], "block_t": b, "num_warps": w,
+                        "us": round(us, 1), "pct_of_copy_bw": pct_of_copy(nbytes, us)})
 
     def losses():  # forward, and forward + backward, [512, 8192] fp32
         g = torch.Generator(device=dev).manual_seed(0)
@@ -1059,28 +1051,34 @@ def _bench_gpu(print_json):
 
         bce_targets = torch.rand(B, T, device=dev, generator=g)
         for op, fn_t, fn_r, args, n_in in [
-            ("cispo_loss", _cispo_loss_triton, s3ac.cispo_loss, (old, other, mask, 0.2, 0.28), 3),
-            ("value_loss", _value_loss_triton, s3ac.value_loss, (old, other, mask, 0.2), 3),
-            ("bce_value_loss", _bce_value_loss_triton, s3ac.bce_value_loss, (bce_targets, mask), 2),
+            ("cispo_loss", cispo_loss, plain(s3ac.cispo_loss), (old, other, mask, 0.2, 0.28), 3),
+            ("value_loss", value_loss, plain(s3ac.value_loss), (old, other, mask, 0.2), 3),
+            ("bce_value_loss", bce_value_loss, plain(s3ac.bce_value_loss), (bce_targets, mask), 2),
         ]:
-            fwd_bytes = B * T * (4 * n_in + 1 + 4)  # fp32 inputs and the mask in, the gradient coefficient out
-            bwd_bytes = B * T * (4 + 4)  # the coefficient in, the gradient out
+            fwd_bytes = B * T * (4 * n_in + 1 + 4)  # fp32 inputs and the mask in, the gradient out
+            bwd_bytes = B * T * (4 + 4)  # the gradient in, the upstream-scaled gradient out
             grads = []
             for fn in (fn_t, fn_r):
                 forward_backward(fn, *args)()
                 grads.append(new.grad.clone())
             loss_diff = (fn_t(new, *args, n_tok)[0] - fn_r(new, *args, n_tok)[0]).abs().item()
-            us = {impl: (_cuda_time_us(forward(fn, *args)), _cuda_time_us(forward_backward(fn, *args)))
-                  for impl, fn in (("triton", fn_t), ("ref", fn_r))}
-            print_json({"op": op, "impl": "triton", "device": name, "shape": [B, T], "dtype": "float32",
-                        "fwd_us": round(us["triton"][0], 1), "fwd_pct_of_copy_bw": pct_of_copy(fwd_bytes,
-                                                                                                us["triton"][0]),
-                        "fwd_bwd_us": round(us["triton"][1], 1),
-                        "fwd_bwd_pct_of_copy_bw": pct_of_copy(fwd_bytes + bwd_bytes, us["triton"][1]),
-                        "ref_fwd_us": round(us["ref"][0], 1), "ref_fwd_bwd_us": round(us["ref"][1], 1),
-                        "speedup_fwd_bwd_vs_ref": round(us["ref"][1] / us["triton"][1], 2),
-                        "loss_abs_diff_vs_ref": loss_diff,
-                        "grad_max_abs_diff_vs_ref": (grads[0] - grads[1]).abs().max().item()})
+            row = {"op": op, "impl": "triton", "device": name, "shape": [B, T], "dtype": "float32",
+                   "block": LOSS_BLOCK, "valid_frac": round(mask.float().mean().item(), 3)}
+            for part, run, nbytes in (("fwd", forward, fwd_bytes),
+                                      ("fwd_bwd", forward_backward, fwd_bytes + bwd_bytes)):
+                us, call_us, ref_us, ref_call_us = (_cuda_time_us(run(fn, *args), kernels_only=only) for fn, only in
+                                                    ((fn_t, True), (fn_t, False), (fn_r, True), (fn_r, False)))
+                row.update({f"{part}_us": round(us, 1), f"{part}_pct_of_copy_bw": pct_of_copy(nbytes, us),
+                            f"{part}_call_us": round(call_us, 1),
+                            f"{part}_call_pct_of_copy_bw": pct_of_copy(nbytes, call_us),
+                            f"ref_{part}_us": round(ref_us, 1), f"ref_{part}_call_us": round(ref_call_us, 1),
+                            f"speedup_{part}_vs_ref": round(ref_us / us, 2)})
+            fwd_pct = row["fwd_pct_of_copy_bw"]
+            row.update(fwd_target_pct_of_copy_bw=LOSS_FWD_TARGET_PCT_OF_COPY_BW,
+                       meets_target=fwd_pct is not None and fwd_pct >= LOSS_FWD_TARGET_PCT_OF_COPY_BW,
+                       loss_abs_diff_vs_ref=loss_diff,
+                       grad_max_abs_diff_vs_ref=(grads[0] - grads[1]).abs().max().item())
+            print_json(row)
 
     def logprobs(dtype):  # peak memory above the inputs, against the naive path that holds the [N, V] logits
         N, H, V = 8192, 1536, 151936
@@ -1121,7 +1119,8 @@ def _bench_gpu(print_json):
             print_json(row)
 
     section("copy", copy)
-    section("gae_triton", gae_bench)
+    for shape in [(512, 8192), (4096, 1024), (64, 32768)]:
+        section("gae_triton", lambda: gae_bench(*shape))
     section("losses", losses)
     section("logprobs_from_hidden_fwd_bwd", lambda: logprobs(torch.float32))  # what s3ac.py's Policy runs
     section("logprobs_from_hidden_fwd_bwd", lambda: logprobs(torch.bfloat16))

