@@ -11,7 +11,8 @@ and GRPO, RLOO, REINFORCE++ and PPO are baselines (--algo).
 The file reads top-down: 1. the math (pure functions, to copy), 2. the algorithm box (train_step and train),
 3. the parts a step calls (reward, log-probs, critic, rollout), 4. plumbing (a reader may stop at its banner).
 The list of departures from the papers closes section 1. Shape letters: B sequences, T response tokens,
-P prompt tokens, H hidden size, V vocabulary.
+P prompt tokens, H hidden size, V vocabulary; response_mask [B, T] is 1.0 on the generated tokens, the stop token
+included, 0.0 on padding.
 
 One training step, train_step, with the real names (each phase one call; section 2):
 
@@ -22,14 +23,14 @@ One training step, train_step, with the real names (each phase one call; section
     values, raw = critic_pass(args, state, batch)                # V(s_t) [B, T], full or partial-trunk critic
     advantages, returns, m = compute_advantages(args, batch, rewards, values, mask)   # decoupled_gae
         # mask = batch.response_mask; advantages raw, returns the critic's targets
-    m, behaviour_logprobs = train_actor(args, state, batch, advantages, mask)
+    m, pi_old_logprobs = train_actor(args, state, batch, advantages, mask)
         # update_actor -> optimize (counts num_tokens per mini-batch: the one normaliser) -> cispo_loss
-    m = train_critic(args, state, batch, values, returns, rewards, behaviour_logprobs)
+    m = train_critic(args, state, batch, values, returns, rewards, pi_old_logprobs)
         # update_critic toward returns (critic_lam 1: the Monte-Carlo return), or PACT's pact_targets
     m = critic_metrics(values, returns, rewards, mask, ...)      # EV, V(s_0) EV, Delta+-, sparsity, c, efficiency
 
-Where to look: the reward's contract is the comment block that opens section 3a, and train's docstring says
-which reward trains and which evaluates (--reward-fn, --eval-reward-fn); what each "auto" flag becomes is in its
+Where to look: section 3a opens with the reward's contract, its checker call_reward, and make_rewards (which
+reward trains, which evaluates, which golds each reads); what each "auto" flag becomes is in its
 help (Args) and resolve_args. Section 1's functions paste alone with torch and the helpers their "Needs:" line
 names (none without one; all_reduce is the identity in one process; drop @triton_on_cuda).
 
@@ -157,9 +158,11 @@ def mc_returns(rewards, response_mask, gamma: float):
 
 
 # --- Actor losses: CISPO (S3AC's), the PPO clipped surrogate, truncated importance weights ---
-# One normaliser for every loss here: the token mean, loss = sum over valid tokens / num_tokens, num_tokens the
-# valid tokens of the whole optimizer step's mini-batch (optimize counts them once, all ranks included, and passes
-# them to every micro-batch's call); called alone, the valid tokens of the call.
+# One normaliser for every loss here: the token mean, loss = sum over the mask's tokens / num_tokens, num_tokens the
+# mask's tokens in the whole optimizer step's mini-batch, all ranks included (optimize counts them once and passes
+# them to every micro-batch's call; the mask is train_actor's loss mask, or the critic's; FSDP2 sums the ranks'
+# gradients, shard), so a step's gradient is that of the global token mean; called alone, the mask's tokens of
+# the call. Truncated IS (tis_weights) is not inside a loss: update_actor scales the advantages by it.
 @triton_on_cuda
 def cispo_loss(logprobs, old_logprobs, advantages, response_mask, eps_low: float, eps_high: float,
                num_tokens=None):
@@ -538,10 +541,10 @@ def train_step(args: Args, state: TrainState, reward_fn):
         metrics["time/values"] = synced_time(state.device) - t0
     advantages, returns, m = compute_advantages(args, batch, rewards, values, mask)  # [B, T] raw, no whitening
     metrics.update(m)
-    m, behaviour_logprobs = train_actor(args, state, batch, advantages, mask)  # [B, T] log pi_old of the update
+    m, pi_old_logprobs = train_actor(args, state, batch, advantages, mask)  # [B, T] log pi_old of the update
     metrics.update(m)
     if state.critic is not None:
-        metrics.update(train_critic(args, state, batch, values, returns, rewards, behaviour_logprobs))
+        metrics.update(train_critic(args, state, batch, values, returns, rewards, pi_old_logprobs))
         metrics.update(critic_metrics(values, returns, rewards, mask, metrics["time/values"] + metrics["time/critic"],
                                       metrics["time/actor"], args.credit_eps))
     trained = batch.prompt_index.unique()  # prompts of this step's training batch
@@ -675,7 +678,7 @@ def compute_advantages(args: Args, batch: Batch, rewards, values, mask):
 def train_actor(args: Args, state: TrainState, batch: Batch, advantages, mask):
     """update_actor on the batch (advantages, mask [B, T]); log pi_old computed first only for several optimizer
     steps. The loss mask is decided here: the response tokens, less the truncated responses with --overlong-filter
-    (DAPO). Marks the vLLM engine stale. Returns (metrics, behaviour_logprobs [B, T]: the log pi_old it used)."""
+    (DAPO). Marks the vLLM engine stale. Returns (metrics, pi_old_logprobs [B, T]: the log pi_old it used)."""
     t0 = synced_time(state.device)
     old_logprobs = None  # one optimizer step in all: update_actor takes log pi_old from its own forward pass
     if args.actor_epochs * args.minibatches > 1:
@@ -685,32 +688,32 @@ def train_actor(args: Args, state: TrainState, batch: Batch, advantages, mask):
     if args.overlong_filter:  # DAPO's overlong filtering: a response cut off at the limit is not trained on
         loss_mask = mask * (~batch.truncated).to(state.device)[:, None].float()  # [B, T]
     state.policy.train()
-    metrics, behaviour_logprobs = update_actor(state.policy, state.actor_opt, batch, advantages, old_logprobs, args,
+    metrics, pi_old_logprobs = update_actor(state.policy, state.actor_opt, batch, advantages, old_logprobs, args,
                                                state.update_gen, loss_mask)  # [B, T]
     if state.engine is not None:
         state.engine.stale = True
     if batch.sampler_logprobs is not None:  # trainer vs sampler: log pi_old - log mu_sampler per token
         sampler = batch.sampler_logprobs.to(state.device)  # [B, T]
-        gap = (behaviour_logprobs - sampler).abs()[mask.bool()]  # [N]
-        _, weights = tis_weights(behaviour_logprobs, sampler, loss_mask, args.is_cap)  # TIS's (used under tis)
+        gap = (pi_old_logprobs - sampler).abs()[mask.bool()]  # [N]
+        _, weights = tis_weights(pi_old_logprobs, sampler, loss_mask, args.is_cap)  # TIS's (used under tis)
         metrics.update({"rollout/logprob_gap_mean": gap.mean().item() if gap.numel() else 0.0,
                         "rollout/logprob_gap_max": gap.max().item() if gap.numel() else 0.0,
                         **{key: float(value) for key, value in weights.items()}})
     metrics["time/actor"] = synced_time(state.device) - t0
-    return metrics, behaviour_logprobs
+    return metrics, pi_old_logprobs
 
 
-def train_critic(args: Args, state: TrainState, batch: Batch, values, returns, rewards, behaviour_logprobs):
+def train_critic(args: Args, state: TrainState, batch: Batch, values, returns, rewards, pi_old_logprobs):
     """update_critic from values [B, T] toward returns [B, T] (s3ac), or PACT's targets: rho_t = pi_new / mu from one
     more forward pass of the UPDATED actor, mu the sampler's own log-probs with --is-correction tis (where the
-    engine gave them), else behaviour_logprobs [B, T]. Returns metrics."""
+    engine gave them), else pi_old_logprobs [B, T]. Returns metrics."""
     t0 = synced_time(state.device)
     mask = batch.response_mask.to(state.device)  # [B, T]
     targets, critic_mask, metrics = returns, mask, {}  # [B, T] each
     if args.critic_sync == "pact":
         with autocast(state.device, compute_dtype(args.dtype, state.device)):
             new_logprobs = policy_logprobs(state.policy, batch, args.temperature, args.micro_batch_size)  # [B, T]
-        mu = behaviour_logprobs
+        mu = pi_old_logprobs
         if args.is_correction == "tis" and batch.sampler_logprobs is not None:
             mu = batch.sampler_logprobs.to(state.device)  # [B, T] the sampler's own log mu
         # PACT weights the Monte-Carlo return; `returns` are lambda-returns when critic_lam < 1 (--algo ppo)
@@ -769,8 +772,7 @@ def update_actor(model, optimizer, batch: Batch, advantages, old_logprobs, args:
     or None for one optimizer step in all (pi_old is then the current policy: the detached log-probs of the same
     forward pass, departure 2). With --is-correction tis each token's advantage is scaled by tis_weights(log pi_old,
     log mu): w > 0 and detached, so this weights the token's loss (for PPO too: min(r wA, clip(r) wA) =
-    w min(rA, clip(r) A)). Returns (metrics, log pi_old [B, T] the loss
-    used)."""
+    w min(rA, clip(r) A)). Returns (metrics, log pi_old [B, T] the loss used)."""
     device = advantages.device
     loss_mask = batch.response_mask.to(device) if loss_mask is None else loss_mask  # [B, T]
     correct = args.is_correction == "tis" and batch.sampler_logprobs is not None
@@ -778,19 +780,19 @@ def update_actor(model, optimizer, batch: Batch, advantages, old_logprobs, args:
     def loss_fn(rows, mbatch, num_tokens):
         logprobs, entropy = actor_logprobs(model, mbatch, args.temperature)  # [b, T]
         mask = loss_mask[rows]  # [b, T]
-        behaviour = logprobs.detach() if old_logprobs is None else old_logprobs[rows]  # [b, T] log pi_old
+        pi_old_logprobs = logprobs.detach() if old_logprobs is None else old_logprobs[rows]  # [b, T] log pi_old
         adv = advantages[rows]  # [b, T]
         if correct:  # TIS: A_t * min(pi_old / mu_sampler, C)
-            adv = adv * tis_weights(behaviour, mbatch.sampler_logprobs.to(device), mask, args.is_cap)[0]  # [b, T]
+            adv = adv * tis_weights(pi_old_logprobs, mbatch.sampler_logprobs.to(device), mask, args.is_cap)[0]  # [b, T]
         # CISPO: J = sg(clip(r)) * A * log pi, or PPO: J = min(r A, clip(r) A); loss = -(sum of J) / num_tokens
-        pg_loss, m = ACTOR_LOSSES[args.actor_loss](logprobs, behaviour, adv, mask, args.eps_low, args.eps_high,
+        pg_loss, m = ACTOR_LOSSES[args.actor_loss](logprobs, pi_old_logprobs, adv, mask, args.eps_low, args.eps_high,
                                                    num_tokens=num_tokens)
-        return pg_loss, dict(m, pg_loss=pg_loss.detach(), entropy=(entropy * mask).sum() / num_tokens), behaviour
+        return pg_loss, dict(m, pg_loss=pg_loss.detach(), entropy=(entropy * mask).sum() / num_tokens), pi_old_logprobs
 
-    metrics, behaviour = optimize(model, optimizer, batch, loss_fn, loss_mask, args.actor_epochs, args.minibatches,
-                                  args.micro_batch_size, args.actor_grad_clip, generator,
-                                  compute_dtype(args.dtype, device))  # behaviour [B, T]
-    return {f"actor/{k}": v for k, v in metrics.items()}, behaviour
+    metrics, pi_old_logprobs = optimize(model, optimizer, batch, loss_fn, loss_mask, args.actor_epochs,
+                                        args.minibatches, args.micro_batch_size, args.actor_grad_clip, generator,
+                                        compute_dtype(args.dtype, device))  # [B, T]
+    return {f"actor/{k}": v for k, v in metrics.items()}, pi_old_logprobs
 
 
 def update_critic(critic, optimizer, batch: Batch, old_values, targets, critic_mask, args: Args, generator,
@@ -927,11 +929,10 @@ def critic_warmup_step(args: Args, state: TrainState, reward_fn) -> dict:
 
 
 def train(args: Args, reward_fn=None, eval_reward_fn=None):
-    """Run S3AC (or the --algo baseline) as args say; returns the path of metrics.jsonl. reward_fn(golds,
-    completions, truncated) -> (rewards, statuses): the training reward (section 3a), default --reward-fn; evaluations
-    grade with eval_reward_fn, default --eval-reward-fn, else the training reward. A function given is never closed.
-    Raises ValueError for bad flags, a bad data row, a reward that breaks the contract or a checkpoint that does not
-    fit."""
+    """Run S3AC (or the --algo baseline) as args say; returns the path of metrics.jsonl. reward_fn and
+    eval_reward_fn (section 3a's contract): the training and the evaluations' reward, by default the flags'
+    (make_rewards); a function given is never closed. Raises ValueError for bad flags, a bad data row, a reward that
+    breaks the contract or a checkpoint that does not fit."""
     with setup_run(args, reward_fn, eval_reward_fn) as run:  # plumbing (section 4): data, models, logs, rewards
         args, state, say = run.args, run.state, run.say
         evaluate_now = functools.partial(run_evaluation, args, state, run.eval_sets, run.eval_reward_fn,
@@ -993,7 +994,79 @@ def train(args: Args, reward_fn=None, eval_reward_fn=None):
 # the math Verifier below: R = +1 when the response is finished and its final answer equals the gold, R = -1
 # otherwise (wrong, no answer, an expression where a number is due, cut off at the length limit, a check that
 # failed or hung).
-#
+
+
+def call_reward(reward_fn, golds: list, completions: list, truncated: list):
+    """reward_fn(golds, completions, truncated), checked against the contract of section 3a: (rewards [B] fp32
+    tensor, statuses list[str]). Raises ValueError naming the function and the first bad value: not one reward and
+    one status per completion, a reward outside [-1, 1] (or not a number), a status that is not a string."""
+    name = getattr(reward_fn, "__name__", type(reward_fn).__name__)
+    out = reward_fn(golds, completions, truncated)
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], (list, tuple))
+            and (isinstance(out[0], (list, tuple)) or torch.is_tensor(out[0]))):
+        raise ValueError(f"reward function {name}: must return (rewards, statuses), two lists, got "
+                         f"{type(out).__name__}")
+    rewards, statuses = out
+    n = len(completions)
+    if len(rewards) != n or len(statuses) != n:
+        raise ValueError(f"reward function {name}: returned {len(rewards)} rewards and {len(statuses)} statuses for "
+                         f"{n} completions (one each per completion)")
+    for j, (reward, status) in enumerate(zip(rewards, statuses)):
+        try:
+            valid = not isinstance(reward, str) and "bool" not in type(reward).__name__ and -1.0 <= float(reward) <= 1.0
+        except (TypeError, ValueError):  # not a number at all
+            valid = False
+        if not valid:
+            raise ValueError(f"reward function {name}: reward {reward!r} at position {j} is not a number in [-1, 1]")
+        if not isinstance(status, str):
+            raise ValueError(f"reward function {name}: status {status!r} at position {j} is not a string")
+    return torch.tensor([float(r) for r in rewards], dtype=torch.float32), list(statuses)  # [B]
+
+
+def load_reward_fn(spec: str, flag: str = "--reward-fn"):
+    """The reward function `spec` = "path/to/file.py:function" names (verl's custom_reward_function convention),
+    imported from that file. Raises ValueError for a malformed spec, a missing file, a file that fails to import
+    and a missing or non-callable function; the message names the flag and the spec."""
+    import importlib.util
+    path, _, name = spec.rpartition(":")
+    if not path or not name:
+        raise ValueError(f"{flag} {spec}: expected path/to/file.py:function (or math, the verifier)")
+    if not os.path.isfile(path):
+        raise ValueError(f"{flag} {spec}: no such file {path}")
+    module_spec = importlib.util.spec_from_file_location(f"s3ac_reward_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_spec.name] = module  # as an import would: dataclasses and pickling look it up
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:
+        raise ValueError(f"{flag} {spec}: importing {path} failed ({type(e).__name__}: {e})") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ValueError(f"{flag} {spec}: {path} has no function {name!r}")
+    return fn
+
+
+def make_rewards(args: Args, reward_fn=None, eval_reward_fn=None):
+    """(reward_fn, eval_reward_fn, owned): each unless given, the flag's: --reward-fn (math: the Verifier below, else
+    load_reward_fn), --eval-reward-fn (auto: the training reward); owned: the one Verifier made, for the caller to
+    close. Golds: the Verifier's are parsed from the math layouts (load_problems(math_golds=True): a solution's last
+    \\boxed{}, GSM8K's after '####'); any other function gets the answer fields as written. Raises ValueError."""
+    owned = []
+
+    def reward_of(spec: str, flag: str):
+        if spec != "math":
+            return load_reward_fn(spec, flag)
+        owned[:] = owned or [Verifier(args.verify_timeout, args.answer_fallback)]
+        return owned[0]
+
+    reward_fn = reward_fn or reward_of(args.reward_fn, "--reward-fn")
+    if eval_reward_fn is None:
+        eval_reward_fn = reward_fn if args.eval_reward_fn == "auto" else reward_of(args.eval_reward_fn,
+                                                                                   "--eval-reward-fn")
+    return reward_fn, eval_reward_fn, owned
+
+
+# --- The math verifier (the default reward): the answer policy, then grade and the Verifier ---
 # Answer policy (what counts as the answer), applied before any comparison:
 #   1. A response cut off at --max-new-tokens (no stop token) has no final answer: status "truncated".
 #   2. The answer is the content of the LAST \boxed{...} (or \fbox{...}), braces balanced; earlier boxes do not
@@ -1304,8 +1377,7 @@ class Verifier:
     Checks run in one worker process: math-verify's own timeouts use signal.alarm, which works only in a main
     thread, so a hung check is instead killed from here after `timeout` seconds and counted as 'timeout'. Safe to
     call from any thread. The worker is started with multiprocessing's "spawn", so a script that uses it must
-    guard its entry point with `if __name__ == "__main__":`.
-    """
+    guard its entry point with `if __name__ == "__main__":`."""
 
     STATUSES = ("correct", "wrong", "not_a_number", "no_answer", "truncated", "bad_gold", "error", "timeout")
 
@@ -1363,56 +1435,6 @@ class Verifier:
                 self._conn.send(None)
                 self._proc.join(timeout=5)
             self._kill()
-
-
-def call_reward(reward_fn, golds: list, completions: list, truncated: list):
-    """reward_fn(golds, completions, truncated), checked against the contract of section 3a: (rewards [B] fp32
-    tensor, statuses list[str]). Raises ValueError naming the function and the first bad value: not one reward and
-    one status per completion, a reward outside [-1, 1] (or not a number), a status that is not a string."""
-    name = getattr(reward_fn, "__name__", type(reward_fn).__name__)
-    out = reward_fn(golds, completions, truncated)
-    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], (list, tuple))
-            and (isinstance(out[0], (list, tuple)) or torch.is_tensor(out[0]))):
-        raise ValueError(f"reward function {name}: must return (rewards, statuses), two lists, got "
-                         f"{type(out).__name__}")
-    rewards, statuses = out
-    n = len(completions)
-    if len(rewards) != n or len(statuses) != n:
-        raise ValueError(f"reward function {name}: returned {len(rewards)} rewards and {len(statuses)} statuses for "
-                         f"{n} completions (one each per completion)")
-    for j, (reward, status) in enumerate(zip(rewards, statuses)):
-        try:
-            valid = not isinstance(reward, str) and "bool" not in type(reward).__name__ and -1.0 <= float(reward) <= 1.0
-        except (TypeError, ValueError):  # not a number at all
-            valid = False
-        if not valid:
-            raise ValueError(f"reward function {name}: reward {reward!r} at position {j} is not a number in [-1, 1]")
-        if not isinstance(status, str):
-            raise ValueError(f"reward function {name}: status {status!r} at position {j} is not a string")
-    return torch.tensor([float(r) for r in rewards], dtype=torch.float32), list(statuses)  # [B]
-
-
-def load_reward_fn(spec: str, flag: str = "--reward-fn"):
-    """The reward function `spec` = "path/to/file.py:function" names (verl's custom_reward_function convention),
-    imported from that file. Raises ValueError for a malformed spec, a missing file, a file that fails to import
-    and a missing or non-callable function; the message names the flag and the spec."""
-    import importlib.util
-    path, _, name = spec.rpartition(":")
-    if not path or not name:
-        raise ValueError(f"{flag} {spec}: expected path/to/file.py:function (or math, the verifier)")
-    if not os.path.isfile(path):
-        raise ValueError(f"{flag} {spec}: no such file {path}")
-    module_spec = importlib.util.spec_from_file_location(f"s3ac_reward_{abs(hash(path))}", path)
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_spec.name] = module  # as an import would: dataclasses and pickling look it up
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as e:
-        raise ValueError(f"{flag} {spec}: importing {path} failed ({type(e).__name__}: {e})") from None
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise ValueError(f"{flag} {spec}: {path} has no function {name!r}")
-    return fn
 
 
 # --- 3b. The actor: log-probs of the sampled tokens ---
@@ -2178,10 +2200,11 @@ def _row_to_problem(row, prompt_key: str, answer_key: str, where: str, math_gold
     return Problem(strip_answer_format(str(row[qkey])), answer)
 
 
-def split_problems(train: list, eval_spec: str, args: Args, math_golds: bool = True):
-    """(train, sources): one (eval_name, problems) per comma-separated source of eval_spec: its first
-    eval_size distinct problems, or for `heldout` a seeded sample of train's (math_golds: as load_problems).
-    Duplicates are dropped, and no evaluation question stays in train. Raises ValueError when too few are left."""
+def split_problems(train: list, eval_spec: str, args: Args, math_golds: bool = True, heldout_golds=None):
+    """(train, sources): one (eval_name, problems) per comma-separated source of eval_spec: its first eval_size
+    distinct problems (math_golds: as load_problems), or for `heldout` a seeded sample of train's, golds from
+    heldout_golds when given (the rows in the evaluation reward's gold layout). Duplicates are dropped, and no
+    evaluation question stays in train. Raises ValueError when too few are left."""
     train = distinct(train)
     sources = []
     for spec in [s.strip() for s in eval_spec.split(",") if s.strip()] or ["heldout"]:
@@ -2189,6 +2212,9 @@ def split_problems(train: list, eval_spec: str, args: Args, math_golds: bool = T
             if len(train) <= args.eval_size:
                 raise ValueError(f"{args.data}: {len(train)} distinct problems, too few to hold out {args.eval_size}")
             held_out = random.Random(args.seed + 12345).sample(train, args.eval_size)
+            if heldout_golds is not None:
+                gold_of = {p.question: p.answer for p in distinct(heldout_golds)}
+                held_out = [Problem(p.question, gold_of[p.question]) for p in held_out]
         else:
             held_out = load_problems(spec, args.prompt_key, args.answer_key, args.eval_split, seed=args.seed + 1,
                                      math_golds=math_golds)
@@ -2339,16 +2365,7 @@ def setup_run(args: Args, reward_fn=None, eval_reward_fn=None) -> Run:
         raise ValueError("--dynamic-sampling and coverage pretraining run in a single process in this version")
     if args.batch_prompts % world:
         raise ValueError(f"--batch-prompts {args.batch_prompts}: must be a multiple of the {world} ranks")
-    owned = []
-    def reward_of(spec: str, flag: str):  # math: the verifier, closed at the end; else a function from a file
-        if spec != "math":
-            return load_reward_fn(spec, flag)
-        owned[:] = owned or [Verifier(args.verify_timeout, args.answer_fallback)]  # one worker for both
-        return owned[0]
-    reward_fn = reward_fn or reward_of(args.reward_fn, "--reward-fn")
-    if eval_reward_fn is None:
-        eval_reward_fn = reward_fn if args.eval_reward_fn == "auto" else reward_of(args.eval_reward_fn,
-                                                                                   "--eval-reward-fn")
+    reward_fn, eval_reward_fn, owned = make_rewards(args, reward_fn, eval_reward_fn)  # section 3a
     if main:
         print(f"s3ac: --algo {args.algo} --actor-loss {args.actor_loss} --eps-low {args.eps_low}" +
               (f" --actor-lam {args.actor_lam} --critic-lam {args.critic_lam} --critic-loss {args.critic_loss} "
@@ -2359,10 +2376,11 @@ def setup_run(args: Args, reward_fn=None, eval_reward_fn=None) -> Run:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    train_problems, eval_sources = split_problems(
-        load_problems(args.data, args.prompt_key, args.answer_key, args.split, args.seed,
-                      math_golds=isinstance(reward_fn, Verifier)), args.eval_data, args,
-        math_golds=isinstance(eval_reward_fn, Verifier))
+    load = functools.partial(load_problems, args.data, args.prompt_key, args.answer_key, args.split, args.seed)
+    math_golds, eval_math_golds = isinstance(reward_fn, Verifier), isinstance(eval_reward_fn, Verifier)
+    train_problems, eval_sources = split_problems(  # each reward reads its own gold layout (make_rewards)
+        load(math_golds=math_golds), args.eval_data, args, math_golds=eval_math_golds,
+        heldout_golds=None if eval_math_golds == math_golds else load(math_golds=eval_math_golds))
     ckpt = latest_checkpoint(args.out_dir) if args.resume else None
     if args.resume and ckpt is None and main:
         print(f"--resume: no checkpoint in {args.out_dir}, starting from step 0", file=sys.stderr)

@@ -1501,6 +1501,21 @@ def test_golds_of_a_reward_of_ones_own_are_the_answer_fields_as_written(tmp_path
     with pytest.raises(ValueError, match="worked solution without"):  # the math verifier's reading refuses row 3
         s3ac.load_problems(path)
 
+def test_heldout_golds_follow_the_evaluation_reward(tmp_path):
+    """--eval-data heldout with a reward of one's own for training and the math verifier for evaluations: the same
+    held-out questions, the training rows' answer fields as written, the evaluation's golds parsed (GSM8K's
+    '####')."""
+    rows = [{"question": f"Q{i}", "answer": f"work {i} #### {i}"} for i in range(30)]
+    path = write_lines(tmp_path / "gsm.jsonl", [json.dumps(r) for r in rows])
+    args = s3ac.parse_args(["--data", path, "--eval-data", "heldout", "--eval-size", "5"])
+    raw = s3ac.load_problems(path, math_golds=False)
+    train, [(_, plain)] = s3ac.split_problems(raw, "heldout", args)
+    train2, [(_, parsed)] = s3ac.split_problems(raw, "heldout", args, heldout_golds=s3ac.load_problems(path))
+    assert train == train2 and [p.question for p in plain] == [p.question for p in parsed]
+    assert all(p.answer.startswith("work") for p in plain + train)
+    assert [p.answer for p in parsed] == [p.question[1:] for p in parsed]  # Q7 -> "7"
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Truncated importance sampling: the sampler's own probabilities in the actor's weight
 # ---------------------------------------------------------------------------------------------------------------
