@@ -1073,7 +1073,8 @@ def make_rewards(args: Args, reward_fn=None, eval_reward_fn=None):
 #      count. An unclosed last box is "no_answer"; an empty one (an echo of the instruction) is ignored.
 #   3. Without a box, and only when the gold is a plain number, --answer-fallback final_number reads the last number
 #      of the final statement, after its last "=" (final_statement_number); a question, a hedge ('41 or 42'), a
-#      negation ('not 42'), a list ('1,2,3'), an operand ('6 * 7', '42 +') or a number in LaTeX is no answer.
+#      negation ('not 42', '1 is not equal to 10'), a list ('1,2,3'), an operand ('6 * 7', '42 +') or a number in
+#      LaTeX is no answer.
 #   4. A plain-number gold needs a plain-number answer (integer, decimal or reduced fraction, with a sign,
 #      thousands separators, LaTeX spacing or a unit): "23 + 19", "6 \times 7" or "5!" are "not_a_number".
 #   5. Exact values compare exactly (Fraction / sympy); a relative tolerance of REL_TOL applies only where a side
@@ -1120,6 +1121,8 @@ _LIST_AROUND = (re.compile(r"\d\s*,\s*$"), re.compile(r"^\s*,\s*-?\d"))
 _NOT_AN_ANSWER = re.compile(r"\b(?:or|nor)\s*$", re.IGNORECASE)  # '41 or 42': no final answer
 
 _RETRACTION = re.compile(r"\b(?:wrong|incorrect|not correct|mistake|redo|recalculate)\b", re.IGNORECASE)
+
+_NOT_EQUAL = re.compile(r"(?:\bnot|n't)\s+(?:equal|the same)|!=|\u2260|\\neq?\b", re.IGNORECASE)  # '1 is not equal to 10'
 
 
 def last_boxed(text: str):
@@ -1182,6 +1185,8 @@ def final_statement_number(text: str):
         if _RETRACTION.search(sentences.pop()):
             return None, True
     if not sentences or _RETRACTION.search(sentences[-1]) or sentences[-1].rstrip().endswith("?"):
+        return None, True
+    if _NOT_EQUAL.search(sentences[-1]):  # an inequality stated, not a value: '1 is not equal to 10'
         return None, True
     statement = re.split(r"(?<![<>!])=", sentences[-1])[-1]  # after the last '=' (not '<=', '>=', '!=')
     found = [m for m in _NUMBER_IN_TEXT.finditer(statement)  # '42, not 43': 43 is not the answer

@@ -351,6 +351,9 @@ ANSWER_POLICY_TRAPS = [
     ("42", "So the total is 42 +", "not_a_number"), ("42", "The answer is 42 -", "not_a_number"),
     ("42", "The answer is not 42.", "no_answer"), ("42", "Is the answer 42?", "no_answer"),
     ("42", "So 42 is incorrect.", "no_answer"), ("42", "I think the answer is 41 or 42.", "no_answer"),
+    ("10", "1 is not equal to 10.", "no_answer"), ("10", "2 + 8 isn't equal to 10", "no_answer"),  # a real rollout
+    ("10", "9 \\neq 10", "no_answer"), ("10", "9 \u2260 10", "no_answer"), ("10", "So 9 != 10.", "no_answer"),
+    ("10", "It does not equal 10.", "no_answer"), ("10", "5 + 5 is not the same as 10", "no_answer"),
     ("43", "The answer is 42, not 43.", "wrong"), ("42", "The answer is 42, not 43.", "correct"),
     ("42", "The possible answers are 41,42", "not_a_number"), ("1", "The answers are 1,2,3", "not_a_number"),
     ("42", "The point is (42,7).", "not_a_number"), ("3", "The answer is 3,14", "not_a_number"),
