@@ -689,7 +689,7 @@ def train_actor(args: Args, state: TrainState, batch: Batch, advantages, mask):
         loss_mask = mask * (~batch.truncated).to(state.device)[:, None].float()  # [B, T]
     state.policy.train()
     metrics, pi_old_logprobs = update_actor(state.policy, state.actor_opt, batch, advantages, old_logprobs, args,
-                                               state.update_gen, loss_mask)  # [B, T]
+                                            state.update_gen, loss_mask)  # [B, T]
     if state.engine is not None:
         state.engine.stale = True
     if batch.sampler_logprobs is not None:  # trainer vs sampler: log pi_old - log mu_sampler per token
@@ -1122,7 +1122,9 @@ _NOT_AN_ANSWER = re.compile(r"\b(?:or|nor)\s*$", re.IGNORECASE)  # '41 or 42': n
 
 _RETRACTION = re.compile(r"\b(?:wrong|incorrect|not correct|mistake|redo|recalculate)\b", re.IGNORECASE)
 
-_NOT_EQUAL = re.compile(r"(?:\bnot|n't)\s+(?:equal|the same)|!=|\u2260|\\neq?\b", re.IGNORECASE)  # '1 is not equal to 10'
+_NOT_EQUAL = re.compile(  # an inequality just before the number read: '1 is not equal to 10', '9 \neq 10'
+    r"(?:(?:\bnot|\bcannot|n['\u2019]?t)\s+(?:equal(?:s|led)?|the\s+same|equivalent|identical)(?:\s+(?:to|as|with))?"
+    r"|\bunequal\s+to|(?<![\d)}!])!=|=/=|<>|\u2260|\\neq?|\\not\s*=)\s*$", re.IGNORECASE)  # not 5!=120
 
 
 def last_boxed(text: str):
@@ -1179,14 +1181,13 @@ def final_statement_number(text: str):
     """(answer, ok) of a response without a box: the last number of its final statement, the last
     sentence that holds a digit (closing sentences without one are passed over unless they retract), after its last
     '='. ok is False when that number is an operand or part of an expression ('multiply 6 * 7.', '42 +', '\\sqrt{42}',
-    '1,2,3'); (None, True) when there is no final answer (a question, a retraction, 'not 42', '41 or 42')."""
+    '1,2,3'); (None, True) when there is no final answer (a question, a retraction, 'not 42', '41 or 42', an
+    inequality: '1 is not equal to 10')."""
     sentences = [s for s in re.split(r"\n+|(?<=[.!?])\s+", _normalise(text)) if s.strip()]
     while sentences and not re.search(r"\d", sentences[-1]):
         if _RETRACTION.search(sentences.pop()):
             return None, True
     if not sentences or _RETRACTION.search(sentences[-1]) or sentences[-1].rstrip().endswith("?"):
-        return None, True
-    if _NOT_EQUAL.search(sentences[-1]):  # an inequality stated, not a value: '1 is not equal to 10'
         return None, True
     statement = re.split(r"(?<![<>!])=", sentences[-1])[-1]  # after the last '=' (not '<=', '>=', '!=')
     found = [m for m in _NUMBER_IN_TEXT.finditer(statement)  # '42, not 43': 43 is not the answer
@@ -1196,6 +1197,8 @@ def final_statement_number(text: str):
     last = found[-1]
     before, after = statement[: last.start()], statement[last.end():]
     if _NOT_AN_ANSWER.search(before):  # '41 or 42': a hedge
+        return None, True
+    if _NOT_EQUAL.search(sentences[-1][: len(sentences[-1]) - len(statement) + last.start()]):  # '9 \neq 10'
         return None, True
     if any(p.search(before) for p in (_OPERATOR_BEFORE, _LATEX_AROUND[0], _LIST_AROUND[0])) or \
             any(p.match(after) for p in (_OPERATOR_AFTER, _LATEX_AROUND[1], _LIST_AROUND[1])):
@@ -2208,7 +2211,7 @@ def _row_to_problem(row, prompt_key: str, answer_key: str, where: str, math_gold
 def split_problems(train: list, eval_spec: str, args: Args, math_golds: bool = True, heldout_golds=None):
     """(train, sources): one (eval_name, problems) per comma-separated source of eval_spec: its first eval_size
     distinct problems (math_golds: as load_problems), or for `heldout` a seeded sample of train's, golds from
-    heldout_golds when given (the rows in the evaluation reward's gold layout). Duplicates are dropped, and no
+    heldout_golds() when given (train's rows in the evaluation reward's gold layout). Duplicates are dropped, and no
     evaluation question stays in train. Raises ValueError when too few are left."""
     train = distinct(train)
     sources = []
@@ -2218,7 +2221,7 @@ def split_problems(train: list, eval_spec: str, args: Args, math_golds: bool = T
                 raise ValueError(f"{args.data}: {len(train)} distinct problems, too few to hold out {args.eval_size}")
             held_out = random.Random(args.seed + 12345).sample(train, args.eval_size)
             if heldout_golds is not None:
-                gold_of = {p.question: p.answer for p in distinct(heldout_golds)}
+                gold_of = {p.question: p.answer for p in distinct(heldout_golds())}
                 held_out = [Problem(p.question, gold_of[p.question]) for p in held_out]
         else:
             held_out = load_problems(spec, args.prompt_key, args.answer_key, args.eval_split, seed=args.seed + 1,
@@ -2385,7 +2388,7 @@ def setup_run(args: Args, reward_fn=None, eval_reward_fn=None) -> Run:
     math_golds, eval_math_golds = isinstance(reward_fn, Verifier), isinstance(eval_reward_fn, Verifier)
     train_problems, eval_sources = split_problems(  # each reward reads its own gold layout (make_rewards)
         load(math_golds=math_golds), args.eval_data, args, math_golds=eval_math_golds,
-        heldout_golds=None if eval_math_golds == math_golds else load(math_golds=eval_math_golds))
+        heldout_golds=None if eval_math_golds == math_golds else functools.partial(load, math_golds=eval_math_golds))
     ckpt = latest_checkpoint(args.out_dir) if args.resume else None
     if args.resume and ckpt is None and main:
         print(f"--resume: no checkpoint in {args.out_dir}, starting from step 0", file=sys.stderr)

@@ -354,6 +354,12 @@ ANSWER_POLICY_TRAPS = [
     ("10", "1 is not equal to 10.", "no_answer"), ("10", "2 + 8 isn't equal to 10", "no_answer"),  # a real rollout
     ("10", "9 \\neq 10", "no_answer"), ("10", "9 \u2260 10", "no_answer"), ("10", "So 9 != 10.", "no_answer"),
     ("10", "It does not equal 10.", "no_answer"), ("10", "5 + 5 is not the same as 10", "no_answer"),
+    ("10", "9 \\not= 10", "no_answer"), ("10", "9 doesn\u2019t equal 10", "no_answer"), ("10", "9 <> 10", "no_answer"),
+    ("10", "9 is not equivalent to 10.", "no_answer"), ("10", "9 is unequal to 10.", "no_answer"),
+    # an inequality elsewhere in the sentence, or a factorial, leaves the answer alone
+    ("120", "So 5!=120.", "correct"), ("10", "Since x \\neq 0, we get x = 10.", "correct"),
+    ("10", "Because x \u2260 0, x = 10.", "correct"), ("10", "The boxes are not equally sized, so the answer is 10.", "correct"),
+    ("10", "It is not equal to 5, so the answer is 10.", "correct"),
     ("43", "The answer is 42, not 43.", "wrong"), ("42", "The answer is 42, not 43.", "correct"),
     ("42", "The possible answers are 41,42", "not_a_number"), ("1", "The answers are 1,2,3", "not_a_number"),
     ("42", "The point is (42,7).", "not_a_number"), ("3", "The answer is 3,14", "not_a_number"),
@@ -1513,10 +1519,31 @@ def test_heldout_golds_follow_the_evaluation_reward(tmp_path):
     args = s3ac.parse_args(["--data", path, "--eval-data", "heldout", "--eval-size", "5"])
     raw = s3ac.load_problems(path, math_golds=False)
     train, [(_, plain)] = s3ac.split_problems(raw, "heldout", args)
-    train2, [(_, parsed)] = s3ac.split_problems(raw, "heldout", args, heldout_golds=s3ac.load_problems(path))
+    train2, [(_, parsed)] = s3ac.split_problems(raw, "heldout", args,
+                                                heldout_golds=lambda: s3ac.load_problems(path))
     assert train == train2 and [p.question for p in plain] == [p.question for p in parsed]
     assert all(p.answer.startswith("work") for p in plain + train)
     assert [p.answer for p in parsed] == [p.question[1:] for p in parsed]  # Q7 -> "7"
+
+
+def test_setup_run_gives_each_reward_its_golds(tiny, tmp_path):
+    """setup_run with a reward of one's own for training and --eval-reward-fn math on --eval-data heldout: the
+    training problems keep the answer fields as written, the held-out ones carry the verifier's golds (GSM8K's
+    after '####'); with a non-heldout source the training data is read once, so a row only the verifier refuses
+    (an answer of two sentences) stops nothing."""
+    rows = [{"question": f"Q{i}", "answer": f"work {i} #### {i}"} for i in range(40)]
+    data = write_lines(tmp_path / "gsm.jsonl", [json.dumps(r) for r in rows])
+    flags = smoke_flags(tiny[0], str(tmp_path / "a"), "--data", data, "--eval-reward-fn", "math")
+    with s3ac.setup_run(s3ac.parse_args(flags), reward_fn=EvenLengthReward()) as run:
+        [(_, held, _)] = run.eval_sets
+        assert isinstance(run.eval_reward_fn, s3ac.Verifier) and len(held) == 4
+        assert [p.answer for p in held] == [p.question[1:] for p in held]
+        assert all("####" in p.answer for p in run.state.problems)
+    own = write_lines(tmp_path / "own.jsonl", [json.dumps({"question": f"Q{i}", "answer": "One. Two"})
+                                              for i in range(20)])
+    flags = smoke_flags(tiny[0], str(tmp_path / "b"), "--data", own, "--eval-data", data, "--eval-reward-fn", "math")
+    with s3ac.setup_run(s3ac.parse_args(flags), reward_fn=EvenLengthReward()) as run:
+        assert [p.answer for p in run.state.problems][:1] == ["One. Two"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
