@@ -3647,6 +3647,15 @@ def test_mechanisms_grad_norm_share_and_clipped_share_hand_cases():
     assert math.isnan(mech.clipped_share([], 1.0))
 
 
+def test_mechanisms_held_out_split_hand_cases():
+    mech = load_mechanisms()
+    # prompts 2, 4, 6 have right answers: the last of them (3 // 2 = 1) and the last three without one
+    assert mech.held_out_split([0, 0, 3, 0, 1, 0, 2, 0], 4) == {3, 5, 6, 7}
+    assert mech.held_out_split([0, 0, 0, 0], 2) == {2, 3}  # no right answer anywhere: the last prompts
+    assert mech.held_out_split([1, 0], 2) == {0, 1}  # a lone winner stays in training unless n needs it
+    assert mech.held_out_split([1, 1, 1, 1], 2) == {2, 3} and mech.held_out_split([1, 0, 1], 0) == set()
+
+
 def test_mechanisms_mid_share_hand_case():
     mech = load_mechanisms()
     p_ref = {0: 0.2, 1: 0.5, 2: 0.8, 3: 0.9, 4: 0.0}  # (0.2, 0.8]: 0.2 out, 0.8 in

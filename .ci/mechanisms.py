@@ -82,6 +82,17 @@ def outcome_losses(values, rewards, response_mask, eps: float = 1e-6) -> dict:
     return {"bce": ((bce * m).sum() / n).item(), "mse": ((((p - y) ** 2) * m).sum() / n).item()}
 
 
+def held_out_split(successes: list, n: int) -> set:
+    """The n pool prompts whose rollouts only evaluate the critics, so that they hold both outcomes where the pool
+    does: the last min(P // 2, n // 2) of the P prompts with a success (successes[i]: right answers among prompt i's
+    saved rollouts; the rest stay in training), then the last prompts without one, then any others."""
+    wins = [i for i, s in enumerate(successes) if s > 0]
+    take = min(len(wins) // 2, n // 2)
+    held = wins[len(wins) - take:]
+    later = [i for i in reversed(range(len(successes))) if i not in held]
+    return set(held + ([i for i in later if successes[i] == 0] + [i for i in later if successes[i] > 0])[: n - take])
+
+
 def spread(values: list) -> dict:
     """{"mean", "se" (sample std / sqrt(n)), "min", "max", "n"} of the finite values (nan where undefined)."""
     v = [float(x) for x in values if x is not None and math.isfinite(x)]
@@ -141,7 +152,9 @@ class Lab:
                         for p in self.problems]
         self.base_critic = s3ac.load_critic(self.path, self.device, args.critic_seed)
         self.rows = self.saved_rollouts()
-        held = set(range(opts.rollout_prompts - opts.held_out_prompts, opts.rollout_prompts))
+        successes = [sum(s3ac.succeeded(r["reward"]) for r in self.rows if r["prompt_index"] == i)
+                     for i in range(len(self.prompts))]
+        held = held_out_split(successes, opts.held_out_prompts)
         self.train_rows = [r for r in self.rows if r["prompt_index"] not in held]
         self.held_batch, self.held_rewards = s3ac.rows_to_batch([r for r in self.rows if r["prompt_index"] in held],
                                                                 self.pad_id)
