@@ -537,7 +537,8 @@ def main(argv=None):
     if unknown:
         parser.error(f"--only {opts.only}: unknown {sorted(unknown)}; expected some of {EXPERIMENTS}")
     base = ["--data", "builtin:arithmetic", "--eval-data", "heldout", "--eval-size", "2", "--eval-every", "0",
-            "--batch-prompts", "16", "--k", "1", "--save-every", "0", "--coverage-prompts", "8", "--log-samples", "4"]
+            "--batch-prompts", "16", "--k", "1", "--save-every", "0", "--coverage-prompts", "8",
+            "--log-samples", "16"]  # coverage's runs log every rollout of a step: the rewarded ones to read
     reward_fn = None
     tmp = None
     if opts.tiny:
