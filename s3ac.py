@@ -1118,13 +1118,13 @@ _LATEX_AROUND = (re.compile(r"(?:[{^_]|\\[A-Za-z]+(?:_\{?\w+\}?)?)\s*$"), re.com
 
 _LIST_AROUND = (re.compile(r"\d\s*,\s*$"), re.compile(r"^\s*,\s*-?\d"))
 
-_NOT_AN_ANSWER = re.compile(r"\b(?:or|nor)\s*$", re.IGNORECASE)  # '41 or 42': no final answer
+_NOT_AN_ANSWER = re.compile(r"\b(?:or|nor)\s*-?$", re.IGNORECASE)  # '41 or 42', '13 or -2': no final answer
 
 _RETRACTION = re.compile(r"\b(?:wrong|incorrect|not correct|mistake|redo|recalculate)\b", re.IGNORECASE)
 
 _NOT_EQUAL = re.compile(  # an inequality just before the number read: '1 is not equal to 10', '9 \neq 10'
     r"(?:(?:\bnot|\bcannot|n['\u2019]?t)\s+(?:equal(?:s|led)?|the\s+same|equivalent|identical)(?:\s+(?:to|as|with))?"
-    r"|\bunequal\s+to|(?<![\d)}!])!=|=/=|<>|\u2260|\\neq?|\\not\s*=)\s*$", re.IGNORECASE)  # not 5!=120
+    r"|\bunequal\s+to|(?<![\d)}!])!=|=/=|<>|\u2260|\\neq?|\\not\s*=)\s*-?$", re.IGNORECASE)  # not 5!=120; '!= -10' too
 
 
 def last_boxed(text: str):
@@ -1191,7 +1191,7 @@ def final_statement_number(text: str):
         return None, True
     statement = re.split(r"(?<![<>!])=", sentences[-1])[-1]  # after the last '=' (not '<=', '>=', '!=')
     found = [m for m in _NUMBER_IN_TEXT.finditer(statement)  # '42, not 43': 43 is not the answer
-             if not re.search(r"\bnot\s*$", statement[: m.start()], re.IGNORECASE)]
+             if not re.search(r"\bnot\s*-?$", statement[: m.start()], re.IGNORECASE)]  # nor 'not -43'
     if not found:
         return None, True
     last = found[-1]
