@@ -1072,9 +1072,9 @@ def make_rewards(args: Args, reward_fn=None, eval_reward_fn=None):
 #   2. The answer is the content of the LAST \boxed{...} (or \fbox{...}), braces balanced; earlier boxes do not
 #      count. An unclosed last box is "no_answer"; an empty one (an echo of the instruction) is ignored.
 #   3. Without a box, and only when the gold is a plain number, --answer-fallback final_number reads the last number
-#      of the final statement, after its last "=" (final_statement_number); a question, a hedge ('41 or 42'), a
-#      negation ('not 42', '1 is not equal to 10'), a list ('1,2,3'), an operand ('6 * 7', '42 +') or a number in
-#      LaTeX is no answer.
+#      of the final statement, after its last "=" (final_statement_number); a question, a hedge ('41 or -42',
+#      'x = 2 or x = -2'), a negation ('not 42', '1 is not equal to 10'), a list ('1,2,3'), an operand ('6 * 7',
+#      '42 +') or a number in LaTeX is no answer.
 #   4. A plain-number gold needs a plain-number answer (integer, decimal or reduced fraction, with a sign,
 #      thousands separators, LaTeX spacing or a unit): "23 + 19", "6 \times 7" or "5!" are "not_a_number".
 #   5. Exact values compare exactly (Fraction / sympy); a relative tolerance of REL_TOL applies only where a side
@@ -1118,13 +1118,15 @@ _LATEX_AROUND = (re.compile(r"(?:[{^_]|\\[A-Za-z]+(?:_\{?\w+\}?)?)\s*$"), re.com
 
 _LIST_AROUND = (re.compile(r"\d\s*,\s*$"), re.compile(r"^\s*,\s*-?\d"))
 
-_NOT_AN_ANSWER = re.compile(r"\b(?:or|nor)\s*-?$", re.IGNORECASE)  # '41 or 42', '13 or -2': no final answer
+_NOT_AN_ANSWER = re.compile(r"\b(?:or|nor)\s*\(?\s*(?:[-+]\s*)?$", re.IGNORECASE)  # '41 or 42', '13 or (- 2)': none
+
+_HEDGED_EQUATION = re.compile(r"\d[^=]*\b(?:or|nor)\s+\w*\s*$", re.IGNORECASE)  # '13, or x = -2': no answer
 
 _RETRACTION = re.compile(r"\b(?:wrong|incorrect|not correct|mistake|redo|recalculate)\b", re.IGNORECASE)
 
 _NOT_EQUAL = re.compile(  # an inequality just before the number read: '1 is not equal to 10', '9 \neq 10'
     r"(?:(?:\bnot|\bcannot|n['\u2019]?t)\s+(?:equal(?:s|led)?|the\s+same|equivalent|identical)(?:\s+(?:to|as|with))?"
-    r"|\bunequal\s+to|(?<![\d)}!])!=|=/=|<>|\u2260|\\neq?|\\not\s*=)\s*-?$", re.IGNORECASE)  # not 5!=120; '!= -10' too
+    r"|\bunequal\s+to|(?<![\d)}!])!=|=/=|<>|\u2260|\\neq?|\\not\s*=)\s*(?:[-+]\s*)?$", re.IGNORECASE)  # not 5!=120
 
 
 def last_boxed(text: str):
@@ -1189,9 +1191,12 @@ def final_statement_number(text: str):
             return None, True
     if not sentences or _RETRACTION.search(sentences[-1]) or sentences[-1].rstrip().endswith("?"):
         return None, True
-    statement = re.split(r"(?<![<>!])=", sentences[-1])[-1]  # after the last '=' (not '<=', '>=', '!=')
+    parts = re.split(r"(?<![<>!])=", sentences[-1])  # the last '=' (not '<=', '>=', '!=') starts the statement
+    if len(parts) > 1 and _HEDGED_EQUATION.search(parts[-2]):  # 'x = 2 or x = -2': a hedge
+        return None, True
+    statement = parts[-1]
     found = [m for m in _NUMBER_IN_TEXT.finditer(statement)  # '42, not 43': 43 is not the answer
-             if not re.search(r"\bnot\s*-?$", statement[: m.start()], re.IGNORECASE)]  # nor 'not -43'
+             if not re.search(r"\bnot\s*(?:[-+]\s*)?$", statement[: m.start()], re.IGNORECASE)]  # nor 'not -43'
     if not found:
         return None, True
     last = found[-1]

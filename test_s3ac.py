@@ -359,6 +359,9 @@ ANSWER_POLICY_TRAPS = [
     ("-2", "so the final result is either 13 or -2.", "no_answer"),  # a real rollout: a negative number read after
     ("-4", "It is 4 nor -4.", "no_answer"), ("-42", "The answer is 5, not -42.", "wrong"),  # 'or', 'not', '!='
     ("-10", "1 is not equal to -10.", "no_answer"), ("-3", "So x != -3.", "no_answer"), ("-2", "It is -2.", "correct"),
+    ("2", "either 13 or - 2.", "no_answer"), ("3", "x \\neq - 3", "no_answer"), ("2", "either 13 or +2.", "no_answer"),
+    ("-2", "either 13 or (-2).", "no_answer"), ("-2", "x = 2 or x = -2", "no_answer"), ("-2", "x = 13, or x = -2.", "no_answer"),
+    ("5", "The answer is 5, not -5.", "correct"), ("3", "x = 3 or -", "correct"), ("10", "x or y = 10", "correct"),
     # an inequality elsewhere in the sentence, or a factorial, leaves the answer alone
     ("120", "So 5!=120.", "correct"), ("10", "Since x \\neq 0, we get x = 10.", "correct"),
     ("10", "Because x \u2260 0, x = 10.", "correct"), ("10", "The boxes are not equally sized, so the answer is 10.", "correct"),
