@@ -23,9 +23,13 @@ One training step, train_step, with the real names (each phase one call; section
     values, raw = critic_pass(args, state, batch)                # V(s_t) [B, T], full or partial-trunk critic
     advantages, returns, m = compute_advantages(args, batch, rewards, values, mask)   # decoupled_gae
         # mask = batch.response_mask; advantages raw, returns the critic's targets
-    m, pi_old_logprobs = train_actor(args, state, batch, advantages, mask)
+    old_logprobs = old_policy_logprobs(args, state, batch)       # [B, T] log pi_old, one no-grad pass
+    loss_mask = actor_loss_mask(args, batch, mask)               # less cut-off responses with --overlong-filter
+    is_weights, m = importance_weights(args, batch, old_logprobs, loss_mask)   # TIS: min(pi_old / mu, C), or 1
+    m = train_actor(args, state, batch, is_weights * advantages, old_logprobs, loss_mask)
         # update_actor -> optimize (counts num_tokens per mini-batch: the one normaliser) -> cispo_loss
-    m = train_critic(args, state, batch, values, returns, rewards, pi_old_logprobs)
+    mu_logprobs = behaviour_logprobs(args, batch, old_logprobs)  # log mu: the engine's own, else log pi_old
+    m = train_critic(args, state, batch, values, returns, mu_logprobs)
         # update_critic toward returns (critic_lam 1: the Monte-Carlo return), or PACT's pact_targets
     m = critic_metrics(values, returns, rewards, mask, ...)      # EV, V(s_0) EV, Delta+-, sparsity, c, efficiency
 
@@ -525,9 +529,9 @@ class TrainState:
 
 
 def train_step(args: Args, state: TrainState, reward_fn):
-    """One step of --algo: prompts -> rollouts and rewards -> values -> advantages -> actor update -> critic update.
-    Returns (metrics, sample records of a few rollouts). Moves state on: state.step, the DAPS counts (decayed here,
-    added to in collect_rollouts), the data order, the models and their optimizers."""
+    """One step of --algo, as the module docstring outlines it. Returns (metrics, sample records of a few rollouts).
+    Moves state on: state.step, the DAPS counts (decayed here, added to in collect_rollouts), the data order, the
+    models and their optimizers."""
     state.step += 1
     metrics = {"step": state.step}
     state.successes, state.attempts = state.successes * args.daps_decay, state.attempts * args.daps_decay
@@ -541,10 +545,16 @@ def train_step(args: Args, state: TrainState, reward_fn):
         metrics["time/values"] = synced_time(state.device) - t0
     advantages, returns, m = compute_advantages(args, batch, rewards, values, mask)  # [B, T] raw, no whitening
     metrics.update(m)
-    m, pi_old_logprobs = train_actor(args, state, batch, advantages, mask)  # [B, T] log pi_old of the update
+    t0 = synced_time(state.device)
+    old_logprobs = old_policy_logprobs(args, state, batch)  # [B, T] log pi_old, before the update
+    loss_mask = actor_loss_mask(args, batch, mask)  # [B, T] the tokens the actor loss averages over
+    is_weights, m = importance_weights(args, batch, old_logprobs, loss_mask)  # [B, T] TIS: min(pi_old / mu, C)
     metrics.update(m)
+    metrics.update(train_actor(args, state, batch, is_weights * advantages, old_logprobs, loss_mask))  # w_t A_t
+    metrics["time/actor"] = synced_time(state.device) - t0
     if state.critic is not None:
-        metrics.update(train_critic(args, state, batch, values, returns, rewards, pi_old_logprobs))
+        mu_logprobs = behaviour_logprobs(args, batch, old_logprobs)  # [B, T] log mu, the policy that sampled (PACT)
+        metrics.update(train_critic(args, state, batch, values, returns, mu_logprobs))
         metrics.update(critic_metrics(values, returns, rewards, mask, metrics["time/values"] + metrics["time/critic"],
                                       metrics["time/actor"], args.credit_eps))
     trained = batch.prompt_index.unique()  # prompts of this step's training batch
@@ -657,9 +667,9 @@ def collect_rollouts(args: Args, state: TrainState, prompt_list: list, reward_fn
 def critic_pass(args: Args, state: TrainState, batch: Batch):
     """The critic's values of a rollout batch, without gradient, for either critic (value_pass): (values [B, T] on
     the +-1 scale, 0 on padding, what GAE reads; raw [B, T], the head's outputs, V for mse and z for bce). A
-    partial-trunk critic's features are kept in the batch for its update (critic_features: one trunk pass)."""
+    partial-trunk critic's features are kept in the batch for its update (store_critic_features: one trunk pass)."""
     with autocast(state.device, compute_dtype(args.dtype, state.device)):
-        critic_features(state.critic, batch, args.micro_batch_size)  # [B, P + T, H] into batch.features; k = 0: none
+        store_critic_features(state.critic, batch, args.micro_batch_size)  # [B, P + T, H] in batch.features
         return value_pass(state.critic, batch, args.critic_loss, args.micro_batch_size)  # [B, T] each
 
 
@@ -675,50 +685,69 @@ def compute_advantages(args: Args, batch: Batch, rewards, values, mask):
     return decoupled_gae(rewards, values, mask, args.gamma, args.critic_lam, lam)  # [B, T], [B, T], metrics
 
 
-def train_actor(args: Args, state: TrainState, batch: Batch, advantages, mask):
-    """update_actor on the batch (advantages, mask [B, T]); log pi_old computed first only for several optimizer
-    steps. The loss mask is decided here: the response tokens, less the truncated responses with --overlong-filter
-    (DAPO). Marks the vLLM engine stale. Returns (metrics, pi_old_logprobs [B, T]: the log pi_old it used)."""
-    t0 = synced_time(state.device)
-    old_logprobs = None  # one optimizer step in all: update_actor takes log pi_old from its own forward pass
-    if args.actor_epochs * args.minibatches > 1:
-        with autocast(state.device, compute_dtype(args.dtype, state.device)):
-            old_logprobs = policy_logprobs(state.policy, batch, args.temperature, args.micro_batch_size)  # [B, T]
-    loss_mask = mask  # [B, T] the tokens the actor loss averages over
-    if args.overlong_filter:  # DAPO's overlong filtering: a response cut off at the limit is not trained on
-        loss_mask = mask * (~batch.truncated).to(state.device)[:, None].float()  # [B, T]
+def old_policy_logprobs(args: Args, state: TrainState, batch: Batch):
+    """log pi_old(a_t | s_t) [B, T] of the batch under the actor before its update: one no-grad pass (the trainer's
+    recomputation; the rollout engine's own log-probs are mu, not pi_old). The ratio's denominator for every
+    optimizer step of the update, and TIS's numerator."""
+    with autocast(state.device, compute_dtype(args.dtype, state.device)):
+        return policy_logprobs(state.policy, batch, args.temperature, args.micro_batch_size)  # [B, T]
+
+
+def actor_loss_mask(args: Args, batch: Batch, mask):
+    """The tokens the actor loss averages over, [B, T]: the response tokens (mask [B, T]), less every token of a
+    response cut off at the length limit with --overlong-filter (DAPO's overlong filtering)."""
+    if not args.overlong_filter:
+        return mask
+    return mask * (~batch.truncated).to(mask.device)[:, None].float()  # [B, T]
+
+
+def behaviour_logprobs(args: Args, batch: Batch, old_logprobs):
+    """log mu [B, T], the policy the rollouts were drawn from, as PACT's rho_t = pi_new / mu reads it: the engine's
+    own log-probs with --is-correction tis (where it gave them), else log pi_old [B, T]."""
+    if args.is_correction == "tis" and batch.sampler_logprobs is not None:
+        return batch.sampler_logprobs.to(old_logprobs.device)  # [B, T]
+    return old_logprobs
+
+
+def importance_weights(args: Args, batch: Batch, old_logprobs, loss_mask):
+    """(w [B, T], metrics): with --is-correction tis and the engine's log-probs, TIS's weights min(pi_old / mu, C)
+    (tis_weights), else 1. Whenever the engine gave log-probs, the metrics hold the trainer/sampler gap
+    |log pi_old - log mu| and the TIS weights' statistics over loss_mask [B, T] (logged under either setting)."""
+    ones = torch.ones_like(old_logprobs)  # [B, T]
+    if batch.sampler_logprobs is None:
+        return ones, {}
+    sampler = batch.sampler_logprobs.to(old_logprobs.device)  # [B, T] log mu
+    gap = (old_logprobs - sampler).abs()[loss_mask.bool()]  # [N]
+    w, m = tis_weights(old_logprobs, sampler, loss_mask, args.is_cap)  # [B, T]
+    metrics = {"rollout/logprob_gap_mean": gap.mean().item() if gap.numel() else 0.0,
+               "rollout/logprob_gap_max": gap.max().item() if gap.numel() else 0.0,
+               **{key: float(value) for key, value in m.items()}}
+    return (w if args.is_correction == "tis" else ones), metrics
+
+
+def train_actor(args: Args, state: TrainState, batch: Batch, advantages, old_logprobs, loss_mask):
+    """update_actor on the batch: advantages [B, T] (TIS-weighted by the caller), old_logprobs [B, T] log pi_old,
+    the token mean over loss_mask [B, T]. Marks the vLLM engine stale. Returns metrics."""
     state.policy.train()
-    metrics, pi_old_logprobs = update_actor(state.policy, state.actor_opt, batch, advantages, old_logprobs, args,
-                                            state.update_gen, loss_mask)  # [B, T]
+    metrics = update_actor(state.policy, state.actor_opt, batch, advantages, old_logprobs, args, state.update_gen,
+                           loss_mask)
     if state.engine is not None:
         state.engine.stale = True
-    if batch.sampler_logprobs is not None:  # trainer vs sampler: log pi_old - log mu_sampler per token
-        sampler = batch.sampler_logprobs.to(state.device)  # [B, T]
-        gap = (pi_old_logprobs - sampler).abs()[mask.bool()]  # [N]
-        _, weights = tis_weights(pi_old_logprobs, sampler, loss_mask, args.is_cap)  # TIS's (used under tis)
-        metrics.update({"rollout/logprob_gap_mean": gap.mean().item() if gap.numel() else 0.0,
-                        "rollout/logprob_gap_max": gap.max().item() if gap.numel() else 0.0,
-                        **{key: float(value) for key, value in weights.items()}})
-    metrics["time/actor"] = synced_time(state.device) - t0
-    return metrics, pi_old_logprobs
+    return metrics
 
 
-def train_critic(args: Args, state: TrainState, batch: Batch, values, returns, rewards, pi_old_logprobs):
-    """update_critic from values [B, T] toward returns [B, T] (s3ac), or PACT's targets: rho_t = pi_new / mu from one
-    more forward pass of the UPDATED actor, mu the sampler's own log-probs with --is-correction tis (where the
-    engine gave them), else pi_old_logprobs [B, T]. Returns metrics."""
+def train_critic(args: Args, state: TrainState, batch: Batch, values, returns, mu_logprobs):
+    """update_critic from values [B, T] toward returns [B, T] (s3ac), or toward PACT's targets (--critic-sync pact):
+    the same returns (Monte-Carlo: resolve_args holds PACT's --critic-lam at 1) weighted by rho_t = pi_new / mu, pi_new
+    from one more forward pass of the UPDATED actor, mu_logprobs [B, T] (behaviour_logprobs). Returns metrics."""
     t0 = synced_time(state.device)
     mask = batch.response_mask.to(state.device)  # [B, T]
     targets, critic_mask, metrics = returns, mask, {}  # [B, T] each
     if args.critic_sync == "pact":
         with autocast(state.device, compute_dtype(args.dtype, state.device)):
             new_logprobs = policy_logprobs(state.policy, batch, args.temperature, args.micro_batch_size)  # [B, T]
-        mu = pi_old_logprobs
-        if args.is_correction == "tis" and batch.sampler_logprobs is not None:
-            mu = batch.sampler_logprobs.to(state.device)  # [B, T] the sampler's own log mu
-        # PACT weights the Monte-Carlo return; `returns` are lambda-returns when critic_lam < 1 (--algo ppo)
-        targets, critic_mask, metrics = pact_targets(mc_returns(rewards, mask, args.gamma), new_logprobs, mu, mask,
-                                                     args.rho_min, args.rho_max)
+        targets, critic_mask, metrics = pact_targets(returns, new_logprobs, mu_logprobs, mask, args.rho_min,
+                                                     args.rho_max)  # [B, T] each
     state.critic.train()
     metrics.update(update_critic(state.critic, state.critic_opt, batch, values, targets, critic_mask, args,
                                  state.update_gen))
@@ -727,26 +756,22 @@ def train_critic(args: Args, state: TrainState, batch: Batch, values, returns, r
 
 
 def optimize(module, optimizer, batch: Batch, loss_fn, token_mask, epochs: int, minibatches: int,
-             micro_batch_size: int, grad_clip: float, generator, amp_dtype):
+             micro_batch_size: int, grad_clip: float, generator, amp_dtype) -> dict:
     """The update loop shared by actor and critic: `epochs` passes over the batch, each of `minibatches`
     optimizer steps, each in micro-batches of micro_batch_size sequences whose gradients accumulate.
-    loss_fn(rows, mbatch, num_tokens) -> (loss, metrics, row_outputs): rows [b] index the batch, mbatch =
-    batch.rows(rows), num_tokens = the tokens of token_mask [B, T] in the whole mini-batch, summed over ranks (the one
-    normaliser of section 1); row_outputs a detached [b, ...] tensor, or None. Returns (metrics averaged over steps,
-    with grad_norm before clipping and the share of clipped steps; the last pass's row_outputs in batch order, or
-    None)."""
+    loss_fn(rows, mbatch, num_tokens) -> (loss, metrics): rows [b] index the batch, mbatch = batch.rows(rows),
+    num_tokens = the tokens of token_mask [B, T] in the whole mini-batch, summed over ranks (the normaliser of
+    section 1). Returns metrics averaged over steps, with grad_norm before clipping and the share of clipped steps."""
     device = next(module.parameters()).device
     sums, steps = {"grad_norm": 0.0, "clipped": 0.0}, 0
     for _ in range(epochs):
         perm = torch.randperm(token_mask.shape[0], generator=generator)  # [B]
-        outputs = []  # (rows, row_outputs) of this pass's micro-batches
         for mb in perm.chunk(minibatches):
             num_tokens = all_reduce(token_mask[mb.to(token_mask.device)].sum().to(device)).clamp(min=1)
             for rows in mb.split(micro_batch_size):
                 with autocast(device, amp_dtype):  # forward only; backward runs outside autocast
-                    loss, metrics, row_outputs = loss_fn(rows.to(device), batch.rows(rows), num_tokens)
+                    loss, metrics = loss_fn(rows.to(device), batch.rows(rows), num_tokens)
                 loss.backward()
-                outputs.append((rows, row_outputs))
                 for key, value in metrics.items():
                     sums[key] = sums.get(key, 0.0) + float(value)
             grad_norm = torch.nn.utils.clip_grad_norm_(module.parameters(), grad_clip)
@@ -758,41 +783,31 @@ def optimize(module, optimizer, batch: Batch, loss_fn, token_mask, epochs: int, 
             steps += 1
     keys = [k for k in sums if k not in ("grad_norm", "clipped")]  # per-rank shares of global token means
     totals = all_reduce(torch.tensor([sums[k] for k in keys], dtype=torch.float64)).tolist()
-    metrics = {"grad_norm": sums["grad_norm"] / steps, "clipped": sums["clipped"] / steps,
-               **{k: t / steps for k, t in zip(keys, totals)}}
-    if any(out is None for _, out in outputs):
-        return metrics, None
-    order = torch.cat([rows for rows, _ in outputs]).argsort()  # [B] each row once per pass: back to batch order
-    return metrics, torch.cat([out for _, out in outputs])[order.to(device)]  # [B, ...]
+    return {"grad_norm": sums["grad_norm"] / steps, "clipped": sums["clipped"] / steps,
+            **{k: t / steps for k, t in zip(keys, totals)}}
 
 
 def update_actor(model, optimizer, batch: Batch, advantages, old_logprobs, args: Args, generator, loss_mask=None):
     """ACTOR_LOSSES[args.actor_loss] on the batch: args.actor_epochs passes of args.minibatches steps, the
-    token mean over loss_mask [B, T] (default batch.response_mask). advantages [B, T]; old_logprobs [B, T]: log pi_old,
-    or None for one optimizer step in all (pi_old is then the current policy: the detached log-probs of the same
-    forward pass, departure 2). With --is-correction tis each token's advantage is scaled by tis_weights(log pi_old,
-    log mu): w > 0 and detached, so this weights the token's loss (for PPO too: min(r wA, clip(r) wA) =
-    w min(rA, clip(r) A)). Returns (metrics, log pi_old [B, T] the loss used)."""
+    token mean over loss_mask [B, T] (default batch.response_mask). advantages [B, T], any importance weight already
+    applied (train_step scales them by TIS's w > 0, detached: for PPO too, min(r wA, clip(r) wA) = w min(rA,
+    clip(r) A)); old_logprobs [B, T]: log pi_old, or None for one optimizer step in all (pi_old is then the current
+    policy: the detached log-probs of the same forward pass, so r = 1). Returns metrics."""
     device = advantages.device
     loss_mask = batch.response_mask.to(device) if loss_mask is None else loss_mask  # [B, T]
-    correct = args.is_correction == "tis" and batch.sampler_logprobs is not None
 
     def loss_fn(rows, mbatch, num_tokens):
         logprobs, entropy = actor_logprobs(model, mbatch, args.temperature)  # [b, T]
         mask = loss_mask[rows]  # [b, T]
-        pi_old_logprobs = logprobs.detach() if old_logprobs is None else old_logprobs[rows]  # [b, T] log pi_old
-        adv = advantages[rows]  # [b, T]
-        if correct:  # TIS: A_t * min(pi_old / mu_sampler, C)
-            adv = adv * tis_weights(pi_old_logprobs, mbatch.sampler_logprobs.to(device), mask, args.is_cap)[0]  # [b, T]
+        pi_old = logprobs.detach() if old_logprobs is None else old_logprobs[rows]  # [b, T] log pi_old
         # CISPO: J = sg(clip(r)) * A * log pi, or PPO: J = min(r A, clip(r) A); loss = -(sum of J) / num_tokens
-        pg_loss, m = ACTOR_LOSSES[args.actor_loss](logprobs, pi_old_logprobs, adv, mask, args.eps_low, args.eps_high,
-                                                   num_tokens=num_tokens)
-        return pg_loss, dict(m, pg_loss=pg_loss.detach(), entropy=(entropy * mask).sum() / num_tokens), pi_old_logprobs
+        pg_loss, m = ACTOR_LOSSES[args.actor_loss](logprobs, pi_old, advantages[rows], mask, args.eps_low,
+                                                   args.eps_high, num_tokens=num_tokens)
+        return pg_loss, dict(m, pg_loss=pg_loss.detach(), entropy=(entropy * mask).sum() / num_tokens)
 
-    metrics, pi_old_logprobs = optimize(model, optimizer, batch, loss_fn, loss_mask, args.actor_epochs,
-                                        args.minibatches, args.micro_batch_size, args.actor_grad_clip, generator,
-                                        compute_dtype(args.dtype, device))  # [B, T]
-    return {f"actor/{k}": v for k, v in metrics.items()}, pi_old_logprobs
+    metrics = optimize(model, optimizer, batch, loss_fn, loss_mask, args.actor_epochs, args.minibatches,
+                       args.micro_batch_size, args.actor_grad_clip, generator, compute_dtype(args.dtype, device))
+    return {f"actor/{k}": v for k, v in metrics.items()}
 
 
 def update_critic(critic, optimizer, batch: Batch, old_values, targets, critic_mask, args: Args, generator,
@@ -800,20 +815,20 @@ def update_critic(critic, optimizer, batch: Batch, old_values, targets, critic_m
     """critic_loss_fn toward `targets` [B, T] (+-1 scale) on the tokens of critic_mask [B, T]: args.critic_epochs
     passes of args.minibatches steps, token mean over each mini-batch. old_values [B, T]: the values the
     advantages used (the clip anchor of the mse loss). features: a partial-trunk critic's input, by default
-    critic_features of the batch (computed once, reused by every epoch). All on the critic's device."""
+    store_critic_features of the batch (computed once, reused by every epoch). All on the critic's device."""
     device = targets.device
     if features is None:
         with autocast(device, compute_dtype(args.dtype, device)):
-            features = critic_features(critic, batch, args.micro_batch_size)  # [B, P + T, H]; None for k = 0
+            features = store_critic_features(critic, batch, args.micro_batch_size)  # [B, P + T, H]; None for k = 0
 
     def loss_fn(rows, mbatch, num_tokens):
         raw = critic_values(critic, mbatch, None if features is None else features[rows])  # [b, T] V or z
         v_loss, m = critic_loss_fn(raw, old_values[rows], targets[rows], critic_mask[rows], args.critic_loss,
                                    args.eps_v, num_tokens)
-        return v_loss, dict(m, v_loss=v_loss.detach()), None
+        return v_loss, dict(m, v_loss=v_loss.detach())
 
-    metrics, _ = optimize(critic, optimizer, batch, loss_fn, critic_mask, args.critic_epochs, args.minibatches,
-                          args.micro_batch_size, args.critic_grad_clip, generator, compute_dtype(args.dtype, device))
+    metrics = optimize(critic, optimizer, batch, loss_fn, critic_mask, args.critic_epochs, args.minibatches,
+                       args.micro_batch_size, args.critic_grad_clip, generator, compute_dtype(args.dtype, device))
     return {f"critic/{k}": v for k, v in metrics.items()}
 
 
@@ -898,7 +913,7 @@ def pretrain_critic(critic, optimizer, rows: list, args: Args, pad_id: int, gene
         losses = []
         for start in range(0, len(order), size):
             batch, rewards = rows_to_batch([fit_rows[i] for i in order[start: start + size]], pad_id)
-            critic_features(critic, batch, args.micro_batch_size)  # one trunk pass for the values and the update
+            store_critic_features(critic, batch, args.micro_batch_size)  # one trunk pass: values and update
             values, _ = value_pass(critic, batch, args.critic_loss, args.micro_batch_size)  # [B, T]
             critic.train()
             mask = batch.response_mask.to(device)  # [B, T]
@@ -984,16 +999,15 @@ def train(args: Args, reward_fn=None, eval_reward_fn=None):
 # -----------------------------------------------------------------------------------------------------------------
 # 3. The parts a step calls: the reward, the actor's log-probs, the critic, rollout
 # -----------------------------------------------------------------------------------------------------------------
-# --- 3a. The reward ---
+# --- 3a. The reward: its contract, call_reward, make_rewards (the math verifier itself is in section 4) ---
 # The reward contract, stated once: reward_fn(golds: list[str], completions: list[str], truncated: list[bool]) ->
 # (rewards: list[float], statuses: list[str]), one each per completion, each R in [-1, 1]; call_reward checks every
 # call, and each status but correct and wrong is counted as verify/<status>. R = +1 alone is a success (succeeded:
 # DAPS's counts, dynamic sampling, pass@1); partial credit reaches the advantages as given, and where a probability
 # is needed (DAPS, PACT, the BCE critic) R is read on the [0, 1] scale (R + 1) / 2. With --reward-fn
-# file.py:function (load_reward_fn) the golds are the data's answer fields as written; the default is
-# the math Verifier below: R = +1 when the response is finished and its final answer equals the gold, R = -1
-# otherwise (wrong, no answer, an expression where a number is due, cut off at the length limit, a check that
-# failed or hung).
+# file.py:function (load_reward_fn) the golds are the data's answer fields as written; the default is the math
+# Verifier (section 4): R = +1 when the response is finished and its final answer equals the gold, R = -1 otherwise
+# (wrong, no answer, an expression where a number is due, cut off at the length limit, a check that failed or hung).
 
 
 def call_reward(reward_fn, golds: list, completions: list, truncated: list):
@@ -1047,8 +1061,8 @@ def load_reward_fn(spec: str, flag: str = "--reward-fn"):
 
 
 def make_rewards(args: Args, reward_fn=None, eval_reward_fn=None):
-    """(reward_fn, eval_reward_fn, owned): each unless given, the flag's: --reward-fn (math: the Verifier below, else
-    load_reward_fn), --eval-reward-fn (auto: the training reward); owned: the one Verifier made, for the caller to
+    """(reward_fn, eval_reward_fn, owned): each unless given, the flag's: --reward-fn (math: the Verifier of section
+    4, else load_reward_fn), --eval-reward-fn (auto: the training reward); owned: the one Verifier made, for the caller to
     close. Golds: the Verifier's are parsed from the math layouts (load_problems(math_golds=True): a solution's last
     \\boxed{}, GSM8K's after '####'); any other function gets the answer fields as written. Raises ValueError."""
     owned = []
@@ -1066,7 +1080,425 @@ def make_rewards(args: Args, reward_fn=None, eval_reward_fn=None):
     return reward_fn, eval_reward_fn, owned
 
 
-# --- The math verifier (the default reward): the answer policy, then grade and the Verifier ---
+# --- 3b. The actor: log-probs of the sampled tokens ---
+class Policy(nn.Module):
+    """The actor with one forward call from token ids to log-probs. FSDP2 gathers a module's own parameters (here
+    the embeddings, final norm and output layer) in that module's forward, so the whole log-prob computation has
+    to be one; without FSDP this is a thin wrapper. policy.lm is the Hugging Face causal LM."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids, attention_mask, position_ids, valid, targets, temperature: float):
+        """log pi and entropy [N] of the N response tokens targets [N] marked by valid [B, T] (the last T
+        positions of input_ids [B, P + T]), at the sampling temperature, in fp32."""
+        P = input_ids.shape[1] - valid.shape[1]
+        hidden = self.lm.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                    use_cache=False).last_hidden_state  # [B, P + T, H]
+        h = hidden[:, P - 1: -1][valid]  # [N, H]: the logits at position P - 1 + t score response token t
+        weight = self.lm.get_output_embeddings().weight  # [V, H] fp32
+        with torch.autocast(input_ids.device.type, enabled=False):  # log-probs in fp32 even under bf16 autocast
+            return kernels.logprobs_from_hidden(h.float(), weight, targets, temperature)  # [N], [N]
+
+
+def model_inputs(batch: Batch):
+    """input_ids, attention_mask, position_ids, all [B, P + T], for prompt + response (left and right padding)."""
+    input_ids = torch.cat([batch.prompt_ids, batch.response_ids], 1)  # [B, P + T]
+    attention_mask = torch.cat([batch.prompt_mask.long(), batch.response_mask.long()], 1)  # [B, P + T]
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # [B, P + T] positions count real tokens only
+    return input_ids, attention_mask, position_ids
+
+
+def actor_logprobs(model, batch: Batch, temperature: float):
+    """log pi(a_t | s_t) and the entropy of pi(. | s_t) at the sampling temperature, both [B, T] fp32 (0 on
+    padding). model: a Policy or a Hugging Face causal LM. The [B, T, V] logits are never materialised
+    (kernels.logprobs_from_hidden works in chunks over valid tokens). Entropy carries no gradient."""
+    policy = model if isinstance(model, Policy) else Policy(model)
+    device = next(policy.parameters()).device
+    input_ids, attention_mask, position_ids = (x.to(device) for x in model_inputs(batch))
+    valid = batch.response_mask.to(device).bool()  # [B, T]
+    lp, ent = policy(input_ids, attention_mask, position_ids, valid, batch.response_ids.to(device)[valid],
+                     temperature)  # [N] each, N valid response tokens
+    logprobs = torch.zeros(valid.shape, device=device).masked_scatter(valid, lp)  # [B, T]
+    entropy = torch.zeros(valid.shape, device=device).masked_scatter(valid, ent.detach())  # [B, T]
+    return logprobs, entropy
+
+
+@torch.no_grad()
+def policy_logprobs(model, batch: Batch, temperature: float, micro_batch_size: int):
+    """No-grad log pi(a_t | s_t) [B, T] of the whole batch in eval mode, in micro-batches (0 on padding).
+    Leaves model in eval mode: call model.train() before a training forward."""
+    model.eval()
+    return torch.cat([actor_logprobs(model, batch.rows(mb), temperature)[0]
+                      for mb in micro_batches(batch.response_ids.shape[0], micro_batch_size)])  # [B, T]
+
+
+def micro_batches(n: int, size: int):
+    """Index lists [0..size), [size..2 size), ... covering range(n)."""
+    return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+
+
+# --- 3c. The critic: full model, or the partial trunk ---
+class Critic(nn.Module):
+    """V(s_t): a transformer backbone and a linear value head without bias, initialised from N(0, (1/(H+1))^2)
+    with its own seed (S3AC: a large head init lets the head dominate the first gradients, and a global clip then
+    shrinks the backbone's too). --critic-layers k chooses the backbone:
+        k = 0   a whole separate model that reads the token ids (the paper's critic);
+        k >= 1  the partial trunk (Baseten's value head on the last k of L layers): `trunk` gives the ACTOR's hidden
+                states after block L - k (the input of block L - k counted from 0), without gradient, into the critic's
+                own trainable copy of the actor's last k blocks and final norm (top_blocks). The critic loss never
+                reaches the actor; the critic fits batch n on the features of the actor that generated it.
+    store_critic_features says where those features come from (recorded while generating, else one trunk pass)."""
+
+    def __init__(self, backbone: nn.Module, seed: int, trunk=None, block: int = None):
+        super().__init__()
+        hidden = backbone.config.hidden_size
+        self.backbone = backbone
+        self.value_head = nn.Linear(hidden, 1, bias=False, dtype=torch.float32)
+        nn.init.normal_(self.value_head.weight, 0.0, 1.0 / (hidden + 1),
+                        generator=torch.Generator().manual_seed(seed))
+        self.trunk = trunk  # k >= 1: (input_ids, attention_mask, position_ids) -> [B, P + T, H], the actor's
+        #                     hidden states (a function, not a submodule: the actor's weights are not the critic's)
+        self.block = block  # k >= 1: L - k, the actor block whose input the trunk gives; None for k = 0
+
+    def forward(self, input_ids, attention_mask, position_ids, features=None):
+        """Values at every position, [B, P + T] fp32. features [B, P + T, H]: the trunk's hidden states of these
+        rows (trunk_features), computed here when None; unused by a separate critic (k = 0)."""
+        if self.trunk is None:
+            out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                use_cache=False)
+        else:
+            features = self.trunk(input_ids, attention_mask, position_ids) if features is None else features
+            out = self.backbone(inputs_embeds=features, attention_mask=attention_mask, position_ids=position_ids,
+                                use_cache=False)
+        hidden = out.last_hidden_state  # [B, P + T, H]
+        with torch.autocast(hidden.device.type, enabled=False):  # the head stays fp32 under bf16 autocast
+            return hidden.float() @ self.value_head.weight[0]  # [B, P + T] (a new tensor, not a view of one)
+
+
+def top_blocks(lm: nn.Module, k: int) -> nn.Module:
+    """The partial-trunk critic's trainable backbone: a Hugging Face base model of the last k of the L blocks
+    and the final norm of the causal LM lm (the Llama / Qwen2 / Mistral layout), their weights copied, reading hidden
+    states through inputs_embeds so that the model's own forward builds the causal mask, sliding windows and rotary
+    embeddings (written against transformers 5.24); config.critic_layers = k marks it. Raises ValueError unless
+    1 <= k <= L, or when the copy does not continue the actor's forward on a left-padded probe (Gemma's sqrt(H))."""
+    from transformers import AutoModel
+    base, L = lm.base_model, lm.config.num_hidden_layers
+    if not 1 <= k <= L:
+        raise ValueError(f"--critic-layers {k}: need 1 <= k <= {L}, the actor's blocks")
+    config = copy.deepcopy(base.config)
+    config.num_hidden_layers, config.critic_layers, config.vocab_size = k, k, 1
+    config.pad_token_id = config.bos_token_id = config.eos_token_id = None  # no token ids in this model
+    if getattr(config, "layer_types", None):  # full or sliding-window attention, per block
+        config.layer_types = config.layer_types[L - k:]
+    device = next(lm.parameters()).device
+    top = AutoModel.from_config(config, dtype=torch.float32).to(device)
+    top.layers.load_state_dict(base.layers[L - k:].state_dict())
+    top.norm.load_state_dict(base.norm.state_dict())
+    nn.init.zeros_(top.get_input_embeddings().weight)  # unused; zeros, not a random draw, in every checkpoint
+    ids, mask = torch.tensor([[1, 2, 3, 4], [0, 0, 5, 6]]), torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]])  # a probe
+    ids, mask, pos = ids.to(device), mask.to(device), (mask.cumsum(1) - 1).clamp(min=0).to(device)  # [2, 4] each
+    with torch.no_grad():
+        want = base(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state  # [2, 4, H]
+        got = top(inputs_embeds=actor_hidden_states(lm, L - k, ids, mask, pos), attention_mask=mask,
+                  position_ids=pos).last_hidden_state  # [2, 4, H]
+    if not torch.allclose(got[mask.bool()], want[mask.bool()], rtol=1e-4, atol=1e-5):
+        raise ValueError(f"--critic-layers {k}: the copied blocks of {type(base).__name__} do not reproduce its "
+                         f"last hidden state")
+    return top
+
+
+@torch.no_grad()
+def actor_hidden_states(policy: nn.Module, block: int, input_ids, attention_mask, position_ids):
+    """The actor's hidden states after block `block` (0: the token embeddings), [B, P + T, H] fp32,
+    without gradient, from its own forward (recording_block_input; the blocks above run too, their work thrown away).
+    policy: a Policy or a causal LM; under FSDP2 its own parameters are gathered for the call."""
+    lm = policy.lm if isinstance(policy, Policy) else policy
+    with gathered(policy), recording_block_input(lm, block) as calls:
+        lm.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    return calls[0]  # [B, P + T, H]
+
+
+@contextlib.contextmanager
+def recording_block_input(lm: nn.Module, block: int):
+    """While active, every forward call of the causal LM lm appends the input of its block `block`
+    (0-based; hidden_states[block] of output_hidden_states), [b, s, H] fp32 without gradient, to the list it yields:
+    in generate() the prefill first, then one call per decoding step (s = 1). Raises IndexError unless 0 <= block <
+    L."""
+    calls = []
+
+    def hook(module, args, kwargs):
+        calls.append((args[0] if args else kwargs["hidden_states"]).detach().float())
+
+    handle = lm.base_model.layers[block].register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield calls
+    finally:
+        handle.remove()
+
+
+def load_critic(path: str, device, seed: int, head_file: str = "", layers: int = 0, actor=None) -> Critic:
+    """fp32 critic, dropout off; the value head from head_file when resuming, else fresh. layers = 0: the
+    backbone read from path. layers = k >= 1: the partial trunk on `actor` (the Policy): top_blocks(actor, k), or the
+    saved copy at path. Raises ValueError when a saved critic was trained with another --critic-layers."""
+    from transformers import AutoModel
+    if layers and not head_file:
+        backbone = top_blocks(actor.lm, layers)
+    else:
+        config = config_without_dropout(path)
+        saved = getattr(config, "critic_layers", 0)
+        if head_file and saved != layers:
+            raise ValueError(f"{path}: a critic of --critic-layers {saved}; resume it with --critic-layers {saved}")
+        backbone = AutoModel.from_pretrained(path, config=config, dtype=torch.float32)
+    trunk = block = None
+    if layers:
+        backbone.get_input_embeddings().requires_grad_(False)  # never used: the backbone reads hidden states
+        block = actor.lm.config.num_hidden_layers - layers
+        trunk = functools.partial(actor_hidden_states, actor, block)
+    critic = Critic(no_dropout(backbone), seed, trunk, block)
+    if head_file:
+        from safetensors.torch import load_file
+        critic.value_head.load_state_dict(load_file(head_file))
+    return critic.to(device)
+
+
+def critic_values(critic: Critic, batch: Batch, features=None):
+    """V(s_t) for t = 0..T-1, [B, T] fp32: V(s_0) at the last prompt token (position P - 1), V(s_t) at the
+    position whose logits score response token t. Padding positions hold whatever the head outputs there;
+    callers mask them. features [B, P + T, H]: the partial-trunk critic's input (trunk_features), or None."""
+    device = critic.value_head.weight.device
+    input_ids, attention_mask, position_ids = (x.to(device) for x in model_inputs(batch))
+    P, T = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
+    return critic(input_ids, attention_mask, position_ids, features)[:, P - 1: P + T - 1]  # [B, T]
+
+
+@torch.no_grad()
+def trunk_features(critic: Critic, batch: Batch, micro_batch_size: int):
+    """The partial-trunk critic's input for a whole batch, [B, P + T, H] fp32 on the critic's device: the actor's
+    hidden states after block L - k, one trunk pass in micro-batches; None for a separate critic (k = 0).
+
+    Memory: 4 B (P + T) H bytes for the batch (64 sequences of 1,200 tokens at H = 1536: 0.47 GB), plus one
+    micro-batch's no-grad forward while it runs (only block L - k's input is kept: recording_block_input)."""
+    if critic.trunk is None:
+        return None
+    device = critic.value_head.weight.device
+    input_ids, attention_mask, position_ids = (x.to(device) for x in model_inputs(batch))  # [B, P + T] each
+    return torch.cat([critic.trunk(input_ids[mb], attention_mask[mb], position_ids[mb])
+                      for mb in micro_batches(input_ids.shape[0], micro_batch_size)])  # [B, P + T, H]
+
+
+def store_critic_features(critic: Critic, batch: Batch, micro_batch_size: int):
+    """Stores in batch.features, once, what the partial-trunk critic reads of this batch (trunk_features, unless
+    generate_hf recorded them already) and returns them, [B, P + T, H]; None for a full critic, which stores nothing.
+    The values and every epoch of the critic update then share one trunk pass: the one place the two critics differ
+    for a step."""
+    if critic.trunk is not None and batch.features is None:
+        batch.features = trunk_features(critic, batch, micro_batch_size)  # [B, P + T, H]
+    return batch.features if critic.trunk is not None else None
+
+
+def value_from_raw(raw, critic_loss: str):
+    """The critic head's output [B, T] on the +-1 reward scale: itself (mse), or 2 * sigmoid(z) - 1 (bce)."""
+    return 2 * torch.sigmoid(raw) - 1 if critic_loss == "bce" else raw  # [B, T]
+
+
+@torch.no_grad()
+def value_pass(critic: Critic, batch: Batch, critic_loss: str, micro_batch_size: int, features=None):
+    """No-grad critic pass in micro-batches: (values [B, T] on the +-1 scale with 0 on padding, raw head outputs
+    [B, T]: the values themselves for mse, the logits z for bce). features [B, P + T, H]: a partial-trunk critic's
+    input, by default batch.features when present (store_critic_features); else its trunk runs per micro-batch and
+    nothing is kept. Leaves critic in eval mode."""
+    critic.eval()
+    features = batch.features if features is None else features
+    raw = torch.cat([critic_values(critic, batch.rows(mb), None if features is None else features[mb])
+                     for mb in micro_batches(batch.response_ids.shape[0], micro_batch_size)])  # [B, T]
+    return torch.where(batch.response_mask.to(raw.device).bool(), value_from_raw(raw, critic_loss), 0.0), raw  # [B, T]
+
+
+def prompt_values(critic: Critic, prompts: list, pad_id: int, critic_loss: str, batch_size: int):
+    """V(s_0) of bare prompts (token-id lists), [n] on the +-1 scale, before any response exists (DAPS). A dummy
+    one-token response only places V(s_0) at the last prompt token; causal attention keeps it out of V(s_0)."""
+    n = len(prompts)
+    batch = Batch(*_pad_prompts(prompts, pad_id), torch.full((n, 1), pad_id), torch.ones(n, 1),
+                  torch.zeros(n, dtype=torch.bool), torch.arange(n))
+    return value_pass(critic, batch, critic_loss, batch_size)[0][:, 0]  # [n]
+
+
+# --- 3d. Rollout: a Batch of sampled responses ---
+@dataclass
+class Batch:
+    """A rollout batch of B sequences: left-padded prompts, right-padded responses, masks, problem indices."""
+    prompt_ids: torch.Tensor  # [B, P] left-padded
+    prompt_mask: torch.Tensor  # [B, P] 1 on prompt tokens
+    response_ids: torch.Tensor  # [B, T] right-padded
+    response_mask: torch.Tensor  # [B, T] float, 1 on generated tokens (stop token included), 0 on padding
+    truncated: torch.Tensor  # [B] bool, True when no stop token was generated (length limit hit)
+    prompt_index: torch.Tensor  # [B] index of the problem each sequence answers (groups for K > 1)
+    sampler_logprobs: torch.Tensor = None  # [B, T] the sampler's own log mu of each token, 0 on padding; None
+    #                                        for greedy batches and stored trajectories
+    features: torch.Tensor = None  # [B, P + T, H] fp32, what a partial-trunk critic reads (store_critic_features); None
+    #                                until recorded (generate_hf) or first used
+
+    def rows(self, idx, features: bool = False):
+        """The sub-batch of the sequences `idx` (a list or a [b] index tensor), by default without the features
+        (the critic indexes those itself, and the actor's micro-batches need no copy)."""
+        skip = () if features else ("features",)
+        return Batch(*(None if f.name in skip or getattr(self, f.name) is None else getattr(self, f.name)[idx]
+                       for f in dataclasses.fields(self)))
+
+
+def response_mask_from_ids(response_ids, eos_ids):
+    """(response_mask [B, T] float, 1 up to and including the first stop token, everywhere when
+    there is none; truncated [B] bool, no stop token) of response_ids [B, T], the generated tokens only. Padding is
+    found from positions, never by comparing ids with the pad id, which may equal a stop id."""
+    B, T = response_ids.shape
+    is_stop = torch.isin(response_ids, torch.tensor(sorted(eos_ids), device=response_ids.device))  # [B, T]
+    truncated = ~is_stop.any(1)  # [B]
+    first_stop = torch.where(truncated, T - 1, is_stop.int().argmax(1))  # [B] last valid position
+    positions = torch.arange(T, device=response_ids.device)  # [T]
+    return (positions[None, :] <= first_stop[:, None]).float(), truncated  # [B, T], [B]
+
+
+def _pad(seqs, value, left: bool, dtype=torch.long):
+    """[len(seqs), longest] tensor of the lists (token ids by default), padded with `value` on the left or right."""
+    width = max((len(s) for s in seqs), default=0)
+    out = torch.full((len(seqs), width), value, dtype=dtype)
+    for i, s in enumerate(seqs):
+        start = width - len(s) if left else 0
+        out[i, start: start + len(s)] = torch.as_tensor(s, dtype=dtype)
+    return out
+
+
+def _pad_prompts(prompts: list, pad_id: int):
+    """(prompt_ids [B, P] left-padded with pad_id, prompt_mask [B, P] 1 on prompt tokens) of token-id lists."""
+    return _pad(prompts, pad_id, left=True), _pad([[1] * len(p) for p in prompts], 0, left=True)
+
+
+def cat_batches(batches: list, pad_id: int) -> Batch:
+    """One Batch of the rows of several (prompts re-padded on the left, responses on the right)."""
+    P = max(b.prompt_ids.shape[1] for b in batches)
+    T = max(b.response_ids.shape[1] for b in batches)
+
+    def widen(x, width, value, left):  # [b, w] -> [b, width]
+        pad = (width - x.shape[1], 0) if left else (0, width - x.shape[1])
+        return torch.nn.functional.pad(x, pad, value=value)
+
+    return Batch(torch.cat([widen(b.prompt_ids, P, pad_id, True) for b in batches]),  # [B, P]
+                 torch.cat([widen(b.prompt_mask, P, 0, True) for b in batches]),  # [B, P]
+                 torch.cat([widen(b.response_ids, T, pad_id, False) for b in batches]),  # [B, T]
+                 torch.cat([widen(b.response_mask, T, 0.0, False) for b in batches]),  # [B, T]
+                 torch.cat([b.truncated for b in batches]), torch.cat([b.prompt_index for b in batches]),  # [B]
+                 None if any(b.sampler_logprobs is None for b in batches) else
+                 torch.cat([widen(b.sampler_logprobs, T, 0.0, False) for b in batches]),  # [B, T]
+                 None if any(b.features is None for b in batches) else
+                 torch.cat([pad_features(b.features, b.prompt_ids.shape[1], P, T) for b in batches]))  # [B, P + T, H]
+
+
+def pad_features(features, p: int, P: int, T: int):
+    """[b, p + t, H] hidden states of p prompt and t response positions -> [b, P + T, H]: zeros added on the left
+    of the prompt part and on the right of the response part, as cat_batches pads the token ids."""
+    t = features.shape[1] - p
+    prompt = torch.nn.functional.pad(features[:, :p], (0, 0, P - p, 0))  # [b, P, H]
+    return torch.cat([prompt, torch.nn.functional.pad(features[:, p:], (0, 0, 0, T - t))], 1)  # [b, P + T, H]
+
+
+class SamplerLogprobs:
+    """A logits processor, the last of generate's list: it sees the sampling distribution of every step and keeps
+    log mu of the token sampled from it (a step's token is known only at the next step's call, or at the end)."""
+
+    def __init__(self):
+        self.previous, self.taken = None, []
+
+    def __call__(self, input_ids, scores):
+        if self.previous is not None:  # input_ids [b, s] end with the token sampled from the previous step's mu
+            self.taken.append(self.previous.gather(1, input_ids[:, -1:]))  # [b, 1]
+        self.previous = torch.log_softmax(scores.float(), -1)  # [b, V] log mu; -inf where top-k / top-p cut
+        return scores
+
+    def logprobs(self, response_ids):
+        """log mu [b, t] of response_ids [b, t], the tokens generate returned."""
+        if self.previous is None:
+            return torch.zeros(response_ids.shape, device=response_ids.device)
+        taken = self.taken + [self.previous.gather(1, response_ids[:, len(self.taken):len(self.taken) + 1])]
+        return torch.cat(taken, 1)[:, :response_ids.shape[1]]  # [b, t]
+
+
+@torch.no_grad()
+def generate_hf(model, prompts: list, prompt_index: list, eos_ids, pad_id: int, max_new_tokens: int,
+                temperature: float, batch_size: int, greedy: bool = False, top_p: float = 1.0, top_k: int = 0,
+                record_block: int = None) -> Batch:
+    """Sample one response per prompt (token-id lists; repeat one K times for K rollouts) with
+    transformers' generate: left padding, stop on any eos id, plain temperature sampling (over the full vocabulary
+    unless top_p < 1 or top_k > 0; the model's generation_config unused) or greedy. A sampled batch carries
+    Batch.sampler_logprobs, log mu of each token (SamplerLogprobs): softmax(logits / temperature) renormalised over
+    what top-k / top-p keep, the distribution it was drawn from (as vLLM's processed log-probs). Under torchrun every
+    rank passes the same number of prompts. record_block = L - k also keeps what the partial-trunk critic reads, the
+    hidden states after block L - k, from generation's own forward passes, in Batch.features [B, P + T, H] fp32
+    (equal to trunk_features up to float rounding; 0 on padding and at each row's last token, which the critic never
+    reads); their copies land in time/rollout, not in c."""
+    from transformers import GenerationConfig, LogitsProcessorList
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+    # the sampling distribution mu is built here, not by generate, so that the last processor sees exactly it
+    config = GenerationConfig(do_sample=not greedy, temperature=1.0, top_k=None if greedy else 0, top_p=1.0,
+                              max_new_tokens=max_new_tokens, eos_token_id=sorted(eos_ids), pad_token_id=pad_id)
+    device = next(model.parameters()).device
+    responses, features, sampler_logprobs = [], [], []
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start: start + batch_size]
+        ids, attn = (x.to(device) for x in _pad_prompts(chunk, pad_id))  # [b, p] each
+        mu = SamplerLogprobs()
+        processors = LogitsProcessorList([] if greedy else [
+            TemperatureLogitsWarper(float(temperature)), *([TopKLogitsWarper(top_k)] if top_k else []),
+            *([TopPLogitsWarper(top_p)] if top_p < 1 else []), mu])
+        with (recording_block_input(model, record_block) if record_block is not None
+              else contextlib.nullcontext([])) as calls:
+            out = model.generate(input_ids=ids, attention_mask=attn, generation_config=config,
+                                 logits_processor=processors, synced_gpus=distributed())  # [b, p + t]
+        responses += out[:, ids.shape[1]:].cpu().tolist()  # generated tokens only
+        if not greedy:
+            sampler_logprobs += mu.logprobs(out[:, ids.shape[1]:]).cpu().tolist()  # [b, t]
+        if record_block is not None:  # the inputs of out[:, :-1] (synced_gpus may add calls after the end)
+            fed = torch.cat(calls, 1)[:, :out.shape[1] - 1]  # [b, p + t - 1, H]
+            features.append((torch.nn.functional.pad(fed, (0, 0, 0, 1)), ids.shape[1]))  # [b, p + t, H], p
+    response_ids = _pad(responses, pad_id, left=False)  # [B, T]
+    response_mask, truncated = response_mask_from_ids(response_ids, eos_ids)
+    response_ids = torch.where(response_mask.bool(), response_ids, pad_id)  # clean tail after the stop
+    batch = Batch(*_pad_prompts(prompts, pad_id), response_ids, response_mask, truncated, torch.as_tensor(prompt_index))
+    if not greedy:
+        logprobs = _pad(sampler_logprobs, 0.0, left=False, dtype=torch.float32)  # [B, T]; -inf after a stop with top-k
+        batch.sampler_logprobs = torch.where(response_mask.bool(), logprobs, 0.0)  # [B, T] 0 on padding
+    if record_block is not None:
+        P, T = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
+        padded = [pad_features(*features.pop(0), P, T) for _ in range(len(features))]  # each chunk freed once padded
+        batch.features = torch.cat(padded)  # [B, P + T, H]
+        followed = torch.nn.functional.pad(response_mask[:, 1:], (0, 1))  # [B, T] 1 where a later token follows
+        keep = torch.cat([batch.prompt_mask.float(), followed], 1).to(device)  # [B, P + T] what the critic reads
+        batch.features *= keep[:, :, None]  # 0 on padding and at each row's last token, whether fed or not
+    return batch
+
+
+def generate_responses(args: Args, state: TrainState, prompts: list, index: list, max_new_tokens: int,
+                       greedy: bool = False, record: bool = False) -> Batch:
+    """The current policy's responses (a Batch) to token-id prompts of problems `index`, at most max_new_tokens
+    tokens each, from vLLM (weights synced first when stale) or Hugging Face generate. record: with HF generate and
+    a partial-trunk critic, keep the critic's input features in Batch.features (generate_hf's record_block)."""
+    if state.engine is not None:
+        return state.engine.generate(prompts, index, state.eos_ids, state.pad_id, max_new_tokens, args.temperature,
+                                     greedy, args.top_p, args.top_k, policy=state.policy if args.vllm_sync else None)
+    block = state.critic.block if record and state.critic is not None else None  # None for k = 0 too
+    state.policy.lm.eval()
+    with gathered(state.policy), autocast(state.device, compute_dtype(args.dtype, state.device)):
+        return generate_hf(state.policy.lm, prompts, index, state.eos_ids, state.pad_id, max_new_tokens,
+                           args.temperature, args.gen_batch_size, greedy, args.top_p, args.top_k, block)
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# 4. Plumbing. A reader may stop here: the math verifier, flags, data, model loading, vLLM, torchrun/FSDP2,
+#    checkpoints, logging, evaluation I/O, plots, main. Nothing below changes the algorithm.
+# -----------------------------------------------------------------------------------------------------------------
+# === The math verifier, the default reward (section 3a's contract): the answer policy, its symbolic rules, grade and
+#     the Verifier. The rest of the plumbing follows it. ===
 # Answer policy (what counts as the answer), applied before any comparison:
 #   1. A response cut off at --max-new-tokens (no stop token) has no final answer: status "truncated".
 #   2. The answer is the content of the LAST \boxed{...} (or \fbox{...}), braces balanced; earlier boxes do not
@@ -1450,422 +1882,6 @@ class Verifier:
             self._kill()
 
 
-# --- 3b. The actor: log-probs of the sampled tokens ---
-class Policy(nn.Module):
-    """The actor with one forward call from token ids to log-probs. FSDP2 gathers a module's own parameters (here
-    the embeddings, final norm and output layer) in that module's forward, so the whole log-prob computation has
-    to be one; without FSDP this is a thin wrapper. policy.lm is the Hugging Face causal LM."""
-
-    def __init__(self, lm: nn.Module):
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, input_ids, attention_mask, position_ids, valid, targets, temperature: float):
-        """log pi and entropy [N] of the N response tokens targets [N] marked by valid [B, T] (the last T
-        positions of input_ids [B, P + T]), at the sampling temperature, in fp32."""
-        P = input_ids.shape[1] - valid.shape[1]
-        hidden = self.lm.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                    use_cache=False).last_hidden_state  # [B, P + T, H]
-        h = hidden[:, P - 1: -1][valid]  # [N, H]: the logits at position P - 1 + t score response token t
-        weight = self.lm.get_output_embeddings().weight  # [V, H] fp32
-        with torch.autocast(input_ids.device.type, enabled=False):  # log-probs in fp32 even under bf16 autocast
-            return kernels.logprobs_from_hidden(h.float(), weight, targets, temperature)  # [N], [N]
-
-
-def model_inputs(batch: Batch):
-    """input_ids, attention_mask, position_ids, all [B, P + T], for prompt + response (left and right padding)."""
-    input_ids = torch.cat([batch.prompt_ids, batch.response_ids], 1)  # [B, P + T]
-    attention_mask = torch.cat([batch.prompt_mask.long(), batch.response_mask.long()], 1)  # [B, P + T]
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # [B, P + T] positions count real tokens only
-    return input_ids, attention_mask, position_ids
-
-
-def actor_logprobs(model, batch: Batch, temperature: float):
-    """log pi(a_t | s_t) and the entropy of pi(. | s_t) at the sampling temperature, both [B, T] fp32 (0 on
-    padding). model: a Policy or a Hugging Face causal LM. The [B, T, V] logits are never materialised
-    (kernels.logprobs_from_hidden works in chunks over valid tokens). Entropy carries no gradient."""
-    policy = model if isinstance(model, Policy) else Policy(model)
-    device = next(policy.parameters()).device
-    input_ids, attention_mask, position_ids = (x.to(device) for x in model_inputs(batch))
-    valid = batch.response_mask.to(device).bool()  # [B, T]
-    lp, ent = policy(input_ids, attention_mask, position_ids, valid, batch.response_ids.to(device)[valid],
-                     temperature)  # [N] each, N valid response tokens
-    logprobs = torch.zeros(valid.shape, device=device).masked_scatter(valid, lp)  # [B, T]
-    entropy = torch.zeros(valid.shape, device=device).masked_scatter(valid, ent.detach())  # [B, T]
-    return logprobs, entropy
-
-
-@torch.no_grad()
-def policy_logprobs(model, batch: Batch, temperature: float, micro_batch_size: int):
-    """No-grad log pi(a_t | s_t) [B, T] of the whole batch in eval mode, in micro-batches (0 on padding).
-    Leaves model in eval mode: call model.train() before a training forward."""
-    model.eval()
-    return torch.cat([actor_logprobs(model, batch.rows(mb), temperature)[0]
-                      for mb in micro_batches(batch.response_ids.shape[0], micro_batch_size)])  # [B, T]
-
-
-def micro_batches(n: int, size: int):
-    """Index lists [0..size), [size..2 size), ... covering range(n)."""
-    return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
-
-
-# --- 3c. The critic: full model, or the partial trunk ---
-class Critic(nn.Module):
-    """V(s_t): a transformer backbone and a linear value head without bias, initialised from N(0, (1/(H+1))^2)
-    with its own seed (S3AC: a large head init lets the head dominate the first gradients, and a global clip then
-    shrinks the backbone's too). --critic-layers k chooses the backbone:
-        k = 0   a whole separate model that reads the token ids (the paper's critic);
-        k >= 1  the partial trunk (Baseten's value head on the last k of L layers): `trunk` gives the ACTOR's hidden
-                states after block L - k (the input of block L - k counted from 0), without gradient, into the critic's
-                own trainable copy of the actor's last k blocks and final norm (top_blocks). The critic loss never
-                reaches the actor; the critic fits batch n on the features of the actor that generated it.
-    critic_features says where those features come from (recorded while generating, else one trunk pass)."""
-
-    def __init__(self, backbone: nn.Module, seed: int, trunk=None, block: int = None):
-        super().__init__()
-        hidden = backbone.config.hidden_size
-        self.backbone = backbone
-        self.value_head = nn.Linear(hidden, 1, bias=False, dtype=torch.float32)
-        nn.init.normal_(self.value_head.weight, 0.0, 1.0 / (hidden + 1),
-                        generator=torch.Generator().manual_seed(seed))
-        self.trunk = trunk  # k >= 1: (input_ids, attention_mask, position_ids) -> [B, P + T, H], the actor's
-        #                     hidden states (a function, not a submodule: the actor's weights are not the critic's)
-        self.block = block  # k >= 1: L - k, the actor block whose input the trunk gives; None for k = 0
-
-    def forward(self, input_ids, attention_mask, position_ids, features=None):
-        """Values at every position, [B, P + T] fp32. features [B, P + T, H]: the trunk's hidden states of these
-        rows (trunk_features), computed here when None; unused by a separate critic (k = 0)."""
-        if self.trunk is None:
-            out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                use_cache=False)
-        else:
-            features = self.trunk(input_ids, attention_mask, position_ids) if features is None else features
-            out = self.backbone(inputs_embeds=features, attention_mask=attention_mask, position_ids=position_ids,
-                                use_cache=False)
-        hidden = out.last_hidden_state  # [B, P + T, H]
-        with torch.autocast(hidden.device.type, enabled=False):  # the head stays fp32 under bf16 autocast
-            return hidden.float() @ self.value_head.weight[0]  # [B, P + T] (a new tensor, not a view of one)
-
-
-def top_blocks(lm: nn.Module, k: int) -> nn.Module:
-    """The partial-trunk critic's trainable backbone: a Hugging Face base model of the last k of the L blocks
-    and the final norm of the causal LM lm (the Llama / Qwen2 / Mistral layout), their weights copied, reading hidden
-    states through inputs_embeds so that the model's own forward builds the causal mask, sliding windows and rotary
-    embeddings (written against transformers 5.24); config.critic_layers = k marks it. Raises ValueError unless
-    1 <= k <= L, or when the copy does not continue the actor's forward on a left-padded probe (Gemma's sqrt(H))."""
-    from transformers import AutoModel
-    base, L = lm.base_model, lm.config.num_hidden_layers
-    if not 1 <= k <= L:
-        raise ValueError(f"--critic-layers {k}: need 1 <= k <= {L}, the actor's blocks")
-    config = copy.deepcopy(base.config)
-    config.num_hidden_layers, config.critic_layers, config.vocab_size = k, k, 1
-    config.pad_token_id = config.bos_token_id = config.eos_token_id = None  # no token ids in this model
-    if getattr(config, "layer_types", None):  # full or sliding-window attention, per block
-        config.layer_types = config.layer_types[L - k:]
-    device = next(lm.parameters()).device
-    top = AutoModel.from_config(config, dtype=torch.float32).to(device)
-    top.layers.load_state_dict(base.layers[L - k:].state_dict())
-    top.norm.load_state_dict(base.norm.state_dict())
-    nn.init.zeros_(top.get_input_embeddings().weight)  # unused; zeros, not a random draw, in every checkpoint
-    ids, mask = torch.tensor([[1, 2, 3, 4], [0, 0, 5, 6]]), torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]])  # a probe
-    ids, mask, pos = ids.to(device), mask.to(device), (mask.cumsum(1) - 1).clamp(min=0).to(device)  # [2, 4] each
-    with torch.no_grad():
-        want = base(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state  # [2, 4, H]
-        got = top(inputs_embeds=actor_hidden_states(lm, L - k, ids, mask, pos), attention_mask=mask,
-                  position_ids=pos).last_hidden_state  # [2, 4, H]
-    if not torch.allclose(got[mask.bool()], want[mask.bool()], rtol=1e-4, atol=1e-5):
-        raise ValueError(f"--critic-layers {k}: the copied blocks of {type(base).__name__} do not reproduce its "
-                         f"last hidden state")
-    return top
-
-
-@torch.no_grad()
-def actor_hidden_states(policy: nn.Module, block: int, input_ids, attention_mask, position_ids):
-    """The actor's hidden states after block `block` (0: the token embeddings), [B, P + T, H] fp32,
-    without gradient, from its own forward (recording_block_input; the blocks above run too, their work thrown away).
-    policy: a Policy or a causal LM; under FSDP2 its own parameters are gathered for the call."""
-    lm = policy.lm if isinstance(policy, Policy) else policy
-    with gathered(policy), recording_block_input(lm, block) as calls:
-        lm.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    return calls[0]  # [B, P + T, H]
-
-
-@contextlib.contextmanager
-def recording_block_input(lm: nn.Module, block: int):
-    """While active, every forward call of the causal LM lm appends the input of its block `block`
-    (0-based; hidden_states[block] of output_hidden_states), [b, s, H] fp32 without gradient, to the list it yields:
-    in generate() the prefill first, then one call per decoding step (s = 1). Raises IndexError unless 0 <= block <
-    L."""
-    calls = []
-
-    def hook(module, args, kwargs):
-        calls.append((args[0] if args else kwargs["hidden_states"]).detach().float())
-
-    handle = lm.base_model.layers[block].register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        yield calls
-    finally:
-        handle.remove()
-
-
-def load_critic(path: str, device, seed: int, head_file: str = "", layers: int = 0, actor=None) -> Critic:
-    """fp32 critic, dropout off; the value head from head_file when resuming, else fresh. layers = 0: the
-    backbone read from path. layers = k >= 1: the partial trunk on `actor` (the Policy): top_blocks(actor, k), or the
-    saved copy at path. Raises ValueError when a saved critic was trained with another --critic-layers."""
-    from transformers import AutoModel
-    if layers and not head_file:
-        backbone = top_blocks(actor.lm, layers)
-    else:
-        config = config_without_dropout(path)
-        saved = getattr(config, "critic_layers", 0)
-        if head_file and saved != layers:
-            raise ValueError(f"{path}: a critic of --critic-layers {saved}; resume it with --critic-layers {saved}")
-        backbone = AutoModel.from_pretrained(path, config=config, dtype=torch.float32)
-    trunk = block = None
-    if layers:
-        backbone.get_input_embeddings().requires_grad_(False)  # never used: the backbone reads hidden states
-        block = actor.lm.config.num_hidden_layers - layers
-        trunk = functools.partial(actor_hidden_states, actor, block)
-    critic = Critic(no_dropout(backbone), seed, trunk, block)
-    if head_file:
-        from safetensors.torch import load_file
-        critic.value_head.load_state_dict(load_file(head_file))
-    return critic.to(device)
-
-
-def critic_values(critic: Critic, batch: Batch, features=None):
-    """V(s_t) for t = 0..T-1, [B, T] fp32: V(s_0) at the last prompt token (position P - 1), V(s_t) at the
-    position whose logits score response token t. Padding positions hold whatever the head outputs there;
-    callers mask them. features [B, P + T, H]: the partial-trunk critic's input (trunk_features), or None."""
-    device = critic.value_head.weight.device
-    input_ids, attention_mask, position_ids = (x.to(device) for x in model_inputs(batch))
-    P, T = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
-    return critic(input_ids, attention_mask, position_ids, features)[:, P - 1: P + T - 1]  # [B, T]
-
-
-@torch.no_grad()
-def trunk_features(critic: Critic, batch: Batch, micro_batch_size: int):
-    """The partial-trunk critic's input for a whole batch, [B, P + T, H] fp32 on the critic's device: the actor's
-    hidden states after block L - k, one trunk pass in micro-batches; None for a separate critic (k = 0).
-
-    Memory: 4 B (P + T) H bytes for the batch (64 sequences of 1,200 tokens at H = 1536: 0.47 GB), plus one
-    micro-batch's no-grad forward while it runs (only block L - k's input is kept: recording_block_input)."""
-    if critic.trunk is None:
-        return None
-    device = critic.value_head.weight.device
-    input_ids, attention_mask, position_ids = (x.to(device) for x in model_inputs(batch))  # [B, P + T] each
-    return torch.cat([critic.trunk(input_ids[mb], attention_mask[mb], position_ids[mb])
-                      for mb in micro_batches(input_ids.shape[0], micro_batch_size)])  # [B, P + T, H]
-
-
-def critic_features(critic: Critic, batch: Batch, micro_batch_size: int):
-    """What the partial-trunk critic reads of this batch, [B, P + T, H], or None for a full critic: batch.features,
-    recorded while generating (generate_hf) or filled here on first use by trunk_features, so the values and every
-    epoch of the critic update share one trunk pass. The one place the two critics differ for a step."""
-    if critic.trunk is not None and batch.features is None:
-        batch.features = trunk_features(critic, batch, micro_batch_size)  # [B, P + T, H]
-    return batch.features if critic.trunk is not None else None
-
-
-def value_from_raw(raw, critic_loss: str):
-    """The critic head's output [B, T] on the +-1 reward scale: itself (mse), or 2 * sigmoid(z) - 1 (bce)."""
-    return 2 * torch.sigmoid(raw) - 1 if critic_loss == "bce" else raw  # [B, T]
-
-
-@torch.no_grad()
-def value_pass(critic: Critic, batch: Batch, critic_loss: str, micro_batch_size: int, features=None):
-    """No-grad critic pass in micro-batches: (values [B, T] on the +-1 scale with 0 on padding, raw head outputs
-    [B, T]: the values themselves for mse, the logits z for bce). features [B, P + T, H]: a partial-trunk critic's
-    input, by default batch.features when present (critic_features); else its trunk runs per micro-batch and
-    nothing is kept. Leaves critic in eval mode."""
-    critic.eval()
-    features = batch.features if features is None else features
-    raw = torch.cat([critic_values(critic, batch.rows(mb), None if features is None else features[mb])
-                     for mb in micro_batches(batch.response_ids.shape[0], micro_batch_size)])  # [B, T]
-    return torch.where(batch.response_mask.to(raw.device).bool(), value_from_raw(raw, critic_loss), 0.0), raw  # [B, T]
-
-
-def prompt_values(critic: Critic, prompts: list, pad_id: int, critic_loss: str, batch_size: int):
-    """V(s_0) of bare prompts (token-id lists), [n] on the +-1 scale, before any response exists (DAPS). A dummy
-    one-token response only places V(s_0) at the last prompt token; causal attention keeps it out of V(s_0)."""
-    n = len(prompts)
-    batch = Batch(*_pad_prompts(prompts, pad_id), torch.full((n, 1), pad_id), torch.ones(n, 1),
-                  torch.zeros(n, dtype=torch.bool), torch.arange(n))
-    return value_pass(critic, batch, critic_loss, batch_size)[0][:, 0]  # [n]
-
-
-# --- 3d. Rollout: a Batch of sampled responses ---
-@dataclass
-class Batch:
-    """A rollout batch of B sequences: left-padded prompts, right-padded responses, masks, problem indices."""
-    prompt_ids: torch.Tensor  # [B, P] left-padded
-    prompt_mask: torch.Tensor  # [B, P] 1 on prompt tokens
-    response_ids: torch.Tensor  # [B, T] right-padded
-    response_mask: torch.Tensor  # [B, T] float, 1 on generated tokens (stop token included), 0 on padding
-    truncated: torch.Tensor  # [B] bool, True when no stop token was generated (length limit hit)
-    prompt_index: torch.Tensor  # [B] index of the problem each sequence answers (groups for K > 1)
-    sampler_logprobs: torch.Tensor = None  # [B, T] the sampler's own log mu of each token, 0 on padding; None
-    #                                        for greedy batches and stored trajectories
-    features: torch.Tensor = None  # [B, P + T, H] fp32, what a partial-trunk critic reads (critic_features); None
-    #                                until recorded (generate_hf) or first used
-
-    def rows(self, idx, features: bool = False):
-        """The sub-batch of the sequences `idx` (a list or a [b] index tensor), by default without the features
-        (the critic indexes those itself, and the actor's micro-batches need no copy)."""
-        skip = () if features else ("features",)
-        return Batch(*(None if f.name in skip or getattr(self, f.name) is None else getattr(self, f.name)[idx]
-                       for f in dataclasses.fields(self)))
-
-
-def response_mask_from_ids(response_ids, eos_ids):
-    """(response_mask [B, T] float, 1 up to and including the first stop token, everywhere when
-    there is none; truncated [B] bool, no stop token) of response_ids [B, T], the generated tokens only. Padding is
-    found from positions, never by comparing ids with the pad id, which may equal a stop id."""
-    B, T = response_ids.shape
-    is_stop = torch.isin(response_ids, torch.tensor(sorted(eos_ids), device=response_ids.device))  # [B, T]
-    truncated = ~is_stop.any(1)  # [B]
-    first_stop = torch.where(truncated, T - 1, is_stop.int().argmax(1))  # [B] last valid position
-    positions = torch.arange(T, device=response_ids.device)  # [T]
-    return (positions[None, :] <= first_stop[:, None]).float(), truncated  # [B, T], [B]
-
-
-def _pad(seqs, value, left: bool, dtype=torch.long):
-    """[len(seqs), longest] tensor of the lists (token ids by default), padded with `value` on the left or right."""
-    width = max((len(s) for s in seqs), default=0)
-    out = torch.full((len(seqs), width), value, dtype=dtype)
-    for i, s in enumerate(seqs):
-        start = width - len(s) if left else 0
-        out[i, start: start + len(s)] = torch.as_tensor(s, dtype=dtype)
-    return out
-
-
-def _pad_prompts(prompts: list, pad_id: int):
-    """(prompt_ids [B, P] left-padded with pad_id, prompt_mask [B, P] 1 on prompt tokens) of token-id lists."""
-    return _pad(prompts, pad_id, left=True), _pad([[1] * len(p) for p in prompts], 0, left=True)
-
-
-def cat_batches(batches: list, pad_id: int) -> Batch:
-    """One Batch of the rows of several (prompts re-padded on the left, responses on the right)."""
-    P = max(b.prompt_ids.shape[1] for b in batches)
-    T = max(b.response_ids.shape[1] for b in batches)
-
-    def widen(x, width, value, left):  # [b, w] -> [b, width]
-        pad = (width - x.shape[1], 0) if left else (0, width - x.shape[1])
-        return torch.nn.functional.pad(x, pad, value=value)
-
-    return Batch(torch.cat([widen(b.prompt_ids, P, pad_id, True) for b in batches]),  # [B, P]
-                 torch.cat([widen(b.prompt_mask, P, 0, True) for b in batches]),  # [B, P]
-                 torch.cat([widen(b.response_ids, T, pad_id, False) for b in batches]),  # [B, T]
-                 torch.cat([widen(b.response_mask, T, 0.0, False) for b in batches]),  # [B, T]
-                 torch.cat([b.truncated for b in batches]), torch.cat([b.prompt_index for b in batches]),  # [B]
-                 None if any(b.sampler_logprobs is None for b in batches) else
-                 torch.cat([widen(b.sampler_logprobs, T, 0.0, False) for b in batches]),  # [B, T]
-                 None if any(b.features is None for b in batches) else
-                 torch.cat([pad_features(b.features, b.prompt_ids.shape[1], P, T) for b in batches]))  # [B, P + T, H]
-
-
-def pad_features(features, p: int, P: int, T: int):
-    """[b, p + t, H] hidden states of p prompt and t response positions -> [b, P + T, H]: zeros added on the left
-    of the prompt part and on the right of the response part, as cat_batches pads the token ids."""
-    t = features.shape[1] - p
-    prompt = torch.nn.functional.pad(features[:, :p], (0, 0, P - p, 0))  # [b, P, H]
-    return torch.cat([prompt, torch.nn.functional.pad(features[:, p:], (0, 0, 0, T - t))], 1)  # [b, P + T, H]
-
-
-class SamplerLogprobs:
-    """A logits processor, the last of generate's list: it sees the sampling distribution of every step and keeps
-    log mu of the token sampled from it (a step's token is known only at the next step's call, or at the end)."""
-
-    def __init__(self):
-        self.previous, self.taken = None, []
-
-    def __call__(self, input_ids, scores):
-        if self.previous is not None:  # input_ids [b, s] end with the token sampled from the previous step's mu
-            self.taken.append(self.previous.gather(1, input_ids[:, -1:]))  # [b, 1]
-        self.previous = torch.log_softmax(scores.float(), -1)  # [b, V] log mu; -inf where top-k / top-p cut
-        return scores
-
-    def logprobs(self, response_ids):
-        """log mu [b, t] of response_ids [b, t], the tokens generate returned."""
-        if self.previous is None:
-            return torch.zeros(response_ids.shape, device=response_ids.device)
-        taken = self.taken + [self.previous.gather(1, response_ids[:, len(self.taken):len(self.taken) + 1])]
-        return torch.cat(taken, 1)[:, :response_ids.shape[1]]  # [b, t]
-
-
-@torch.no_grad()
-def generate_hf(model, prompts: list, prompt_index: list, eos_ids, pad_id: int, max_new_tokens: int,
-                temperature: float, batch_size: int, greedy: bool = False, top_p: float = 1.0, top_k: int = 0,
-                record_block: int = None) -> Batch:
-    """Sample one response per prompt (token-id lists; repeat one K times for K rollouts) with
-    transformers' generate: left padding, stop on any eos id, plain temperature sampling (over the full vocabulary
-    unless top_p < 1 or top_k > 0; the model's generation_config unused) or greedy. A sampled batch carries
-    Batch.sampler_logprobs, log mu of each token (SamplerLogprobs): softmax(logits / temperature) renormalised over
-    what top-k / top-p keep, the distribution it was drawn from (as vLLM's processed log-probs). Under torchrun every
-    rank passes the same number of prompts. record_block = L - k also keeps what the partial-trunk critic reads, the
-    hidden states after block L - k, from generation's own forward passes, in Batch.features [B, P + T, H] fp32
-    (equal to trunk_features up to float rounding; 0 on padding and at each row's last token, which the critic never
-    reads); their copies land in time/rollout, not in c."""
-    from transformers import GenerationConfig, LogitsProcessorList
-    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-    # the sampling distribution mu is built here, not by generate, so that the last processor sees exactly it
-    config = GenerationConfig(do_sample=not greedy, temperature=1.0, top_k=None if greedy else 0, top_p=1.0,
-                              max_new_tokens=max_new_tokens, eos_token_id=sorted(eos_ids), pad_token_id=pad_id)
-    device = next(model.parameters()).device
-    responses, features, sampler_logprobs = [], [], []
-    for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start: start + batch_size]
-        ids, attn = (x.to(device) for x in _pad_prompts(chunk, pad_id))  # [b, p] each
-        mu = SamplerLogprobs()
-        processors = LogitsProcessorList([] if greedy else [
-            TemperatureLogitsWarper(float(temperature)), *([TopKLogitsWarper(top_k)] if top_k else []),
-            *([TopPLogitsWarper(top_p)] if top_p < 1 else []), mu])
-        with (recording_block_input(model, record_block) if record_block is not None
-              else contextlib.nullcontext([])) as calls:
-            out = model.generate(input_ids=ids, attention_mask=attn, generation_config=config,
-                                 logits_processor=processors, synced_gpus=distributed())  # [b, p + t]
-        responses += out[:, ids.shape[1]:].cpu().tolist()  # generated tokens only
-        if not greedy:
-            sampler_logprobs += mu.logprobs(out[:, ids.shape[1]:]).cpu().tolist()  # [b, t]
-        if record_block is not None:  # the inputs of out[:, :-1] (synced_gpus may add calls after the end)
-            fed = torch.cat(calls, 1)[:, :out.shape[1] - 1]  # [b, p + t - 1, H]
-            features.append((torch.nn.functional.pad(fed, (0, 0, 0, 1)), ids.shape[1]))  # [b, p + t, H], p
-    response_ids = _pad(responses, pad_id, left=False)  # [B, T]
-    response_mask, truncated = response_mask_from_ids(response_ids, eos_ids)
-    response_ids = torch.where(response_mask.bool(), response_ids, pad_id)  # clean tail after the stop
-    batch = Batch(*_pad_prompts(prompts, pad_id), response_ids, response_mask, truncated, torch.as_tensor(prompt_index))
-    if not greedy:
-        logprobs = _pad(sampler_logprobs, 0.0, left=False, dtype=torch.float32)  # [B, T]; -inf after a stop with top-k
-        batch.sampler_logprobs = torch.where(response_mask.bool(), logprobs, 0.0)  # [B, T] 0 on padding
-    if record_block is not None:
-        P, T = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
-        padded = [pad_features(*features.pop(0), P, T) for _ in range(len(features))]  # each chunk freed once padded
-        batch.features = torch.cat(padded)  # [B, P + T, H]
-        followed = torch.nn.functional.pad(response_mask[:, 1:], (0, 1))  # [B, T] 1 where a later token follows
-        keep = torch.cat([batch.prompt_mask.float(), followed], 1).to(device)  # [B, P + T] what the critic reads
-        batch.features *= keep[:, :, None]  # 0 on padding and at each row's last token, whether fed or not
-    return batch
-
-
-def generate_responses(args: Args, state: TrainState, prompts: list, index: list, max_new_tokens: int,
-                       greedy: bool = False, record: bool = False) -> Batch:
-    """The current policy's responses (a Batch) to token-id prompts of problems `index`, at most max_new_tokens
-    tokens each, from vLLM (weights synced first when stale) or Hugging Face generate. record: with HF generate and
-    a partial-trunk critic, keep the critic's input features in Batch.features (generate_hf's record_block)."""
-    if state.engine is not None:
-        return state.engine.generate(prompts, index, state.eos_ids, state.pad_id, max_new_tokens, args.temperature,
-                                     greedy, args.top_p, args.top_k, policy=state.policy if args.vllm_sync else None)
-    block = state.critic.block if record and state.critic is not None else None  # None for k = 0 too
-    state.policy.lm.eval()
-    with gathered(state.policy), autocast(state.device, compute_dtype(args.dtype, state.device)):
-        return generate_hf(state.policy.lm, prompts, index, state.eos_ids, state.pad_id, max_new_tokens,
-                           args.temperature, args.gen_batch_size, greedy, args.top_p, args.top_k, block)
-
-
-# -----------------------------------------------------------------------------------------------------------------
-# 4. Plumbing. A reader may stop here: flags, data, model loading, vLLM, torchrun/FSDP2, checkpoints, logging,
-#    evaluation I/O, plots, main. Nothing below changes the algorithm.
-# -----------------------------------------------------------------------------------------------------------------
 # --- Flags ---
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."  # Qwen2.5-Math's prompt
 
@@ -1924,7 +1940,7 @@ class Args:
     log_samples: int = flag(4, "rollouts per step appended to <out_dir>/samples.jsonl (every evaluation writes all)")
     # GAE
     gamma: float = flag(1.0, "discount")
-    critic_lam: str = flag("auto", "lambda of the critic's targets in (0, 1] | auto: 0.95 for ppo, else 1")
+    critic_lam: str = flag("auto", "lambda of the critic's targets in (0, 1] | auto: 0.95 for ppo (not pact), else 1")
     actor_lam: str = flag("auto", "(0, 1] | adaptive: 1 - 1/(alpha T_i) | auto: 0.95 ppo, 1 pact, else adaptive")
     alpha: float = flag(1.5, "adaptive actor lambda_i = 1 - 1/(alpha * T_i); VAPO itself uses alpha = 0.05")
     # actor
@@ -2062,11 +2078,14 @@ def resolve_args(args: Args) -> Args:
         raise ValueError(f"--critic-layers {args.critic_layers}: with k >= 1 the critic reads the actor's trunk, so "
                          f"--critic-model must stay auto")
     ppo, pact = args.algo == "ppo", args.critic_sync == "pact"
+    if pact and args.critic_lam not in ("auto", 1.0):
+        raise ValueError(f"--critic-lam {args.critic_lam}: --critic-sync pact weights Monte-Carlo returns, so the "
+                         f"critic's lambda must be 1 (or auto)")
     actor_loss = ("ppo" if ppo else "cispo") if args.actor_loss == "auto" else args.actor_loss
     auto = lambda value, resolved: resolved if value == "auto" else value
     return dataclasses.replace(
         args, actor_loss=actor_loss, actor_lam=auto(args.actor_lam, 0.95 if ppo else 1.0 if pact else "adaptive"),
-        critic_lam=auto(args.critic_lam, 0.95 if ppo else 1.0),
+        critic_lam=auto(args.critic_lam, 0.95 if ppo and not pact else 1.0),
         eps_low=auto(args.eps_low, 0.2 if actor_loss == "ppo" else 1.0),
         eval_max_new_tokens=auto(args.eval_max_new_tokens, args.max_new_tokens))
 
@@ -2094,35 +2113,71 @@ def uses_coverage(args: Args) -> bool:
 # --- Data: problems with gold answers, and prompts ---
 @dataclass
 class Problem:
-    """One math problem: the question text and its gold answer (text, compared by math-verify)."""
+    """One math problem: the question text, its gold answer (text, compared by math-verify), and its strata: fields
+    that sort problems into kinds for `python s3ac.py readiness` (builtin:arithmetic: op and digits; a data row's
+    own "strata" object), empty when the data has none."""
     question: str
     answer: str  # gold answer, as text for the verifier
+    strata: dict = dataclasses.field(default_factory=dict)  # {field: value}, e.g. {"op": "+", "digits": "1x2"}
 
 
-def make_arithmetic(n: int, seed: int) -> list:
-    """`n` seeded problems of mixed difficulty: +, - and * on one- and two-digit operands."""
+ARITHMETIC_OPS = "+-*"
+ARITHMETIC_DIGITS = ("1x1", "1x2", "2x1", "2x2")  # digits of the first and the second operand
+
+
+def make_arithmetic(n: int, seed: int, ops: str = ARITHMETIC_OPS, digits: tuple = ARITHMETIC_DIGITS) -> list:
+    """`n` seeded problems "What is a op b?": each operand one digit (0-9) or two (10-99) with probability 1/2, op
+    drawn from +, - and * uniformly; the problems whose op is in `ops` and whose digits (e.g. "1x2": a one-digit a,
+    a two-digit b) are in `digits` are kept, in draw order, until there are n. Strata: op and digits. Raises
+    ValueError for an op or a digits value outside ARITHMETIC_OPS / ARITHMETIC_DIGITS, or none."""
+    if not ops or set(ops) - set(ARITHMETIC_OPS) or not digits or set(digits) - set(ARITHMETIC_DIGITS):
+        raise ValueError(f"builtin:arithmetic: op={ops!r} digits={','.join(digits)!r}: expected a subset of "
+                         f"{ARITHMETIC_OPS!r} and of {','.join(ARITHMETIC_DIGITS)}")
     rng = random.Random(seed)
     problems = []
-    for _ in range(n):
+    while len(problems) < n:
         a, b = (rng.randint(0, 9) if rng.random() < 0.5 else rng.randint(10, 99) for _ in range(2))
-        op = rng.choice("+-*")
-        problems.append(Problem(f"What is {a} {op} {b}?", str({"+": a + b, "-": a - b, "*": a * b}[op])))
+        op = rng.choice(ARITHMETIC_OPS)
+        kind = f"{len(str(a))}x{len(str(b))}"
+        if op in ops and kind in digits:
+            problems.append(Problem(f"What is {a} {op} {b}?", str({"+": a + b, "-": a - b, "*": a * b}[op]),
+                                    {"op": op, "digits": kind}))
     return problems
+
+
+def builtin_problems(spec: str, seed: int) -> list:
+    """The problems of `builtin:arithmetic[:N][:op=OPS][:digits=D,D...]` (make_arithmetic; N 5000 by default),
+    e.g. builtin:arithmetic:5000:op=+-:digits=1x1,1x2,2x1. Raises ValueError naming the spec for a bad part."""
+    name, *parts = spec.split(":")[1:]
+    if name != "arithmetic":
+        raise ValueError(f"{spec}: the builtin task is builtin:arithmetic[:N][:op=OPS][:digits=D,D]")
+    n, filters = 5000, {}
+    for part in parts:
+        key, eq, value = part.partition("=")
+        if not eq and key.isdigit() and int(key) > 0:
+            n = int(key)
+        elif eq and key in ("op", "digits") and value:
+            filters[key] = value if key == "op" else tuple(value.split(","))
+        else:
+            raise ValueError(f"{spec}: {part!r} is neither a count N nor op=OPS nor digits=D,D")
+    try:
+        return make_arithmetic(n, seed, **{"ops" if k == "op" else k: v for k, v in filters.items()})
+    except ValueError as e:
+        raise ValueError(f"{spec}: {e}") from None
 
 
 def load_problems(spec: str, prompt_key: str = "auto", answer_key: str = "auto", split: str = "train",
                   seed: int = 0, math_golds: bool = True):
     """Problems from a JSONL or Parquet file, a Hugging Face dataset (`name` or `name:config`, through
-    `datasets`; a dataset of one split uses that one), or `builtin:arithmetic[:N]`. Layouts: GSM8K (`question`,
+    `datasets`; a dataset of one split uses that one), or builtin:arithmetic (builtin_problems). Layouts: GSM8K (`question`,
     `answer` after '####'), MATH-500 (`problem`, `answer`), MATH (`problem`, `solution`, a worked solution: the gold is
     its last \\boxed{}), DAPO-Math-17k-Processed (`prompt`, `solution`), DAPO-Math-17k (chat `prompt`,
     `reward_model.ground_truth`), or the fields prompt_key / answer_key name ("auto": the first of those present);
     math_golds False keeps the answer field as written (_row_to_problem). Raises ValueError naming file, line (or row)
     and field for a bad row (a worked solution without a box too), an empty dataset or a hub dataset that cannot be
     fetched; FileNotFoundError / ImportError for a missing file or `datasets`."""
-    if spec.startswith("builtin:arithmetic"):
-        n = int(spec.split(":")[2]) if spec.count(":") == 2 else 5000
-        problems = make_arithmetic(n, seed)
+    if spec.startswith("builtin:"):
+        problems = builtin_problems(spec, seed)
     elif spec.endswith((".jsonl", ".parquet")) or os.path.exists(spec):
         if not os.path.isfile(spec):
             raise FileNotFoundError(f"{spec}: no such data file")
@@ -2197,9 +2252,13 @@ def _row_to_problem(row, prompt_key: str, answer_key: str, where: str, math_gold
             raise ValueError(f"{where}: missing field {key!r} (fields: {sorted(row)})")
         if not isinstance(row[key], (str, int, float)) or str(row[key]).strip() == "":
             raise ValueError(f"{where}: field {key!r} must be a non-empty string, got {row[key]!r}")
+    strata = row.get("strata", {})  # optional: fields that sort the problems into kinds (readiness)
+    if not isinstance(strata, dict) or not all(isinstance(v, (str, int, float)) for v in strata.values()):
+        raise ValueError(f"{where}: field 'strata' must be an object of strings or numbers, got {strata!r}")
+    strata = {str(k): str(v) for k, v in strata.items()}
     answer = str(row[akey])
     if not math_golds:  # a --reward-fn of one's own reads the answer field as written
-        return Problem(strip_answer_format(str(row[qkey])), answer)
+        return Problem(strip_answer_format(str(row[qkey])), answer, strata)
     if qkey == "question" and answer_key == "auto" and "####" in answer:  # GSM8K: reasoning, then '#### <gold>'
         answer = answer.rsplit("####", 1)[1].strip()
     elif _BOX.search(answer):  # a worked solution (MATH's `solution`): the gold is its last box
@@ -2210,7 +2269,7 @@ def _row_to_problem(row, prompt_key: str, answer_key: str, where: str, math_gold
     elif _WORKED_SOLUTION.search(answer.strip()):
         raise ValueError(f"{where}: field {akey!r} holds a worked solution without a \\boxed{{}} answer; name the "
                          f"field of the bare answer with --answer-key")
-    return Problem(strip_answer_format(str(row[qkey])), answer)
+    return Problem(strip_answer_format(str(row[qkey])), answer, strata)
 
 
 def split_problems(train: list, eval_spec: str, args: Args, math_golds: bool = True, heldout_golds=None):
@@ -2227,7 +2286,7 @@ def split_problems(train: list, eval_spec: str, args: Args, math_golds: bool = T
             held_out = random.Random(args.seed + 12345).sample(train, args.eval_size)
             if heldout_golds is not None:
                 gold_of = {p.question: p.answer for p in distinct(heldout_golds())}
-                held_out = [Problem(p.question, gold_of[p.question]) for p in held_out]
+                held_out = [dataclasses.replace(p, answer=gold_of[p.question]) for p in held_out]
         else:
             held_out = load_problems(spec, args.prompt_key, args.answer_key, args.eval_split, seed=args.seed + 1,
                                      math_golds=math_golds)

@@ -259,8 +259,8 @@ def test_updates_are_invariant_to_micro_batching(tiny, minibatches):
                                            critic_grad_clip=1e9, eps_v=0.05, temperature=0.8))
         actor, crit = copy.deepcopy(model), copy.deepcopy(critic)
         # SGD moves each weight in proportion to its gradient (Adam's first step would hide a scale error)
-        m, _ = s3ac.update_actor(actor, torch.optim.SGD(actor.parameters(), lr=1e-3), batch, advantages, None,
-                                 args, torch.Generator().manual_seed(0))
+        m = s3ac.update_actor(actor, torch.optim.SGD(actor.parameters(), lr=1e-3), batch, advantages, None,
+                              args, torch.Generator().manual_seed(0))
         m.update(s3ac.update_critic(crit, torch.optim.SGD(crit.parameters(), lr=1e-3), batch, old_values, returns,
                                     batch.response_mask, args, torch.Generator().manual_seed(0)))
         results.append((m, list(actor.parameters()) + list(crit.parameters())))
@@ -1068,19 +1068,22 @@ def test_loss_aggregation_is_token_mean(loss_fn, sign):
     assert total.item() == pytest.approx(loss.item(), abs=1e-6)
 
 
-def test_update_actor_returns_behaviour_logprobs(tiny):
+def test_update_actor_with_pi_old_of_a_separate_pass_has_ratio_one(tiny):
+    """train_step takes log pi_old from one no-grad pass before the update (old_policy_logprobs); handed to
+    update_actor, a single optimizer step sees r = 1 exactly (approx_kl 0, nothing clipped), and the actor moves, so
+    PACT's rho = pi_new / mu after it differs from 1."""
     import copy
     _, base, tok = tiny
     model = copy.deepcopy(base)
     prompts = [tok("1+1=")["input_ids"], tok("What is 3 * 4?")["input_ids"]]
     batch = s3ac.generate_hf(model, prompts, [0, 1], {10**6}, tok.pad_token_id, 4, 1.0, 4)
-    before = s3ac.policy_logprobs(model, batch, 1.0, 8)  # [B, T] mu
+    before = s3ac.policy_logprobs(model, batch, 1.0, 8)  # [B, T] log pi_old
     args = s3ac.resolve_args(s3ac.Args(micro_batch_size=1))
     model.train()
-    m, behaviour = s3ac.update_actor(model, torch.optim.SGD(model.parameters(), lr=1.0), batch,
-                                     torch.tensor([[1.0] * 4, [-1.0] * 4]) * batch.response_mask, None, args,
-                                     torch.Generator().manual_seed(0))
-    assert torch.allclose(behaviour, before, atol=1e-5)  # one step in all: mu from the same forward pass
+    m = s3ac.update_actor(model, torch.optim.SGD(model.parameters(), lr=1.0), batch,
+                          torch.tensor([[1.0] * 4, [-1.0] * 4]) * batch.response_mask, before, args,
+                          torch.Generator().manual_seed(0))
+    assert m["actor/approx_kl"] == pytest.approx(0.0, abs=1e-6) and m["actor/pg_clipfrac"] == 0.0
     after = s3ac.policy_logprobs(model, batch, 1.0, 8)
     assert (after - before).abs().max() > 1e-3  # the actor moved, so PACT's rho differs from 1
 
@@ -1105,8 +1108,8 @@ def test_dropout_is_off_so_lr_0_gives_ratio_1(tmp_path):
         old = s3ac.policy_logprobs(actor, batch, 1.0, 8)  # [B, T] log mu, eval mode
         actor.train()
         adv = torch.ones_like(batch.response_mask) * batch.response_mask  # [B, T]
-        m, _ = s3ac.update_actor(actor, torch.optim.AdamW(actor.parameters(), lr=0.0), batch, adv, old, args,
-                                 torch.Generator().manual_seed(0))
+        m = s3ac.update_actor(actor, torch.optim.AdamW(actor.parameters(), lr=0.0), batch, adv, old, args,
+                              torch.Generator().manual_seed(0))
         return m
 
     loaded = s3ac.load_actor(path, torch.device("cpu"))
@@ -1566,11 +1569,15 @@ def test_tis_weights_hand_values():
 
 
 def _actor_step(model, batch, advantages, **flags):
-    """The parameters after one SGD step of update_actor (lr 1), and its metrics."""
-    model = copy.deepcopy(model).train()
+    """The parameters after one SGD step (lr 1) of train_step's actor phase: log pi_old from one no-grad pass,
+    importance_weights, update_actor on w * A; and its metrics."""
+    model = copy.deepcopy(model)
     args = s3ac.resolve_args(s3ac.Args(micro_batch_size=2, actor_grad_clip=1e9, **flags))
-    m, _ = s3ac.update_actor(model, torch.optim.SGD(model.parameters(), lr=1.0), batch, advantages, None, args,
-                             torch.Generator().manual_seed(0))
+    old = s3ac.policy_logprobs(model, batch, args.temperature, 8)  # [B, T] log pi_old
+    w, m = s3ac.importance_weights(args, batch, old, batch.response_mask)  # [B, T]
+    model.train()
+    m.update(s3ac.update_actor(model, torch.optim.SGD(model.parameters(), lr=1.0), batch, w * advantages, old, args,
+                               torch.Generator().manual_seed(0)))
     return [p.detach().clone() for p in model.parameters()], m
 
 
@@ -1721,8 +1728,8 @@ if world > 1:
 rows = list(range(rank, data["batch"].response_ids.shape[0], world))  # this rank's share of the global batch
 batch = data["batch"].rows(rows)
 # SGD with lr 1: a parameter moves by exactly its (clipped) gradient
-m, _ = s3ac.update_actor(policy, torch.optim.SGD(policy.parameters(), lr=1.0), batch, data["advantages"][rows],
-                         None, args, torch.Generator().manual_seed(0))
+m = s3ac.update_actor(policy, torch.optim.SGD(policy.parameters(), lr=1.0), batch, data["advantages"][rows],
+                      None, args, torch.Generator().manual_seed(0))
 m.update(s3ac.update_critic(critic, torch.optim.SGD(critic.parameters(), lr=1.0), batch, data["values"][rows],
                             data["returns"][rows], batch.response_mask, args, torch.Generator().manual_seed(0)))
 m["explained_var"] = s3ac.explained_variance(data["advantages"][rows], data["returns"][rows], batch.response_mask)

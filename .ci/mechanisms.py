@@ -467,7 +467,9 @@ def exp_pact(lab: Lab, seeds: list) -> list:
         policy.train()
         actor_opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
         gen = torch.Generator().manual_seed(seed)
-        _, behaviour = s3ac.update_actor(policy, actor_opt, batch, advantages, None, args, gen)  # [B, T] log mu
+        behaviour = s3ac.policy_logprobs(policy, batch, args.temperature, args.micro_batch_size)  # [B, T] log mu
+        policy.train()
+        s3ac.update_actor(policy, actor_opt, batch, advantages, behaviour, args, gen)
         new_logprobs = s3ac.policy_logprobs(policy, batch, args.temperature, args.micro_batch_size)  # [B, T]
         returns = s3ac.mc_returns(rewards, mask, args.gamma)  # [B, T]
         targets, critic_mask, m = s3ac.pact_targets(returns, new_logprobs, behaviour, mask, args.rho_min,
