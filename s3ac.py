@@ -927,6 +927,17 @@ def pretrain_critic(critic, optimizer, rows: list, args: Args, pad_id: int, gene
     return out
 
 
+WARMUP_MAX_BATCHES = 8  # --critic-warmup-steps plateau: at most this many warm-up batches
+WARMUP_MIN_GAIN = 0.1  # ... and it stops at the first batch whose held-out loss is not 10% below the best before
+
+
+def warmup_plateaued(held_out_losses: list) -> bool:
+    """Whether on-policy warm-up stops (--critic-warmup-steps plateau): the value loss of the newest fresh batch,
+    measured before its update (held out), is not WARMUP_MIN_GAIN below the lowest of the batches before it."""
+    *before, last = held_out_losses
+    return bool(before) and last > (1.0 - WARMUP_MIN_GAIN) * min(before)
+
+
 def critic_warmup_step(args: Args, state: TrainState, reward_fn) -> dict:
     """One critic update toward the Monte-Carlo returns of fresh rollouts (counted in state), actor frozen, with
     the fit before it (fresh data: held out). Returns this rank's metrics."""
@@ -963,11 +974,18 @@ def train(args: Args, reward_fn=None, eval_reward_fn=None):
                 run.log({"step": 0, **m})
                 say(f"coverage epoch {m['pretrain/epoch']} | held-out EV {m['pretrain/explained_var']:+.3f} "
                     f"v_loss {m['pretrain/v_loss']:.4f}")
-        for i in range(args.critic_warmup_steps if state.step == 0 and state.critic is not None else 0):
+        plateau, held_out_losses = args.critic_warmup_steps == "plateau", []
+        batches = WARMUP_MAX_BATCHES if plateau else args.critic_warmup_steps
+        for i in range(batches if state.step == 0 and state.critic is not None else 0):
             m = mean_over_ranks(critic_warmup_step(args, state, run.reward_fn))  # its rollouts count toward the counts
             state.train_s += m["time/pretrain"]
             run.log({"step": 0, "pretrain/warmup_step": i + 1, **m})
-            say(f"critic warm-up {i + 1} | EV {m['pretrain/explained_var']:+.3f} v_loss {m['critic/v_loss']:.4f}")
+            say(f"critic warm-up {i + 1} | held-out EV {m['pretrain/explained_var']:+.3f} v_loss "
+                f"{m['pretrain/v_loss']:.4f} (before its update)")
+            held_out_losses.append(m["pretrain/v_loss"])
+            if plateau and warmup_plateaued(held_out_losses):
+                say(f"critic warm-up: the fit stopped improving after {i + 1} batches")
+                break
 
         # the loop: a step, evaluation every eval_every steps, one log record, a checkpoint every save_every steps
         for step in run.steps():
@@ -1964,7 +1982,9 @@ class Args:
     critic_layers: int = flag(0, "0: a separate critic model | k: a copy of the actor's last k blocks on its trunk")
     credit_eps: float = flag(0.05, "critic/credit_sparsity counts token credits |C_i| > credit_eps ([0, 1] scale)")
     # critic pretraining (before step 1; the actor is frozen)
-    critic_warmup_steps: int = flag(0, "on-policy: critic updates on this many fresh rollout batches")
+    critic_warmup_steps: str = flag("auto", "on-policy warm-up: critic updates on fresh rollout batches before step 1: N "
+                                    "| plateau: until the held-out fit stops improving (at most 8) | auto: plateau "
+                                    "with a critic and no coverage pretraining, else 0")
     coverage_models: str = flag("", "coverage: comma-separated checkpoints/names of other policies (same tokenizer)")
     coverage_temperatures: str = flag("", "comma-separated; each temperature is one more policy (empty = temperature)")
     coverage_prompts: int = flag(256, "prompts each coverage policy answers (k responses each)")
@@ -2022,7 +2042,7 @@ CRITIC_ALGOS = ("s3ac", "ppo")  # the algorithms that train a critic; grpo, rloo
 
 NAMED_OR_NUMBER = {  # the fields that take a number or a named value: (named values, number type)
     "actor_lam": (("auto", "adaptive"), float), "critic_lam": (("auto",), float), "eps_low": (("auto",), float),
-    "eval_max_new_tokens": (("auto",), int)}
+    "eval_max_new_tokens": (("auto",), int), "critic_warmup_steps": (("auto", "plateau"), int)}
 
 
 def resolve_args(args: Args) -> Args:
@@ -2047,7 +2067,7 @@ def resolve_args(args: Args) -> Args:
             "gen_batch_size", "max_prompt_tokens", "coverage_prompts", "coverage_epochs", "eval_size", "eval_k",
             "keep_checkpoints")},
         **{name: (getattr(args, name) >= 0, ">= 0") for name in (
-            "max_refills", "top_k", "vllm_max_model_len", "eps_high", "rho_min", "credit_eps", "critic_warmup_steps",
+            "max_refills", "top_k", "vllm_max_model_len", "eps_high", "rho_min", "credit_eps",
             "daps_start", "daps_n_c", "steps", "threads", "eval_every", "save_every",
             "log_samples", "critic_layers", "max_minutes")},
         **{name: (getattr(args, name) > 0, "> 0") for name in (
@@ -2061,13 +2081,16 @@ def resolve_args(args: Args) -> Args:
         "eps_low": (not number(args.eps_low) or 0 <= args.eps_low <= 1, "in [0, 1], or auto"),
         "eval_max_new_tokens": (args.eval_max_new_tokens == "auto" or args.eval_max_new_tokens >= 1,
                                 "at least 1, or auto"),
+        "critic_warmup_steps": (not isinstance(args.critic_warmup_steps, int) or args.critic_warmup_steps >= 0,
+                                ">= 0, or plateau, or auto"),
         "rho_max": (args.rho_max > args.rho_min, f"above --rho-min {args.rho_min}")}
     for name, (holds, rule) in domains.items():
         if not holds:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be {rule}")
     needs_critic = {"--critic-sync pact": args.critic_sync == "pact", "--critic-loss bce": args.critic_loss == "bce",
                     "--prompt-selection daps": args.prompt_selection == "daps",
-                    "--critic-warmup-steps": args.critic_warmup_steps > 0, "--critic-layers": args.critic_layers > 0,
+                    "--critic-warmup-steps": args.critic_warmup_steps not in ("auto", 0),
+                    "--critic-layers": args.critic_layers > 0,
                     "coverage pretraining": uses_coverage(args)}
     for flag, used in needs_critic.items():
         if used and args.algo not in CRITIC_ALGOS:
@@ -2087,7 +2110,9 @@ def resolve_args(args: Args) -> Args:
         args, actor_loss=actor_loss, actor_lam=auto(args.actor_lam, 0.95 if ppo else 1.0 if pact else "adaptive"),
         critic_lam=auto(args.critic_lam, 0.95 if ppo and not pact else 1.0),
         eps_low=auto(args.eps_low, 0.2 if actor_loss == "ppo" else 1.0),
-        eval_max_new_tokens=auto(args.eval_max_new_tokens, args.max_new_tokens))
+        eval_max_new_tokens=auto(args.eval_max_new_tokens, args.max_new_tokens),
+        critic_warmup_steps=auto(args.critic_warmup_steps, "plateau" if args.algo in CRITIC_ALGOS and
+                                 not uses_coverage(args) else 0))
 
 
 def _named_or_number(name: str, value, words: tuple, number_type=float):
@@ -2441,7 +2466,8 @@ def setup_run(args: Args, reward_fn=None, eval_reward_fn=None) -> Run:
     if main:
         print(f"s3ac: --algo {args.algo} --actor-loss {args.actor_loss} --eps-low {args.eps_low}" +
               (f" --actor-lam {args.actor_lam} --critic-lam {args.critic_lam} --critic-loss {args.critic_loss} "
-               f"--critic-sync {args.critic_sync}" if args.algo in CRITIC_ALGOS else " (no critic)") +
+               f"--critic-sync {args.critic_sync} --critic-warmup-steps {args.critic_warmup_steps}"
+               if args.algo in CRITIC_ALGOS else " (no critic)") +
               f" --is-correction {args.is_correction}" + (f" on {world} ranks" if world > 1 else ""), file=sys.stderr)
         os.makedirs(args.out_dir, exist_ok=True)
     kernels.set_backend(args.kernels)

@@ -91,7 +91,7 @@ def read_jsonl(path):
 def smoke_flags(model, out_dir, *extra):
     return ["--model", model, "--out-dir", out_dir, "--data", "builtin:arithmetic:200", "--eval-data", "heldout",
             "--batch-prompts", "4", "--k", "2", "--max-new-tokens", "8", "--micro-batch-size", "3", "--eval-size", "4",
-            "--eval-every", "0", "--lr", "1e-3", "--threads", "1", *extra]
+            "--eval-every", "0", "--lr", "1e-3", "--threads", "1", "--critic-warmup-steps", "0", *extra]
 
 
 # ---------------------------------------------------------------------------------------------------------------
