@@ -3702,3 +3702,185 @@ def test_mechanisms_value_head_inits_have_their_scales():
     assert w.abs().max().item() <= 1 / math.sqrt(H) and w.std().item() == pytest.approx(1 / math.sqrt(3 * H), rel=0.05)
     with pytest.raises(ValueError, match="value-head init"):
         mech.init_value_head(critic, "xavier", 0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kernel benchmarks (.ci/bench.py), and kernels.py standing without s3ac.py
+# ---------------------------------------------------------------------------------------------------------------
+def load_bench():
+    """.ci/bench.py (the kernel benchmarks; gpu-check's part 2) as a module."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench", os.path.join(HERE, ".ci", "bench.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _s3ac_imports(source: str) -> list:
+    """Every place in `source` that imports s3ac: `import s3ac[.x]`, `from s3ac[.x] import ...`, and
+    __import__("s3ac") / importlib.import_module("s3ac"), at any depth (inside functions too)."""
+    import ast
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""] + ([alias.name for alias in node.names] if not node.module else [])
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if func in ("__import__", "import_module") and isinstance(node.args[0].value, str):
+                names = [node.args[0].value]
+        found += [f"line {node.lineno}: {name}" for name in names if name.split(".")[0] == "s3ac"]
+    return found
+
+
+def test_kernels_py_imports_no_s3ac():
+    # the detector finds each form (hand cases), then kernels.py holds none of them
+    assert _s3ac_imports("def f():\n    import s3ac\n") == ["line 2: s3ac"]
+    assert _s3ac_imports("if x:\n    from s3ac import gae\n") == ["line 2: s3ac"]
+    assert _s3ac_imports("import os, s3ac.sub as s\n") == ["line 1: s3ac.sub"]
+    assert _s3ac_imports("from . import s3ac\n") == ["line 1: s3ac"]
+    assert _s3ac_imports("m = importlib.import_module('s3ac')\ng = __import__('s3ac')\n") == ["line 1: s3ac",
+                                                                                            "line 2: s3ac"]
+    assert _s3ac_imports("import s3ac_data\nfrom kernels import gae\n") == []
+    assert _s3ac_imports(Path(HERE, "kernels.py").read_text()) == []
+
+
+def test_bench_gae_verl_loop_hand_case_and_s3ac_gae():
+    """The baseline computes what s3ac.gae computes: a hand-worked row with a masked gap, then fp64 against
+    s3ac.gae's reverse loop on the benchmark's own inputs (right padding and a masked span)."""
+    bench = load_bench()
+    # gamma 1, lambda 0.5; t = 2: delta = 1 - 0.25 = 0.75; t = 0 (t = 1 masked, skipped): delta = 0.25 - 0.5 = -0.25,
+    # A_0 = -0.25 + 0.5 * 0.75 = 0.125; returns = A + V
+    adv, ret = bench.gae_verl_loop(torch.tensor([[0.0, 9.0, 1.0]]), torch.tensor([[0.5, 7.0, 0.25]]),
+                                   torch.tensor([[1.0, 0.0, 1.0]]), 1.0, 0.5)
+    assert adv.tolist() == [[0.125, 0.0, 0.75]] and ret.tolist() == [[0.625, 0.0, 1.0]]
+    rewards, values, masks = bench.gae_inputs(5, 37)
+    for mask in masks.values():
+        assert ((mask == 0) & (mask.cumsum(1) < mask.sum(1, keepdim=True))).any() == (mask is masks["with_gaps"])
+        got = bench.gae_verl_loop(rewards.double(), values.double(), mask.double(), 0.99, 0.9)
+        gold = _k_plain("gae")(rewards, values, mask, 0.99, 0.9)  # fp32 inside
+        for g, w in zip(got, gold):
+            assert torch.allclose(g, w.double(), atol=1e-5)
+
+
+def test_bench_cli_tiny_cpu_section_and_gpu_check_command():
+    """python .ci/bench.py --cpu --tiny, the CPU section's code path (log-probs in fresh worker processes): its rows
+    and their arithmetic; --help; the command gpu-check's part 2 runs is bench.py with flags it accepts."""
+    bench = load_bench()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    script = os.path.join(HERE, ".ci", "bench.py")
+    proc = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0 and "--gpu" in proc.stdout and "--cpu" in proc.stdout and "--tiny" in proc.stdout
+    proc = subprocess.run([sys.executable, script, "--cpu", "--tiny"], capture_output=True, text=True, env=env,
+                          timeout=300, cwd=HERE)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    (B, T), = bench.SIZES["tiny"]["gae_cpu"]
+    H, V, ((N, reps),) = bench.SIZES["tiny"]["logprobs_cpu"]
+    assert [(r["op"], r.get("mask")) for r in rows] == [("gae", "right_padded"), ("gae", "with_gaps"),
+                                                        ("logprobs_from_hidden", None)]
+    for r in rows[:2]:
+        assert (r["B"], r["T"], r["threads"], r["reps"]) == (B, T, 1, 7)
+        assert {"s3ac_loop_ms", "verl_loop_ms", "speedup_vs_verl_loop"} <= set(r)
+        assert r["max_abs_err_s3ac_loop_vs_fp64"] < 1e-5 and r["max_abs_err_verl_loop_fp32_vs_fp64"] < 1e-5
+    lp = rows[2]
+    assert (lp["N"], lp["H"], lp["V"], lp["reps"], lp["threads"]) == (N, H, V, reps, 1)
+    assert lp["naive_full_logits_MiB"] == round(N * V * 4 / 2**20, 1) and "note" not in lp
+    for k in ("chunked", "naive"):
+        assert lp[f"{k}_fwd_bwd_s"] > 0 and math.isfinite(lp[f"{k}_peak_extra_MiB"])
+        grads_mib = (N * H + V * H) * 4 / 2**20
+        assert lp[f"{k}_peak_extra_minus_grads_MiB"] == pytest.approx(lp[f"{k}_peak_extra_MiB"] - grads_mib, abs=0.11)
+    assert lp["time_ratio_chunked_over_naive"] > 0 and "memory_ratio_chunked_over_naive_minus_grads" in lp
+    # gpu-check's part 2
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(HERE, ".ci", "gpu_check.py"))
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    cmd = gpu_check.part_command("bench", types.SimpleNamespace(), "python")
+    assert os.path.samefile(cmd[1], script)
+    assert bench.build_parser().parse_args(cmd[2:]).gpu
+
+
+@pytest.mark.skipif(not (K.HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"),
+                    reason="runs the Triton kernels on the CPU through TRITON_INTERPRET=1")
+def test_bench_gpu_section_rows_on_cpu(monkeypatch):
+    """bench_gpu's code at tiny sizes on CPU tensors (Triton's interpreter), with torch.cuda's timers and memory
+    counters replaced by fixed numbers: no section fails, each row carries the fields gpu-check runs are compared
+    by, and the percentages and speed-ups follow from the (fake) times."""
+    bench = load_bench()
+    for name, value in _K_GAE_INTERPRETER_BLOCKS.items():
+        monkeypatch.setattr(K, name, value)
+    calls = []
+
+    def fake_time_us(fn, warmup=3, reps=20, kernels_only=False):  # runs fn once; kernels 100 us, a call 150 us
+        fn()
+        calls.append(kernels_only)
+        return 100.0 if kernels_only else 150.0
+    monkeypatch.setattr(bench, "cuda_time_us", fake_time_us)
+    for name, fn in {"get_device_name": lambda *a: "fake", "synchronize": lambda *a: None,
+                     "empty_cache": lambda: None, "reset_peak_memory_stats": lambda *a: None,
+                     "memory_allocated": lambda *a: 0, "max_memory_allocated": lambda *a: 3 * 2**20}.items():
+        monkeypatch.setattr(torch.cuda, name, fn)
+    rows = []
+    sizes = bench.SIZES["tiny"]
+    bench.bench_gpu(rows.append, sizes, device="cpu")
+    assert not [r for r in rows if "error" in r]
+    assert [r["op"] for r in rows] == (["copy", "gae_triton"] + ["gae_triton_config"] * len(sizes["gae_gpu_configs"])
+                                       + ["gae_triton"] * (len(sizes["gae_gpu"]) - 1)
+                                       + ["cispo_loss", "value_loss", "bce_value_loss"]
+                                       + ["logprobs_from_hidden_fwd_bwd"] * 6)
+    copy = rows[0]
+    assert set(copy) == {"op", "device", "bytes", "us", "GB_s"} and copy["device"] == "fake"
+    copy_GB_s = sizes["copy_elements"] * 8 / 150e3
+    assert copy["bytes"] == sizes["copy_elements"] * 8 and copy["GB_s"] == round(copy_GB_s, 1)
+
+    def pct(nbytes, us):
+        return round(100 * nbytes / (us * 1e3) / copy_GB_s, 1)
+    gae_keys = {"op", "device", "shape", "dtype", "block_t", "us", "call_us", "bytes", "GB_s", "pct_of_copy_bw",
+                "call_pct_of_copy_bw", "us_at_copy_bw", "target_pct_of_copy_bw", "meets_target", "valid_frac",
+                "max_abs_diff_vs_ref"}
+    gae_rows = [r for r in rows if r["op"] == "gae_triton"]
+    assert set(gae_rows[0]) == gae_keys | {"ref_us", "verl_loop_us", "speedup_vs_ref", "speedup_vs_verl_loop"}
+    assert all(set(r) == gae_keys for r in gae_rows[1:])
+    for r, (B, T) in zip(gae_rows, sizes["gae_gpu"]):
+        nbytes = B * T * 17
+        assert r["shape"] == [B, T] and r["bytes"] == nbytes and r["block_t"] == 32
+        assert (r["us"], r["call_us"], r["pct_of_copy_bw"], r["call_pct_of_copy_bw"]) == (
+            100.0, 150.0, pct(nbytes, 100.0), pct(nbytes, 150.0))
+        assert r["target_pct_of_copy_bw"] == bench.GAE_TARGET_PCT_OF_COPY_BW
+        assert r["meets_target"] == (pct(nbytes, 100.0) >= bench.GAE_TARGET_PCT_OF_COPY_BW)
+        assert r["max_abs_diff_vs_ref"] < 1e-5 and 0 < r["valid_frac"] < 1
+    assert gae_rows[0]["speedup_vs_ref"] == 1.5 and gae_rows[0]["speedup_vs_verl_loop"] == 1.5
+    config = rows[2]
+    assert set(config) == {"op", "device", "shape", "block_t", "num_warps", "us", "pct_of_copy_bw"}
+    assert (config["block_t"], config["num_warps"]) == sizes["gae_gpu_configs"][0]
+    B, T = sizes["losses_gpu"]
+    for r in rows[-9:-6]:
+        part_keys = {k for p in ("fwd", "fwd_bwd") for k in (
+            f"{p}_us", f"{p}_pct_of_copy_bw", f"{p}_call_us", f"{p}_call_pct_of_copy_bw", f"ref_{p}_us",
+            f"ref_{p}_call_us", f"speedup_{p}_vs_ref")}
+        assert set(r) == {"op", "impl", "device", "shape", "dtype", "block", "valid_frac", "fwd_target_pct_of_copy_bw",
+                          "meets_target", "loss_abs_diff_vs_ref", "grad_max_abs_diff_vs_ref"} | part_keys
+        n_in = 2 if r["op"] == "bce_value_loss" else 3
+        fwd_bytes = B * T * (4 * n_in + 5)
+        assert r["fwd_pct_of_copy_bw"] == pct(fwd_bytes, 100.0)
+        assert r["fwd_bwd_call_pct_of_copy_bw"] == pct(fwd_bytes + B * T * 8, 150.0)
+        assert r["ref_fwd_us"] == 100.0 and r["ref_fwd_call_us"] == 150.0  # kernels against kernels
+        assert r["speedup_fwd_vs_ref"] == r["speedup_fwd_bwd_vs_ref"] == 1.0
+        assert r["loss_abs_diff_vs_ref"] < 1e-5 and r["grad_max_abs_diff_vs_ref"] < 1e-6
+    N, H, V = sizes["logprobs_gpu"]
+    lp_keys = {"op", "impl", "device", "N", "H", "V", "dtype", "ms", "peak_extra_MiB", "peak_extra_minus_grads_MiB",
+               "full_logits_MiB"}
+    lp_rows = rows[-6:]
+    assert [(r["impl"], r["dtype"]) for r in lp_rows] == [(i, d) for d in ("float32", "bfloat16")
+                                                          for i in ("naive", "triton", "ref")]
+    for r in lp_rows:
+        extra = {"peak_ratio_vs_naive", "never_held_full_logits", "max_abs_diff_logp_vs_naive"}
+        assert set(r) == lp_keys | (set() if r["impl"] == "naive" else extra)
+        assert (r["N"], r["H"], r["V"], r["ms"], r["peak_extra_MiB"]) == (N, H, V, 0.15, 3.0)
+        if r["impl"] != "naive":
+            assert r["peak_ratio_vs_naive"] == 1.0
+            assert r["max_abs_diff_logp_vs_naive"] < (1e-5 if r["dtype"] == "float32" else 0.05)
+    assert True in calls and False in calls

@@ -12,7 +12,7 @@ time is reported and the next one runs:
 
     1. kernels  pytest -k kernels with TRITON_INTERPRET=0: every kernels.py op against the s3ac.py function and
                 fp64, T = 8192 and gamma * lambda = 1 included, on the GPU through Triton's compiler (CUDA only)
-    2. bench    python kernels.py --bench-gpu: GAE at [512, 8192], [4096, 1024] and [64, 32768] fp32 in us and as %
+    2. bench    python .ci/bench.py --gpu: GAE at [512, 8192], [4096, 1024] and [64, 32768] fp32 in us and as %
                 of the copy bandwidth measured in the same run, the fused losses forward and forward + backward at
                 [512, 8192], log-prob peak memory against the naive path at V = 151,936 (CUDA only)
     3. step     python .ci/gpu_check.py step-check (step_check, on s3ac.py's own functions): rollout tokens/s
@@ -135,7 +135,7 @@ def part_command(name: str, opts, python: str) -> list:
         return [python, "-m", "pytest", "-v", "--tb=short", "-p", "no:cacheprovider", "-rfE", *workers,
                 "test_s3ac.py", "-k", "kernels", f"--junitxml={os.path.join(opts.out, 'kernels.xml')}"]
     if name == "bench":
-        return [python, "kernels.py", "--bench-gpu"]
+        return [python, os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench.py"), "--gpu"]
     if name == "step":
         size = ["--size", "tiny", "--prompts", "8", "--tokens", "16", "--micro-batch-size", "4"] if opts.tiny else []
         return [python, os.path.abspath(__file__), "step-check", "--rollout", opts.rollout, *size,
