@@ -3884,3 +3884,86 @@ def test_bench_gpu_section_rows_on_cpu(monkeypatch):
             assert r["peak_ratio_vs_naive"] == 1.0
             assert r["max_abs_diff_logp_vs_naive"] < (1e-5 if r["dtype"] == "float32" else 0.05)
     assert True in calls and False in calls
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Critic warm-up by default; builtin arithmetic strata
+# ---------------------------------------------------------------------------------------------------------------
+def test_warmup_plateaued_hand_cases():
+    assert not s3ac.warmup_plateaued([0.5])  # one batch: nothing to compare with
+    assert not s3ac.warmup_plateaued([0.5, 0.30])  # 40% below the best before it
+    assert s3ac.warmup_plateaued([0.5, 0.46])  # 8% below: less than WARMUP_MIN_GAIN
+    assert s3ac.warmup_plateaued([0.5, 0.2, 0.19])  # 5% below the best (0.2), not the first
+    assert not s3ac.warmup_plateaued([0.5, 0.2, 0.17])  # 15% below the best
+    assert s3ac.warmup_plateaued([0.5, 0.2, 0.4])  # worse than the best
+
+
+def _pretrain_records(out):
+    return [r for r in read_jsonl(os.path.join(out, "metrics.jsonl")) if "pretrain/warmup_step" in r]
+
+
+def test_critic_algorithms_warm_up_the_critic_by_default(tiny, tmp_path):
+    """The default --critic-warmup-steps auto resolves to plateau for s3ac: warm-up records (step 0, actor frozen)
+    come before step 1, at least 2 and at most WARMUP_MAX_BATCHES; --critic-warmup-steps 0 logs none; a critic-free
+    algorithm warms up nothing."""
+    path = tiny[0]
+    out = str(tmp_path / "auto")
+    proc = run_s3ac(*smoke_flags(path, out, "--steps", "1", "--critic-warmup-steps", "auto"))
+    assert "--critic-warmup-steps plateau" in proc.stderr
+    records = read_jsonl(os.path.join(out, "metrics.jsonl"))
+    warm = [i for i, r in enumerate(records) if "pretrain/warmup_step" in r]
+    first_step = next(i for i, r in enumerate(records) if r["step"] == 1)
+    assert 2 <= len(warm) <= s3ac.WARMUP_MAX_BATCHES and max(warm) < first_step
+    assert [records[i]["pretrain/warmup_step"] for i in warm] == list(range(1, len(warm) + 1))
+    losses = [records[i]["pretrain/v_loss"] for i in warm]
+    assert len(warm) == s3ac.WARMUP_MAX_BATCHES or s3ac.warmup_plateaued(losses)  # it stopped by the rule
+    assert not any(s3ac.warmup_plateaued(losses[:j]) for j in range(1, len(losses)))  # and not before
+    assert records[warm[0]]["time/pretrain"] > 0
+    off = str(tmp_path / "off")
+    run_s3ac(*smoke_flags(path, off, "--steps", "1", "--critic-warmup-steps", "0"))
+    assert _pretrain_records(off) == []
+    grpo = str(tmp_path / "grpo")
+    proc = run_s3ac(*smoke_flags(path, grpo, "--steps", "1", "--algo", "grpo", "--critic-warmup-steps", "auto"))
+    assert _pretrain_records(grpo) == [] and "(no critic)" in proc.stderr
+
+
+def test_builtin_arithmetic_strata_and_filters_against_an_independent_computation():
+    import operator
+    problems = s3ac.load_problems("builtin:arithmetic:600", seed=3)
+    assert problems == s3ac.make_arithmetic(600, 3)  # the spec is the generator
+    compute = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+    seen = set()
+    for p in problems:
+        m = re.fullmatch(r"What is (\d+) ([-+*]) (\d+)\?", p.question)
+        a, op, b = int(m[1]), m[2], int(m[3])
+        assert p.answer == str(compute[op](a, b))
+        assert p.strata == {"op": op, "digits": f"{1 if a < 10 else 2}x{1 if b < 10 else 2}"}
+        seen.add((p.strata["op"], p.strata["digits"]))
+    assert len(seen) == 12  # every op with every digits pattern
+    kept = s3ac.load_problems("builtin:arithmetic:300:op=+-:digits=1x1,2x1", seed=3)
+    assert len(kept) == 300 and {(p.strata["op"], p.strata["digits"]) for p in kept} == {
+        ("+", "1x1"), ("-", "1x1"), ("+", "2x1"), ("-", "2x1")}
+    everything = s3ac.make_arithmetic(3000, 3)  # the filter keeps the unfiltered draws, in order
+    wanted = [p for p in everything if p.strata["op"] in "+-" and p.strata["digits"] in ("1x1", "2x1")]
+    assert kept == wanted[:300]
+    for bad in ("builtin:arithmetic:op=/", "builtin:arithmetic:digits=3x1", "builtin:arithmetic:ten",
+                "builtin:algebra", "builtin:arithmetic:op="):
+        with pytest.raises(ValueError, match=re.escape(bad.split(":")[0])):
+            s3ac.load_problems(bad)
+
+
+def test_strata_field_of_a_data_row(tmp_path):
+    good = write_lines(tmp_path / "s.jsonl", [json.dumps({"question": "q", "answer": "1", "strata": {"level": 3}})])
+    assert s3ac.load_problems(good) == [s3ac.Problem("q", "1", {"level": "3"})]
+    bad = write_lines(tmp_path / "b.jsonl", [json.dumps({"question": "q", "answer": "1", "strata": [1]})])
+    with pytest.raises(ValueError, match=r"b\.jsonl, line 1: field 'strata'"):
+        s3ac.load_problems(bad)
+
+
+@pytest.mark.parametrize("completion,status", [
+    ("7 - 9 = -2.", "correct"), ("The answer is \\boxed{-2}.", "correct"), ("7 minus 9 equals -2", "correct"),
+    ("7 - 9 = 2.", "wrong"), ("It is -2 or 2.", "no_answer"), ("\\boxed{7 - 9}", "not_a_number"),
+    ("The answer is -2, not 2.", "correct"), ("So 7 - 9 is 2, not -2.", "wrong")])
+def test_verifier_on_builtin_arithmetic_answer_forms(completion, status):
+    gold = next(p.answer for p in s3ac.make_arithmetic(5000, 0) if p.question == "What is 7 - 9?")
+    assert gold == "-2" and s3ac.grade(gold, completion) == status
