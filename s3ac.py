@@ -2008,7 +2008,7 @@ class Args:
     # logging
     out_dir: str = flag("runs/s3ac", "metrics.jsonl and checkpoints/ go here")
     eval_every: int = flag(10, "steps between greedy evaluations (0 = only at the start and the end)")
-    eval_size: int = flag(500, "problems per evaluation source, at most (the first ones; heldout: a seeded sample)")
+    eval_size: int = flag(500, "problems per evaluation source, at most (the first ones; heldout: one fixed sample)")
     eval_k: int = flag(32, "competition sets (aime*, amc*, hmmt*) also report avg@k over k samples at --temperature")
     eval_max_new_tokens: str = flag("auto", "response length limit of evaluations, tokens; auto = max_new_tokens")
     save_every: int = flag(10, "steps between checkpoints (0 = only at the end)")
@@ -2297,9 +2297,12 @@ def _row_to_problem(row, prompt_key: str, answer_key: str, where: str, math_gold
     return Problem(strip_answer_format(str(row[qkey])), answer, strata)
 
 
+HELDOUT_SEED = 12345  # --eval-data heldout: the same held-out problems for every --seed, so seeds and runs pair
+
+
 def split_problems(train: list, eval_spec: str, args: Args, math_golds: bool = True, heldout_golds=None):
     """(train, sources): one (eval_name, problems) per comma-separated source of eval_spec: its first eval_size
-    distinct problems (math_golds: as load_problems), or for `heldout` a seeded sample of train's, golds from
+    distinct problems (math_golds: as load_problems), or for `heldout` a sample of train's (HELDOUT_SEED), golds from
     heldout_golds() when given (train's rows in the evaluation reward's gold layout). Duplicates are dropped, and no
     evaluation question stays in train. Raises ValueError when too few are left."""
     train = distinct(train)
@@ -2308,7 +2311,7 @@ def split_problems(train: list, eval_spec: str, args: Args, math_golds: bool = T
         if spec == "heldout":
             if len(train) <= args.eval_size:
                 raise ValueError(f"{args.data}: {len(train)} distinct problems, too few to hold out {args.eval_size}")
-            held_out = random.Random(args.seed + 12345).sample(train, args.eval_size)
+            held_out = random.Random(HELDOUT_SEED).sample(train, args.eval_size)  # one set for every --seed
             if heldout_golds is not None:
                 gold_of = {p.question: p.answer for p in distinct(heldout_golds())}
                 held_out = [dataclasses.replace(p, answer=gold_of[p.question]) for p in held_out]

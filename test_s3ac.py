@@ -2374,37 +2374,44 @@ def test_s3ac_py_points_to_the_harnesses(word, command):
 
 def test_compare_table_arithmetic(tmp_path):
     """Means and standard errors over seeds, pass@1 at the least training time any run reached (a step that runs
-    across it counts), the second half of the steps for EV, all steps for c, and '-' for the keys a critic-free run
-    lacks."""
+    across it counts), the best of those evaluations, its step and final - best, the second half of the steps for EV,
+    all steps for c, and '-' for the keys a critic-free run lacks; the paired differences by seed."""
     compare = load_compare()
     ev = lambda e, v0, c: {"critic/explained_var": e, "critic/adv_explained_var": v0, "critic/compute_ratio": c}
     write_run(str(tmp_path / "s0"), {0: 0.1, 2: 0.3, 4: 0.5}, [ev(0.0, 0.0, 0.5), ev(0.0, 0.0, 0.5),
                                                                ev(0.2, 0.1, 0.3), ev(0.4, 0.3, 0.3)])
-    write_run(str(tmp_path / "s1"), {0: 0.1, 2: 0.2, 4: 0.4}, [ev(0.9, 0.9, 0.2), ev(0.1, 0.2, 0.4),
-                                                               ev(None, None, 0.5), ev(0.6, 0.5, 0.3)])
+    write_run(str(tmp_path / "s1"), {0: 0.1, 1: 0.3, 2: 0.2, 4: 0.4}, [ev(0.9, 0.9, 0.2), ev(0.1, 0.2, 0.4),
+                                                                       ev(None, None, 0.5), ev(0.6, 0.5, 0.3)])
     write_run(str(tmp_path / "g"), {0: 0.1, 3: 0.25}, [{}, {}, {}])  # 3 steps: 3 minutes, the least
     # half a minute of pretraining: step 3 runs from minute 2.5 to 3.5, across the equal minute
     write_run(str(tmp_path / "late"), {0: 0.1, 1: 0.15, 3: 0.35}, [{}, {}, {}], pretrain_s=30.0)
     runs = {"s3ac": [s3ac.read_records(str(tmp_path / d)) for d in ("s0", "s1")],
             "grpo": [s3ac.read_records(str(tmp_path / "g"))], "late": [s3ac.read_records(str(tmp_path / "late"))]}
     table = compare.compare_table(runs).splitlines()
-    assert table[0] == ("| run | seeds | minutes | final pass@1 | pass@1 at 3.0 min | token EV | V(s_0) EV | c | "
-                        "efficiency, token EV | efficiency, V(s_0) EV |")
-    # by hand: final 0.5, 0.4; at 3 min the step-2 evaluations (2 min) 0.3, 0.2; token EV over steps 3-4:
-    # 0.3 and 0.6 (null skipped); V(s_0) EV 0.2 and 0.5; c 0.4 and 0.35; efficiency 1 / ((1 - EV)(1 + c))
+    assert table[0] == ("| run | seeds | minutes | pass@1 at step 0 | pass@1 at 3.0 min | best pass@1 | best at step | "
+                        "final - best | token EV | V(s_0) EV | c | efficiency, token EV | efficiency, V(s_0) EV |")
+    # by hand: at 3 min the step-2 evaluations (2 min) 0.3, 0.2; best 0.3 (step 2) and 0.3 (step 1), so final - best
+    # 0 and -0.1; token EV over steps 3-4: 0.3 and 0.6 (null skipped); V(s_0) EV 0.2 and 0.5; c 0.4 and 0.35;
+    # efficiency 1 / ((1 - EV)(1 + c))
     se = lambda a, b: abs(a - b) / 2  # the standard error of two values: std (n - 1) / sqrt(2) = |a - b| / 2
     eff_token, eff_v0 = (1 / (0.7 * 1.4), 1 / (0.4 * 1.35)), (1 / (0.8 * 1.4), 1 / (0.5 * 1.35))
-    want = [(4.0, 0.0), (0.45, se(0.5, 0.4)), (0.25, se(0.3, 0.2)), (0.45, se(0.3, 0.6)), (0.35, se(0.2, 0.5)),
-            (0.375, se(0.4, 0.35)), (sum(eff_token) / 2, se(*eff_token)), (sum(eff_v0) / 2, se(*eff_v0))]
+    want = [(4.0, 0.0), (0.1, 0.0), (0.25, se(0.3, 0.2)), (0.3, 0.0), (1.5, se(2, 1)), (-0.05, se(0.0, -0.1)),
+            (0.45, se(0.3, 0.6)), (0.35, se(0.2, 0.5)), (0.375, se(0.4, 0.35)), (sum(eff_token) / 2, se(*eff_token)),
+            (sum(eff_v0) / 2, se(*eff_v0))]
     assert table[2] == "| s3ac | 2 | " + " | ".join(f"{m:.3f} ± {s:.3f}" for m, s in want) + " |"
-    assert table[3] == "| grpo | 1 | 3.000 | 0.250 | 0.250 | - | - | - | - | - |"
-    assert table[4] == "| late | 1 | 3.500 | 0.350 | 0.350 | - | - | - | - | - |"  # its step 3 began before minute 3
+    assert table[3] == "| grpo | 1 | 3.000 | 0.100 | 0.250 | 0.250 | 3.000 | 0.000 | - | - | - | - | - |"
+    # its step 3 began before minute 3, so its evaluation counts
+    assert table[4] == "| late | 1 | 3.500 | 0.100 | 0.350 | 0.350 | 3.000 | 0.000 | - | - | - | - | - |"
+    paired = compare.paired_table({"s3ac": runs["s3ac"], "late": [runs["late"][0]] * 2}, "s3ac", ["late"])
+    # equal minutes 3.5 here (late's): step 4 of s0 and s1 began at minute 3, so 0.5 - 0.35 and 0.4 - 0.35; from
+    # minute 1.75 on: s0 mean(0.3, 0.5), s1 mean(0.2, 0.4), late 0.35 (step 3), so +0.05 and -0.05
+    assert paired.splitlines()[2] == "| s3ac - late | 2 | +0.100 ± 0.050 | +0.150, +0.050 | +0.000 ± 0.050 |"
 
 
 def test_compare_runs_seed_major_with_each_configs_flags(tmp_path, monkeypatch):
-    """compare() with s3ac.py replaced by a recorder: seed 0 of every config first; the partial-trunk critic's
-    flags reach only its own run; shared flags reach every run; a rerun skips finished runs, and stops on a run
-    finished with other settings."""
+    """compare() with s3ac.py replaced by a recorder: seed 0 of every config first; --s3ac-flags reach only the
+    S3AC run; shared flags reach every run; a rerun skips finished runs, and stops on a run finished with other
+    settings."""
     compare = load_compare()
     calls = []
 
@@ -2417,26 +2424,30 @@ def test_compare_runs_seed_major_with_each_configs_flags(tmp_path, monkeypatch):
     monkeypatch.setattr(compare.subprocess, "run", fake_run)
     monkeypatch.setattr(compare, "plot_runs", lambda dirs, out: out)
     argv = ["--data", "builtin:arithmetic:40", "--eval-size", "5", "--seeds", "2", "--grpo-seeds", "1",
-            "--minutes", "3", "--out-dir", str(tmp_path), "--lr", "1e-5"]
+            "--minutes", "3", "--out-dir", str(tmp_path), "--lr", "1e-5",
+            "--s3ac-flags", "--critic-layers 4 --critic-epochs 1"]
     compare.compare(argv)
-    assert [name for name, _ in calls] == ["s3ac-k1-layers4-seed0", "reinforce_pp-k1-seed0", "grpo-k4-seed0",
-                                           "s3ac-k1-full-seed0", "s3ac-k1-layers4-seed1", "reinforce_pp-k1-seed1"]
+    assert [name for name, _ in calls] == ["s3ac-k1-seed0", "reinforce_pp-k1-seed0", "grpo-k4-seed0",
+                                           "s3ac-k1-seed1", "reinforce_pp-k1-seed1"]
     value = lambda flags, flag: flags[flags.index(flag) + 1] if flag in flags else None
     runs = dict(calls)
-    critic_flags = ("--critic-layers", "--critic-lr-ratio", "--critic-epochs", "--critic-warmup-steps")
-    assert [value(runs["s3ac-k1-layers4-seed1"], f) for f in critic_flags] == ["4", "20.0", "1", "4"]
-    for name in ("reinforce_pp-k1-seed0", "grpo-k4-seed0", "s3ac-k1-full-seed0"):
-        assert [value(runs[name], f) for f in critic_flags] == [None] * 4
+    critic_flags = ("--critic-layers", "--critic-epochs")
+    assert [value(runs["s3ac-k1-seed1"], f) for f in critic_flags] == ["4", "1"]
+    for name in ("reinforce_pp-k1-seed0", "grpo-k4-seed0"):
+        assert [value(runs[name], f) for f in critic_flags] == [None] * 2
     assert value(runs["grpo-k4-seed0"], "--k") == "4" and value(runs["grpo-k4-seed0"], "--batch-prompts") == "4"
-    for flags in runs.values():
-        assert [value(flags, f) for f in ("--eval-every", "--max-minutes", "--lr", "--eval-size")] == \
-            ["15", "3.0", "1e-5", "5"]
+    for name, flags in runs.items():
+        assert [value(flags, f) for f in ("--eval-every", "--max-minutes", "--lr", "--eval-size", "--data")] == \
+            ["20", "3.0", "1e-5", "5", "builtin:arithmetic:40"]
+        assert value(flags, "--seed") == name[-1]
     calls.clear()
     compare.compare(argv)  # everything finished with these settings
     assert calls == []
-    with pytest.raises(SystemExit, match="s3ac-k1-layers4-seed0: finished with other settings"):
+    with pytest.raises(SystemExit, match="s3ac-k1-seed0: finished with other settings"):
         compare.compare(argv + ["--critic-epochs", "2"])
     assert calls == []
+    table = open(os.path.join(tmp_path, "table.md")).read()
+    assert "| s3ac-k1 - reinforce_pp-k1 | 2 |" in table and "| s3ac-k1 - grpo-k4 | 1 |" in table
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,21 +1,22 @@
-"""Side-by-side S3AC runs at equal training minutes: ./run.sh compare (or python .ci/compare.py).
+"""Side-by-side runs at equal training minutes: ./run.sh compare (or python .ci/compare.py).
 
-    ./run.sh compare [--seeds 3] [--minutes 20] [--critic-layers 4]    # the CPU demo's model and settings
+    ./run.sh compare [--seeds 6] [--grpo-seeds 3] [--minutes 20]     # the CPU demo's model, task and critic
     python .ci/compare.py --help                                       # its own flags; the others go to every run
 
-S3AC K=1 with the partial-trunk critic (its own --critic-layers, --critic-lr-ratio, --critic-epochs and
---critic-warmup-steps; the full-critic run keeps s3ac.py's defaults, the paper's), REINFORCE++ K=1, GRPO K=4 on a
-quarter of the prompts (equal samples per step) and S3AC K=1 with the full critic. One run of s3ac.py per seed, one
-after another, seed 0 of every config first; each with the same --max-minutes, training data and held-out problems
-(<out-dir>/data/). Then one table (compare_table, printed and written to <out-dir>/table.md) and the curves of every
-run (s3ac.plot_runs, <out-dir>/compare.png).
+S3AC K=1 (with --s3ac-flags, the demo's critic), REINFORCE++ K=1 and GRPO K=4 on a quarter of the prompts (equal
+samples per step). One run of s3ac.py per seed, one after another, seed s of every config before seed s + 1; each with
+the same --max-minutes, the same training data and the same held-out problems (--eval-data heldout is one fixed
+sample for every seed), and seed s of every config draws the same prompt order. Then one table (compare_table) with
+pass@1 at equal minutes, each run's best pass@1, the step it came at and its final minus best, and the paired
+differences by seed (paired_table): S3AC - REINFORCE++ and S3AC - GRPO, with their standard errors. Printed and
+written to <out-dir>/table.md; the curves of every run (s3ac.plot_runs) to <out-dir>/compare.png.
 """
 
 import argparse
 import json
 import math
 import os
-import random
+import shlex
 import shutil
 import subprocess
 import sys
@@ -23,7 +24,7 @@ import sys
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 sys.path.insert(0, HERE)  # s3ac.py
 
-from s3ac import _write_atomic, critic_efficiency, load_problems, plot_runs, read_records  # noqa: E402
+from s3ac import _write_atomic, critic_efficiency, plot_runs, read_records  # noqa: E402
 
 
 def mean_se(values: list):
@@ -35,32 +36,45 @@ def mean_se(values: list):
 
 def run_summary(records: list, at_minutes: float) -> dict:
     """One run of the comparison, from s3ac.read_records: the training minutes it reached (a run stopped by
-    --max-minutes passes the budget by up to one step); its final pass@1 (last evaluation); pass@1 at at_minutes
-    (the last evaluation by that minute of training, or after the step running at that minute: a run stopped by
-    --max-minutes ends with the step that crosses the budget, so its final evaluation counts at it); token EV and
-    V(s_0) EV averaged over the second half of its steps; c over all steps; and efficiency 1 / ((1 - EV)(1 + c)) of
-    those means, once with the token EV (the variance the per-token values remove) and once with V(s_0) EV (as
-    critic/efficiency). NaN where the run logged no such key (critic-free runs)."""
+    --max-minutes passes the budget by up to one step); pass@1 at step 0; pass@1 at at_minutes (the last evaluation
+    by that minute of training, or after the step running at that minute: a run stopped by --max-minutes ends with
+    the step that crosses the budget, so its final evaluation counts at it); the best pass@1 of those evaluations, the
+    step it came at, and final minus best (0 for a curve that ends at its best); token EV and V(s_0) EV averaged over
+    the second half of its steps; c over all steps; and efficiency 1 / ((1 - EV)(1 + c)) of those means, once with the
+    token EV and once with V(s_0) EV (as critic/efficiency). NaN where the run logged no such key (critic-free)."""
     steps, evals = [r for r in records if "perf/step_s" in r], [r for r in records if r.get("eval/pass@1") is not None]
     half = steps[len(steps) // 2:]
-    begun = [r["minutes"] if "perf/step_s" not in r else prev["minutes"]  # training minutes when r's step began
-             for prev, r in zip([{"minutes": 0.0}] + records, records)]
-    on_time = [r for r, t in zip(records, begun)
-               if r.get("eval/pass@1") is not None and (r["minutes"] <= at_minutes or t < at_minutes)]
+    on_time = evaluations_by(records, at_minutes)
+    best = max(on_time, key=lambda r: r["eval/pass@1"])  # the first of equal bests
     token_ev = mean_se([r.get("critic/explained_var") for r in half])[0]
     v0_ev = mean_se([r.get("critic/adv_explained_var") for r in half])[0]
     c = mean_se([r.get("critic/compute_ratio") for r in steps])[0]
-    return {"minutes": records[-1]["minutes"], "final pass@1": evals[-1]["eval/pass@1"],
-            "pass@1 at equal minutes": on_time[-1]["eval/pass@1"],
+    return {"minutes": records[-1]["minutes"], "pass@1 at step 0": evals[0]["eval/pass@1"],
+            "pass@1 at equal minutes": on_time[-1]["eval/pass@1"], "best pass@1": best["eval/pass@1"],
+            "best at step": best["step"], "final - best": on_time[-1]["eval/pass@1"] - best["eval/pass@1"],
             "token EV": token_ev, "V(s_0) EV": v0_ev, "c": c, "efficiency, token EV": critic_efficiency(token_ev, c),
             "efficiency, V(s_0) EV": critic_efficiency(v0_ev, c)}
 
 
+def evaluations_by(records: list, at_minutes: float) -> list:
+    """The evaluation records of a run that count at at_minutes of training: those logged by then, and the one after
+    the step running at that minute (a run stopped by --max-minutes evaluates after the step that crosses it)."""
+    begun = [r["minutes"] if "perf/step_s" not in r else prev["minutes"]  # training minutes when r's step began
+             for prev, r in zip([{"minutes": 0.0}] + records, records)]
+    return [r for r, t in zip(records, begun)
+            if r.get("eval/pass@1") is not None and (r["minutes"] <= at_minutes or t < at_minutes)]
+
+
+def equal_minutes(runs: dict) -> float:
+    """The least training time any run of runs {name: [read_records of each seed]} reached: with --max-minutes,
+    the budget plus the shortest overshoot."""
+    return min(seed[-1]["minutes"] for seeds in runs.values() for seed in seeds)
+
+
 def compare_table(runs: dict) -> str:
     """A markdown table of runs {name: [s3ac.read_records of each seed]}: per name, mean ± standard error over seeds
-    of each run_summary column ("-": none). Equal minutes: the least training time any run reached (with
-    --max-minutes, the budget plus the shortest overshoot)."""
-    at = min(seed[-1]["minutes"] for seeds in runs.values() for seed in seeds)
+    of each run_summary column ("-": none), at equal_minutes(runs)."""
+    at = equal_minutes(runs)
     rows = {name: [run_summary(seed, at) for seed in seeds] for name, seeds in runs.items()}
     columns = list(next(iter(rows.values()))[0])
     lines = ["| run | seeds | " + " | ".join(columns).replace("equal minutes", f"{at:.1f} min") + " |",
@@ -73,50 +87,58 @@ def compare_table(runs: dict) -> str:
     return "\n".join(lines)
 
 
+def paired_table(runs: dict, first: str, others: list) -> str:
+    """Markdown rows of paired differences by seed at equal_minutes(runs): for each name in others, first's pass@1
+    minus that run's, over the seeds both have (seed i of one against seed i of the other), with the mean, its
+    standard error and every seed's difference; the same for the mean of every evaluation from the middle of the
+    budget on (a smoother figure: several evaluations, the same problems)."""
+    at = equal_minutes(runs)
+
+    def late_mean(records):  # the mean pass@1 of the evaluations that count at `at`, from at / 2 on
+        late = [r["eval/pass@1"] for r in evaluations_by(records, at) if r["minutes"] >= at / 2]
+        return sum(late) / len(late) if late else math.nan
+
+    lines = ["| difference | seeds | at equal minutes | per seed | mean of the evaluations from the middle on |",
+             "|---|---|---|---|---|"]
+    for other in others:
+        pairs = list(zip(runs[first], runs[other]))
+        diffs = [run_summary(a, at)["pass@1 at equal minutes"] - run_summary(b, at)["pass@1 at equal minutes"]
+                 for a, b in pairs]
+        late = [late_mean(a) - late_mean(b) for a, b in pairs]
+        (m, se), (lm, lse) = mean_se(diffs), mean_se(late)
+        lines.append(f"| {first} - {other} | {len(pairs)} | {m:+.3f} ± {se:.3f} | "
+                     f"{', '.join(f'{d:+.3f}' for d in diffs)} | {lm:+.3f} ± {lse:.3f} |")
+    return "\n".join(lines)
+
+
 def compare(argv=None):
-    """Side-by-side runs at equal training minutes (./run.sh compare), then one table and one figure.
+    """Side-by-side runs at equal training minutes (./run.sh compare), then the tables and one figure.
 
     The runs and outputs are those of this file's docstring. Other flags go to every run. A finished run (its
-    directory holds `done`, the flags it ran with) is not run again; one finished with other flags stops the
-    comparison with a one-line error (SystemExit) that names its directory."""
+    directory holds `done`, the flags it ran with) is not run again, so a stopped comparison resumes where it
+    stopped; one finished with other flags stops the comparison with a one-line error (SystemExit) that names its
+    directory."""
     parser = argparse.ArgumentParser(prog=".ci/compare.py", description=compare.__doc__.split("\n")[0],
                                      epilog="Other flags (python s3ac.py --help) go to every run.")
     for flag, default, text in (
-            ("--seeds", 3, "seeds of S3AC and REINFORCE++ (K = 1)"), ("--grpo-seeds", 2, "seeds of GRPO K = 4"),
-            ("--full-critic-seeds", 1, "seeds of S3AC with the full critic"),
+            ("--seeds", 6, "seeds of S3AC and REINFORCE++ (K = 1)"), ("--grpo-seeds", 3, "seeds of GRPO K = 4"),
             ("--minutes", 20.0, "training minutes of every run (--max-minutes)"),
-            ("--critic-layers", 4, "k of the partial-trunk critic"),
-            ("--critic-lr-ratio", 20.0, "the partial-trunk critic's learning rate over the actor's"),
-            ("--critic-epochs", 1, "the partial-trunk critic's passes over each batch"),
-            ("--critic-warmup-steps", 4, "the partial-trunk critic's on-policy updates before training (timed)"),
-            ("--eval-every", 15, "steps between evaluations of every run (and one at its end)"),
+            ("--s3ac-flags", "", "flags of the S3AC run alone, one string (./run.sh passes the demo's critic)"),
+            ("--eval-every", 20, "steps between evaluations of every run (and one at its end)"),
             ("--batch-prompts", 16, "prompts per step at K = 1; GRPO answers a quarter of them 4 times"),
-            ("--eval-size", 200, "held-out problems, the same for every run"),
-            ("--data", "builtin:arithmetic", "problems, split once into training and held-out"),
-            ("--out-dir", "runs/compare", "one directory per run, data/, table.md, compare.png")):
+            ("--out-dir", "runs/compare", "one directory per run, table.md, compare.png")):
         parser.add_argument(flag, type=type(default), default=default, help=text)
     opts, rest = parser.parse_known_args(argv)
-    problems = list({p.question: p for p in load_problems(opts.data)}.values())  # distinct questions
-    held = set(random.Random(12345).sample(range(len(problems)), opts.eval_size))
-    data = {part: os.path.join(opts.out_dir, "data", f"{part}.jsonl") for part in ("train", "eval")}
-    os.makedirs(os.path.dirname(data["train"]), exist_ok=True)
-    for part, keep in (("train", False), ("eval", True)):  # one split for every run and seed
-        _write_atomic(data[part], "".join(json.dumps({"question": p.question, "answer": p.answer}) + "\n"
-                                          for i, p in enumerate(problems) if (i in held) == keep))
-    b, k = opts.batch_prompts, str(opts.critic_layers)
-    partial = ["--critic-layers", k, "--critic-lr-ratio", str(opts.critic_lr_ratio), "--critic-epochs",
-               str(opts.critic_epochs), "--critic-warmup-steps", str(opts.critic_warmup_steps)]
-    configs = {f"s3ac-k1-layers{k}": (opts.seeds, ["--k", "1", "--batch-prompts", str(b), *partial]),
+    b = opts.batch_prompts
+    configs = {"s3ac-k1": (opts.seeds, ["--k", "1", "--batch-prompts", str(b), *shlex.split(opts.s3ac_flags)]),
                "reinforce_pp-k1": (opts.seeds, ["--algo", "reinforce_pp", "--k", "1", "--batch-prompts", str(b)]),
-               "grpo-k4": (opts.grpo_seeds, ["--algo", "grpo", "--k", "4", "--batch-prompts", str(b // 4)]),
-               "s3ac-k1-full": (opts.full_critic_seeds, ["--k", "1", "--batch-prompts", str(b)])}
+               "grpo-k4": (opts.grpo_seeds, ["--algo", "grpo", "--k", "4", "--batch-prompts", str(b // 4)])}
     runs = {name: [os.path.join(opts.out_dir, f"{name}-seed{s}") for s in range(n)] for name, (n, _) in configs.items()}
     order = sorted(((seed, name, out) for name, dirs in runs.items() for seed, out in enumerate(dirs)),
                    key=lambda run: run[0])  # seed 0 of every config first: a stopped comparison stays balanced
     for seed, name, out in order:
-        flags = ["--data", data["train"], "--eval-data", data["eval"], "--eval-size", str(opts.eval_size),
-                 "--eval-every", str(opts.eval_every), "--steps", "1000000", "--max-minutes", str(opts.minutes),
-                 "--save-every", "0", "--seed", str(seed), "--out-dir", out, *configs[name][1], *rest]
+        flags = ["--eval-every", str(opts.eval_every), "--steps", "1000000", "--max-minutes", str(opts.minutes),
+                 "--save-every", "0", *rest, "--seed", str(seed), "--out-dir", out, *configs[name][1]]
         done = os.path.join(out, "done")  # a finished run: the flags it ran with, one JSON list
         if os.path.exists(done):
             with open(done) as f:
@@ -127,7 +149,8 @@ def compare(argv=None):
         subprocess.run([sys.executable, os.path.join(HERE, "s3ac.py"), *flags], check=True)
         shutil.rmtree(os.path.join(out, "checkpoints"), ignore_errors=True)  # gigabytes per run
         _write_atomic(done, json.dumps(flags) + "\n")
-    table = compare_table({name: [read_records(d) for d in dirs] for name, dirs in runs.items()})
+    records = {name: [read_records(d) for d in dirs] for name, dirs in runs.items() if dirs}
+    table = compare_table(records) + "\n\n" + paired_table(records, "s3ac-k1", [n for n in records if n != "s3ac-k1"])
     print(table)
     _write_atomic(os.path.join(opts.out_dir, "table.md"), table + "\n")
     print(plot_runs([d for dirs in runs.values() for d in dirs], os.path.join(opts.out_dir, "compare.png")))
