@@ -1294,10 +1294,8 @@ def critic_values(critic: Critic, batch: Batch, features=None):
 @torch.no_grad()
 def trunk_features(critic: Critic, batch: Batch, micro_batch_size: int):
     """The partial-trunk critic's input for a whole batch, [B, P + T, H] fp32 on the critic's device: the actor's
-    hidden states after block L - k, one trunk pass in micro-batches; None for a separate critic (k = 0).
-
-    Memory: 4 B (P + T) H bytes for the batch (64 sequences of 1,200 tokens at H = 1536: 0.47 GB), plus one
-    micro-batch's no-grad forward while it runs (only block L - k's input is kept: recording_block_input)."""
+    hidden states after block L - k, one trunk pass in micro-batches (4 B (P + T) H bytes, and one micro-batch's
+    no-grad forward while it runs); None for a separate critic (k = 0)."""
     if critic.trunk is None:
         return None
     device = critic.value_head.weight.device
