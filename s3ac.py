@@ -526,6 +526,7 @@ class TrainState:
     world: int
     step: int = 0  # training steps done
     train_s: float = 0.0  # seconds of training so far, evaluations left out (--max-minutes)
+    skip_streak: int = 0  # training steps in a row that skipped an optimizer step (--max-skipped-steps; not saved)
 
 
 def train_step(args: Args, state: TrainState, reward_fn):
@@ -761,9 +762,12 @@ def optimize(module, optimizer, batch: Batch, loss_fn, token_mask, epochs: int, 
     optimizer steps, each in micro-batches of micro_batch_size sequences whose gradients accumulate.
     loss_fn(rows, mbatch, num_tokens) -> (loss, metrics): rows [b] index the batch, mbatch = batch.rows(rows),
     num_tokens = the tokens of token_mask [B, T] in the whole mini-batch, summed over ranks (the normaliser of
-    section 1). Returns metrics averaged over steps, with grad_norm before clipping and the share of clipped steps."""
+    section 1). A step whose gradient norm is not finite (NaN or inf: clip_grad_norm_ cannot rescale it) is skipped:
+    gradients dropped, weights and optimizer state untouched, counted in skipped_steps; the norm is global under
+    FSDP2 (a DTensor made whole), so every rank skips the same steps. Returns metrics averaged over steps, with
+    grad_norm before clipping and the share of clipped steps over the steps taken (NaN when none was)."""
     device = next(module.parameters()).device
-    sums, steps = {"grad_norm": 0.0, "clipped": 0.0}, 0
+    sums, steps, skipped = {"grad_norm": 0.0, "clipped": 0.0}, 0, 0
     for _ in range(epochs):
         perm = torch.randperm(token_mask.shape[0], generator=generator)  # [B]
         for mb in perm.chunk(minibatches):
@@ -776,14 +780,20 @@ def optimize(module, optimizer, batch: Batch, loss_fn, token_mask, epochs: int, 
                     sums[key] = sums.get(key, 0.0) + float(value)
             grad_norm = torch.nn.utils.clip_grad_norm_(module.parameters(), grad_clip)
             grad_norm = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()
+            steps += 1
+            if not math.isfinite(grad_norm):  # an optimizer step would write NaN into every weight
+                optimizer.zero_grad(set_to_none=True)
+                skipped += 1
+                continue
             sums["grad_norm"] += grad_norm
             sums["clipped"] += float(grad_norm > grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            steps += 1
     keys = [k for k in sums if k not in ("grad_norm", "clipped")]  # per-rank shares of global token means
     totals = all_reduce(torch.tensor([sums[k] for k in keys], dtype=torch.float64)).tolist()
-    return {"grad_norm": sums["grad_norm"] / steps, "clipped": sums["clipped"] / steps,
+    taken = steps - skipped
+    return {"grad_norm": sums["grad_norm"] / taken if taken else math.nan,
+            "clipped": sums["clipped"] / taken if taken else math.nan, "skipped_steps": skipped,
             **{k: t / steps for k, t in zip(keys, totals)}}
 
 
@@ -958,7 +968,8 @@ def train(args: Args, reward_fn=None, eval_reward_fn=None):
     """Run S3AC (or the --algo baseline) as args say; returns the path of metrics.jsonl. reward_fn and
     eval_reward_fn (section 3a's contract): the training and the evaluations' reward, by default the flags'
     (make_rewards); a function given is never closed. Raises ValueError for bad flags, a bad data row, a reward that
-    breaks the contract or a checkpoint that does not fit."""
+    breaks the contract or a checkpoint that does not fit; FloatingPointError after --max-skipped-steps training steps
+    in a row with a skipped (non-finite) optimizer step."""
     with setup_run(args, reward_fn, eval_reward_fn) as run:  # plumbing (section 4): data, models, logs, rewards
         args, state, say = run.args, run.state, run.say
         evaluate_now = functools.partial(run_evaluation, args, state, run.eval_sets, run.eval_reward_fn,
@@ -1003,10 +1014,18 @@ def train(args: Args, reward_fn=None, eval_reward_fn=None):
             state.train_s += metrics["perf/step_s"] - metrics.get("time/eval", 0.0)
             run.log(metrics)
             say(step_line(metrics, state.critic is not None))
+            skipped = metrics["actor/skipped_steps"] + metrics.get("critic/skipped_steps", 0)  # the same on every rank
+            state.skip_streak = state.skip_streak + 1 if skipped else 0
+            if args.max_skipped_steps and state.skip_streak >= args.max_skipped_steps:
+                first = step - state.skip_streak + 1
+                raise FloatingPointError(f"--max-skipped-steps {args.max_skipped_steps}: steps {first} to {step} each "
+                                         f"skipped an optimizer step (a non-finite gradient norm; actor/ and "
+                                         f"critic/skipped_steps in {run.metrics_path})")
             if last or (args.save_every and step % args.save_every == 0):
                 save_checkpoint(args.out_dir, step, state.policy, state.tokenizer, state.critic, state.actor_opt,
                                 state.critic_opt, state.sampler, state.update_gen, args.keep_checkpoints,
-                                prompt_counts=(state.successes, state.attempts), train_s=state.train_s)
+                                prompt_counts=(state.successes, state.attempts), train_s=state.train_s,
+                                record=run.record)
             if out_of_time:
                 say(f"--max-minutes {args.max_minutes}: stopped after step {step}, {state.train_s / 60:.1f} minutes of "
                     f"training")
@@ -1440,22 +1459,49 @@ class SamplerLogprobs:
         return torch.cat(taken, 1)[:, :response_ids.shape[1]]  # [b, t]
 
 
+def blank_generation_config(config):
+    """A transformers GenerationConfig with the special token ids of `config` (eos, pad, bos) and nothing else set,
+    so that generate() takes every other field from the caller or from its neutral defaults."""
+    from transformers import GenerationConfig
+    return GenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
+                            bos_token_id=config.bos_token_id)
+
+
+@contextlib.contextmanager
+def neutral_generation_config(model):
+    """Context in which model.generation_config carries the special token ids only (blank_generation_config), put
+    back on exit. Written against transformers 5.x: generate() fills every field that the GenerationConfig it is
+    given leaves unset (None) from model.generation_config (_prepare_generation_config, defaults_only), and only
+    then from the library's neutral defaults; a checkpoint's generation_config.json (Qwen2.5-Instruct's carries a
+    repetition_penalty) would otherwise add its processors to the sampling distribution, and min_p, typical_p or
+    epsilon / eta cutoffs would run after the last processor of generate_hf, which records mu."""
+    saved = model.generation_config
+    model.generation_config = blank_generation_config(saved)
+    try:
+        yield
+    finally:
+        model.generation_config = saved
+
+
 @torch.no_grad()
 def generate_hf(model, prompts: list, prompt_index: list, eos_ids, pad_id: int, max_new_tokens: int,
                 temperature: float, batch_size: int, greedy: bool = False, top_p: float = 1.0, top_k: int = 0,
                 record_block: int = None) -> Batch:
     """Sample one response per prompt (token-id lists; repeat one K times for K rollouts) with
     transformers' generate: left padding, stop on any eos id, plain temperature sampling (over the full vocabulary
-    unless top_p < 1 or top_k > 0; the model's generation_config unused) or greedy. A sampled batch carries
-    Batch.sampler_logprobs, log mu of each token (SamplerLogprobs): softmax(logits / temperature) renormalised over
-    what top-k / top-p keep, the distribution it was drawn from (as vLLM's processed log-probs). Under torchrun every
+    unless top_p < 1 or top_k > 0) or greedy; the model's generation_config is neutralised for the call
+    (neutral_generation_config), so no checkpoint default (repetition_penalty, no_repeat_ngram_size, min_p, ...)
+    reaches the distribution. A sampled batch carries Batch.sampler_logprobs, log mu of each token (SamplerLogprobs):
+    softmax(logits / temperature) renormalised over what top-k / top-p keep, the distribution it was drawn from (as
+    vLLM's processed log-probs). Under torchrun every
     rank passes the same number of prompts. record_block = L - k also keeps what the partial-trunk critic reads, the
     hidden states after block L - k, from generation's own forward passes, in Batch.features [B, P + T, H] fp32
     (equal to trunk_features up to float rounding; 0 on padding and at each row's last token, which the critic never
     reads); their copies land in time/rollout, not in c."""
     from transformers import GenerationConfig, LogitsProcessorList
     from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-    # the sampling distribution mu is built here, not by generate, so that the last processor sees exactly it
+    # the sampling distribution mu is built here, not by generate, so that the last processor sees exactly it; every
+    # field left unset here takes transformers' neutral default, never the checkpoint's (neutral_generation_config)
     config = GenerationConfig(do_sample=not greedy, temperature=1.0, top_k=None if greedy else 0, top_p=1.0,
                               max_new_tokens=max_new_tokens, eos_token_id=sorted(eos_ids), pad_token_id=pad_id)
     device = next(model.parameters()).device
@@ -1468,7 +1514,7 @@ def generate_hf(model, prompts: list, prompt_index: list, eos_ids, pad_id: int, 
             TemperatureLogitsWarper(float(temperature)), *([TopKLogitsWarper(top_k)] if top_k else []),
             *([TopPLogitsWarper(top_p)] if top_p < 1 else []), mu])
         with (recording_block_input(model, record_block) if record_block is not None
-              else contextlib.nullcontext([])) as calls:
+              else contextlib.nullcontext([])) as calls, neutral_generation_config(model):
             out = model.generate(input_ids=ids, attention_mask=attn, generation_config=config,
                                  logits_processor=processors, synced_gpus=distributed())  # [b, p + t]
         responses += out[:, ids.shape[1]:].cpu().tolist()  # generated tokens only
@@ -1525,6 +1571,9 @@ def generate_responses(args: Args, state: TrainState, prompts: list, index: list
 #      '42 +') or a number in LaTeX is no answer.
 #   4. A plain-number gold needs a plain-number answer (integer, decimal or reduced fraction, with a sign,
 #      thousands separators, LaTeX spacing or a unit): "23 + 19", "6 \times 7" or "5!" are "not_a_number".
+#      A mixed number is one value: 3 1/4 and 3\frac{1}{4} are 13/4 (and -3 1/4 is -13/4), in a box, in the
+#      fallback and in a gold; its fraction must be proper and reduced (3\frac{5}{4} is "not_a_number"). A fragment
+#      of one is never an answer: the fallback never reads the 1/4 of "3 1/4 cups", nor of "3.5 1/4".
 #   5. Exact values compare exactly (Fraction / sympy); a relative tolerance of REL_TOL applies only where a side
 #      is a decimal approximation of a value without a finite decimal expansion. Other golds (expressions,
 #      intervals, tuples, text) go to math-verify's verify, after rules 7-12 (_symbolic_status).
@@ -1551,11 +1600,19 @@ _NUMBER = r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+"  # 2,500 | 2500 | 2500.5
 _UNIT_STOP = {"is", "not", "or", "and", "minus", "plus", "times", "over", "divided", "multiplied", "squared", "cubed",
               "hundred", "thousand", "million", "billion", "pi", "wrong", "incorrect", "correct", "equals", "to"}
 
-_PLAIN_NUMBER = re.compile(  # a whole answer: sign, a number or a fraction, then at most a unit of up to 3 words
-    rf"(?P<sign>-?)\s*(?:\\frac\{{\s*(?P<fn>-?\d+)\s*\}}\{{\s*(?P<fd>\d+)\s*\}}|(?P<sn>\d+)\s*/\s*(?P<sd>\d+)"
+_WHOLE = r"\d{1,3}(?:,\d{3})+|\d+"  # the whole part of a mixed number: 3 in 3 1/4 or 3\frac{1}{4}
+
+_PLAIN_NUMBER = re.compile(  # a whole answer: sign, a number, a fraction or a mixed number, then a unit of 0-3 words
+    rf"(?P<sign>-?)\s*(?:(?P<whole>{_WHOLE})(?:\s*(?=\\frac)|\s+(?=\d+\s*/)))?"
+    rf"(?:\\frac\{{\s*(?P<fn>-?\d+)\s*\}}\{{\s*(?P<fd>\d+)\s*\}}|(?P<sn>\d+)\s*/\s*(?P<sd>\d+)"
     rf"|(?P<num>{_NUMBER}))(?P<unit>(?:\s+[A-Za-z]{{2,}}'?s?){{0,3}}(?:\s*\^\s*\{{?\d\}}?)?(?:/[A-Za-z]+)?)")
 
-_NUMBER_IN_TEXT = re.compile(rf"\\frac\{{\s*-?\d+\s*\}}\{{\s*\d+\s*\}}|(?<![A-Za-z_\d.])(?:\d+/\d+(?!\d|\.\d)|{_NUMBER})")
+_NUMBER_IN_TEXT = re.compile(  # a mixed number first (one value), then a fraction or a number
+    rf"(?<![A-Za-z_\d.,])(?:{_WHOLE})(?:\s*\\frac\{{\s*\d+\s*\}}\{{\s*\d+\s*\}}|\s+\d+/\d+(?!\d|\.\d))"
+    rf"|\\frac\{{\s*-?\d+\s*\}}\{{\s*\d+\s*\}}|(?<![A-Za-z_\d.])(?:\d+/\d+(?!\d|\.\d)|{_NUMBER})")
+
+_FRACTION_AFTER_DIGITS = (re.compile(r"(?:\\frac|\d+/)"), re.compile(r"\d\s*$"))  # a fraction, digits before it:
+#   the fragment of a mixed number that is none ('3.5 1/4', '1,2 1/2')
 
 _OPERATOR_BEFORE = re.compile(r"(?:[\d)}]\s*[-+*/^x]|\\times|\\cdot|\\div|\d\s+and|"
                               r"\b(?:plus|minus|times|by|over|from|add|subtract|multiply|divide))\s*$", re.IGNORECASE)
@@ -1611,19 +1668,24 @@ def _normalise(s: str) -> str:
 
 def parse_number(text: str):
     """The exact value of a plain number as a fractions.Fraction, or None for anything else. A plain number:
-    an integer or decimal (thousands separators 2,500, 2{,}500, 2\\,500), or a fraction a/b or \\frac{a}{b} in lowest
-    terms, with a sign, $...$, a unit of up to three words, %, ^\\circ, \\$ and a final period; an expression
-    ('23 + 19', '\\frac{12}{4}', '2^{10}', '42x', '42 is wrong') is none."""
+    an integer or decimal (thousands separators 2,500, 2{,}500, 2\\,500), a fraction a/b or \\frac{a}{b} in lowest
+    terms, or a mixed number (3 1/4 or 3\\frac{1}{4}, a proper fraction in lowest terms: 13/4), with a sign, $...$, a
+    unit of up to three words, %, ^\\circ, \\$ and a final period; an expression ('23 + 19', '\\frac{12}{4}', '2^{10}',
+    '42x', '42 is wrong', '3\\frac{5}{4}') is none."""
     import fractions
     m = _PLAIN_NUMBER.fullmatch(_normalise(text))
     if m is None or _UNIT_STOP & set(re.findall(r"[a-z]+", m["unit"].lower())):
         return None
     sign = -1 if m["sign"] == "-" else 1
     if m["num"] is not None:
-        return sign * fractions.Fraction(m["num"].replace(",", ""))
+        return sign * fractions.Fraction(m["num"].replace(",", "")) if m["whole"] is None else None  # 3 1/km
     num, den = (int(m["fn"]), int(m["fd"])) if m["fn"] is not None else (int(m["sn"]), int(m["sd"]))
     if den <= 1 or math.gcd(num, den) != 1:  # \frac{12}{4}: a division left to do, not a final answer
         return None
+    if m["whole"] is not None:  # a mixed number: the sign covers the whole value, -3 1/4 = -13/4
+        if not 0 < num < den:  # 3\frac{5}{4}, 3\frac{-1}{4}: no mixed number
+            return None
+        num += int(m["whole"].replace(",", "")) * den
     return sign * fractions.Fraction(num, den)
 
 
@@ -1654,7 +1716,8 @@ def final_statement_number(text: str):
     if _NOT_EQUAL.search(sentences[-1][: len(sentences[-1]) - len(statement) + last.start()]):  # '9 \neq 10'
         return None, True
     if any(p.search(before) for p in (_OPERATOR_BEFORE, _LATEX_AROUND[0], _LIST_AROUND[0])) or \
-            any(p.match(after) for p in (_OPERATOR_AFTER, _LATEX_AROUND[1], _LIST_AROUND[1])):
+            any(p.match(after) for p in (_OPERATOR_AFTER, _LATEX_AROUND[1], _LIST_AROUND[1])) or \
+            (_FRACTION_AFTER_DIGITS[0].match(last.group()) and _FRACTION_AFTER_DIGITS[1].search(before)):
         return last.group(), False
     sign = "-" if re.search(r"(?:^|[\s(:])-$", before) else ""  # 'is -5'; not 'answer - 42' or '3 - 5'
     return sign + last.group(), True
@@ -1997,6 +2060,9 @@ class Args:
     # updates (actor and critic)
     minibatches: int = flag(1, "optimizer steps per pass over the rollout batch")
     micro_batch_size: int = flag(8, "sequences per forward/backward; gradients accumulate over a mini-batch")
+    max_skipped_steps: int = flag(3, "stop after this many training steps in a row that skipped an optimizer step "
+                                  "(actor or critic: a non-finite gradient norm leaves weights and optimizer state "
+                                  "as they were; counted in actor/ and critic/skipped_steps); 0 = never stop")
     # run
     steps: int = flag(200, "training steps (one rollout batch each)")
     seed: int = flag(0, "seed of sampling, data order and rollouts")
@@ -2011,7 +2077,9 @@ class Args:
     eval_max_new_tokens: str = flag("auto", "response length limit of evaluations, tokens; auto = max_new_tokens")
     save_every: int = flag(10, "steps between checkpoints (0 = only at the end)")
     keep_checkpoints: int = flag(2, "newest checkpoints kept on disk")
-    resume: bool = flag(False, "continue from the newest checkpoint in out_dir")
+    resume: bool = flag(False, "continue from the newest checkpoint in out_dir: the flags given now apply (changes "
+                        "printed), but --model, --critic-model, --algo, --critic-loss, --critic-layers, --seed and the "
+                        "training problems must be the checkpoint's")
     report_to: str = flag("none", "none | tensorboard (<out_dir>/tb) | wandb; metrics.jsonl is always written")
     debug: bool = flag(False, "show the traceback of a data, model or flag error (default: one line)")
     plot: bool = flag(False, "at the end, draw <out_dir>/curves.png from metrics.jsonl (python s3ac.py plot)")
@@ -2067,7 +2135,7 @@ def resolve_args(args: Args) -> Args:
         **{name: (getattr(args, name) >= 0, ">= 0") for name in (
             "max_refills", "top_k", "vllm_max_model_len", "eps_high", "rho_min", "credit_eps",
             "daps_start", "daps_n_c", "steps", "threads", "eval_every", "save_every",
-            "log_samples", "critic_layers", "max_minutes")},
+            "log_samples", "critic_layers", "max_minutes", "max_skipped_steps")},
         **{name: (getattr(args, name) > 0, "> 0") for name in (
             "temperature", "verify_timeout", "alpha", "lr", "is_cap", "actor_grad_clip", "critic_lr_ratio",
             "critic_grad_clip",
@@ -2431,6 +2499,7 @@ class Run:
     say: object  # text -> None: one line to the terminal (a no-op off rank 0)
     tracker: object
     owned: list  # the reward functions setup_run made, closed at the end of the with block
+    record: dict = None  # the flags and data identity each checkpoint records (run_record)
 
     def steps(self):
         """The training steps still to run, under one tqdm bar on rank 0."""
@@ -2491,6 +2560,14 @@ def setup_run(args: Args, reward_fn=None, eval_reward_fn=None) -> Run:
     except (OSError, ValueError) as e:
         raise OSError(f"--model {args.model}: cannot load it ({(str(e).splitlines() or [repr(e)])[0]})") from e
     train_problems, train_prompts, eval_sets = prepare_prompts(args, tokenizer, train_problems, eval_sources, main)
+    check_context(args, actor_src, uses_vllm(args, device), train_prompts, eval_sets)  # before any model loads
+    changed = check_resume(ckpt, args, train_problems) if ckpt else []
+    if main and changed is None:
+        print(f"--resume: {ckpt} has no run.json (an older checkpoint): its flags and data are not checked",
+              file=sys.stderr)
+    elif main and changed:
+        print(f"--resume: flags changed since the checkpoint, the new values apply: {', '.join(changed)}",
+              file=sys.stderr)
     policy, critic, engine, eos_ids, pad_id = load_models(args, actor_src, critic_src, ckpt, tokenizer, device, rank,
                                                           world)
     random.seed(args.seed)  # after loading: a one-time .gguf conversion draws from the global RNG
@@ -2520,7 +2597,8 @@ def setup_run(args: Args, reward_fn=None, eval_reward_fn=None) -> Run:
     from tqdm import tqdm
     return Run(args, state, eval_sets, reward_fn, eval_reward_fn, metrics_path, samples_path, main,
                log=functools.partial(log_metrics, metrics_path, tracker=tracker) if main else (lambda record: None),
-               say=tqdm.write if main else (lambda *a, **k: None), tracker=tracker, owned=owned)
+               say=tqdm.write if main else (lambda *a, **k: None), tracker=tracker, owned=owned,
+               record=run_record(args, train_problems))
 
 
 def step_line(metrics: dict, has_critic: bool) -> str:
@@ -2606,10 +2684,10 @@ def no_dropout(model: nn.Module) -> nn.Module:
 
 
 def load_actor(path: str, device):
-    """The policy as an fp32 causal LM on `device`, dropout off, with a neutral generation_config (generate
-    fills unset sampling fields from it: a checkpoint's top-p would change mu). Raises ValueError for models whose
-    logits are rescaled after the output embedding, which log-probs from hidden states would miss."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    """The policy as an fp32 causal LM on `device`, dropout off, with a blank generation_config (the special token
+    ids only; generate_hf neutralises any model's for its calls, neutral_generation_config). Raises ValueError for
+    models whose logits are rescaled after the output embedding, which log-probs from hidden states would miss."""
+    from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(path, config=config_without_dropout(path), dtype=torch.float32)
     model = no_dropout(model).to(device)
     for field in ("final_logit_softcapping", "logits_scaling", "logit_scale"):
@@ -2617,10 +2695,32 @@ def load_actor(path: str, device):
             raise ValueError(f"{path}: config.{field} rescales logits; log-probs from hidden states would skip it")
     if getattr(model.get_output_embeddings(), "bias", None) is not None:
         raise ValueError(f"{path}: the output layer has a bias; log-probs from hidden states would skip it")
-    old = model.generation_config
-    model.generation_config = GenerationConfig(eos_token_id=old.eos_token_id, pad_token_id=old.pad_token_id,
-                                               bos_token_id=old.bos_token_id)
+    model.generation_config = blank_generation_config(model.generation_config)
     return model
+
+
+def check_context(args: Args, path: str, vllm: bool, train_prompts: list, eval_sets: list):
+    """Stop before any model loads when a prompt and its response can outgrow the context: the longest kept
+    training prompt plus --max-new-tokens, and the longest evaluation prompt plus --eval-max-new-tokens (the prompts
+    are known, so this is exact; --max-prompt-tokens only bounds them), against --vllm-max-model-len when vLLM
+    samples and it is set, else the max_position_embeddings of the model config at `path` (vLLM's own default limit
+    for a config without rope scaling), past which vLLM would cut responses early and HF positions are untrained.
+    Raises ValueError in one line naming the flags; a config without max_position_embeddings is not checked."""
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(path).get_text_config()
+    if vllm and args.vllm_max_model_len:
+        limit, source = args.vllm_max_model_len, f"--vllm-max-model-len {args.vllm_max_model_len}"
+    else:
+        limit = getattr(config, "max_position_embeddings", None)
+        source = f"the context of {args.model} (max_position_embeddings)"
+    eval_prompts = [p for _, _, prompts in eval_sets for p in prompts]
+    for kind, prompts, name, tokens in (("training", train_prompts, "--max-new-tokens", args.max_new_tokens),
+                                        ("evaluation", eval_prompts, "--eval-max-new-tokens",
+                                         args.eval_max_new_tokens)):
+        longest = max(map(len, prompts), default=0)
+        if limit is not None and prompts and longest + tokens > limit:
+            raise ValueError(f"{name} {tokens} + the longest {kind} prompt, {longest} tokens, = {longest + tokens} > "
+                             f"{limit}, {source}: lower {name} or --max-prompt-tokens")
 
 
 def load_models(args: Args, actor_src: str, critic_src: str, ckpt, tokenizer, device, rank: int, world: int):
@@ -2630,8 +2730,8 @@ def load_models(args: Args, actor_src: str, critic_src: str, ckpt, tokenizer, de
     if args.rollout == "vllm" and not vllm_available():
         raise ValueError("--rollout vllm: the vllm package is not installed here (on a CUDA machine: pip install "
                          "vllm; on CPU: run with .venv-vllm/bin/python, which ./run.sh test makes)")
-    use_vllm = args.rollout == "vllm" or (args.rollout == "auto" and device.type == "cuda" and vllm_available())
-    engine = VLLMRollout(actor_src, args, device, rank, world) if use_vllm else None  # before seeding: it seeds
+    vllm = uses_vllm(args, device)
+    engine = VLLMRollout(actor_src, args, device, rank, world) if vllm else None  # before seeding: it seeds
     policy = Policy(model)  # the module the actor trains through (FSDP2's root under torchrun)
     critic = None
     if args.algo in CRITIC_ALGOS:
@@ -2708,7 +2808,8 @@ class VLLMRollout:
                  temperature: float, greedy: bool = False, top_p: float = 1.0, top_k: int = 0,
                  policy: nn.Module = None) -> Batch:
         """As generate_hf, plus Batch.sampler_logprobs [B, T]. policy: when given and the engine is stale (an
-        actor update since the last sync), its weights are copied in first (sync)."""
+        actor update since the last sync), its weights are copied in first (sync). Raises ValueError when a sample's
+        log-probs do not pair with its token ids (engine_logprobs)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         if self.stale and policy is not None:
@@ -2724,11 +2825,30 @@ class VLLMRollout:
         samples = [o.outputs[0] for o in outputs]
         response_ids = _pad([list(c.token_ids) for c in samples], pad_id, left=False)  # [B, T]
         response_mask, _ = response_mask_from_ids(response_ids, eos_ids)  # from positions, as generate_hf
-        logprobs = None if greedy else _pad([[lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]
-                                             for c in samples], 0.0, left=False, dtype=torch.float32)  # [B, T]
+        logprobs = None if greedy else _pad(engine_logprobs(samples, prompt_index), 0.0, left=False,
+                                            dtype=torch.float32)  # [B, T]
         truncated = torch.tensor([c.finish_reason == "length" for c in samples])  # [B]
         return Batch(*_pad_prompts(prompts, pad_id), response_ids, response_mask, truncated,
                      torch.as_tensor(prompt_index), logprobs)
+
+
+def engine_logprobs(samples, prompt_index: list) -> list:
+    """log mu of every sampled token, one list per sample, from vLLM CompletionOutputs (token_ids; logprobs, one
+    {token id: Logprob} per token, as SamplingParams(logprobs=0) gives them). Raises ValueError naming the sample,
+    its prompt and both lengths when a sample's log-probs do not pair one to one with its token ids (a short row
+    padded with 0.0 would say mu = 1 for a token under a mask of 1), or when a position lacks the sampled token."""
+    rows = []
+    for i, (c, prompt) in enumerate(zip(samples, prompt_index)):
+        ids, logprobs = list(c.token_ids), c.logprobs if c.logprobs is not None else []
+        if len(logprobs) != len(ids):
+            raise ValueError(f"rollout engine: sample {i} (prompt {prompt}) has {len(ids)} token ids but "
+                             f"{len(logprobs)} log-probs; each sampled token needs its own log mu")
+        missing = [t for t, position in zip(ids, logprobs) if not position or t not in position]
+        if missing:
+            raise ValueError(f"rollout engine: sample {i} (prompt {prompt}) has no log-prob for its sampled token "
+                             f"{missing[0]}")
+        rows.append([position[t].logprob for position, t in zip(logprobs, ids)])
+    return rows
 
 
 def sync_vllm_weights(llm, policy: nn.Module, dtype, bucket_mb: float = 512.0):
@@ -2757,6 +2877,11 @@ def sync_vllm_weights(llm, policy: nn.Module, dtype, bucket_mb: float = 512.0):
         if size >= bucket_mb * 2 ** 20 or prefix == "":
             llm.collective_rpc("reload_weights", kwargs={"weights_iterator": bucket})
             bucket, size = [], 0
+
+
+def uses_vllm(args: Args, device) -> bool:
+    """Whether vLLM samples the rollouts: --rollout vllm, or auto on CUDA with vllm installed."""
+    return args.rollout == "vllm" or (args.rollout == "auto" and device.type == "cuda" and vllm_available())
 
 
 def vllm_available() -> bool:
@@ -2888,10 +3013,11 @@ def gather_records(records: list) -> list:
 
 # --- Checkpoints (atomic) and resume ---
 def save_checkpoint(out_dir: str, step: int, model, tokenizer, critic, actor_opt, critic_opt, sampler, update_gen,
-                    keep: int, prompt_counts=None, train_s: float = 0.0):
+                    keep: int, prompt_counts=None, train_s: float = 0.0, record: dict = None):
     """Write checkpoints/step_N atomically (a temporary directory renamed when complete, then the
     `latest` pointer replaced): a kill at any moment leaves the previous one. model: the Policy the actor optimizer was
-    built on; critic / critic_opt may be None; prompt_counts: DAPS's (successes, attempts); train_s: training seconds.
+    built on; critic / critic_opt may be None; prompt_counts: DAPS's (successes, attempts); train_s: training seconds;
+    record: the run's flags and data identity (run_record), written to run.json for check_resume.
     Under torchrun every rank calls this: weights and optimizer states are gathered whole (keyed by parameter name), so
     the checkpoint loads on any number of ranks; rank 0 writes it with every rank's RNG state."""
     from safetensors.torch import save_file
@@ -2924,6 +3050,9 @@ def save_checkpoint(out_dir: str, step: int, model, tokenizer, critic, actor_opt
     torch.save({"step": step, "actor_opt": actor_state, "critic_opt": critic_state, "rng": rng_ranks,
                 "sampler": (sampler.epoch, sampler.pos), "prompt_counts": prompt_counts, "train_s": train_s},
                os.path.join(tmp, "trainer_state.pt"))
+    if record is not None:
+        with open(os.path.join(tmp, "run.json"), "w") as f:
+            json.dump(record, f, indent=1)
     if os.path.exists(final):
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -2952,8 +3081,54 @@ def latest_checkpoint(out_dir: str):
     return path if os.path.isfile(os.path.join(path, "trainer_state.pt")) else None
 
 
+# A resume refuses a change of these flags (check_resume): the saved weights, the critic head's meaning (V or a logit),
+# whether there is a critic, its shape and the data order depend on them.
+FIXED_ON_RESUME = ("model", "critic_model", "algo", "critic_loss", "critic_layers", "seed")
+
+
+def data_identity(problems: list) -> dict:
+    """{"problems": count, "sha256": hex digest of the questions and golds, in order}: what the data order
+    (PromptSampler's position) and DAPS's per-prompt counts index."""
+    text = json.dumps([[p.question, p.answer] for p in problems])
+    return {"problems": len(problems), "sha256": hashlib.sha256(text.encode()).hexdigest()}
+
+
+def run_record(args: Args, problems: list) -> dict:
+    """What a checkpoint records of its run for check_resume: the resolved flags and data_identity(problems)."""
+    return {"args": json.loads(json.dumps(dataclasses.asdict(args))), "data": data_identity(problems)}
+
+
+def check_resume(ckpt: str, args: Args, problems: list) -> list:
+    """The resume rule, against the checkpoint's run.json (run_record): every flag takes the value given now; the
+    FIXED_ON_RESUME flags and the training problems (data_identity) must be the checkpoint's. Returns the changed
+    flags, "--name old -> new" each (the caller prints them; the learning rates are re-applied to the restored
+    optimizer states by restore_checkpoint), or None for a checkpoint written without run.json. Raises ValueError
+    naming every fixed flag that changed with both values, or the data."""
+    path = os.path.join(ckpt, "run.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        saved = json.load(f)
+    now = run_record(args, problems)
+    name = lambda key: "--" + key.replace("_", "-")
+    fixed = [f"{name(k)} ({saved['args'][k]} in the checkpoint, {now['args'][k]} now)" for k in FIXED_ON_RESUME
+             if k in saved["args"] and saved["args"][k] != now["args"][k]]
+    if fixed:
+        raise ValueError(f"{ckpt}: a resume cannot change {', '.join(fixed)}; resume with the checkpoint's values, or "
+                         f"start a new --out-dir")
+    if saved["data"] != now["data"]:
+        old, new = saved["data"], now["data"]
+        raise ValueError(f"{ckpt}: written for other training problems ({old['problems']}, sha256 "
+                         f"{old['sha256'][:12]}; now {new['problems']}, {new['sha256'][:12]}), which its data order "
+                         f"and DAPS counts index; resume with the same --data (and --split, --prompt-key, "
+                         f"--answer-key, --eval-data, --eval-size, --max-prompt-tokens)")
+    return [f"{name(k)} {saved['args'][k]} -> {v}" for k, v in now["args"].items()
+            if k in saved["args"] and saved["args"][k] != v and k != "resume"]
+
+
 def restore_checkpoint(state: TrainState, ckpt: str, args: Args) -> bool:
-    """Load ckpt's trainer state into state and this rank's RNGs (another number of ranks: sampling reseeded).
+    """Load ckpt's trainer state into state and this rank's RNGs (another number of ranks: sampling reseeded), the
+    optimizer states with the learning rates of args (--lr, --critic-lr-ratio: the flags are the one source).
     Returns whether the ranks matched. ValueError: an older format, a critic-free run, other data."""
     saved = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False, map_location="cpu")
     if isinstance(saved["rng"], dict) or any(isinstance(k, int) for k in saved["actor_opt"]["state"]):
@@ -2964,6 +3139,9 @@ def restore_checkpoint(state: TrainState, ckpt: str, args: Args) -> bool:
         if saved["critic_opt"] is None:
             raise ValueError(f"{ckpt}: a checkpoint of a critic-free run; resume it with the same --algo")
         optimizer_state(state.critic, state.critic_opt, saved["critic_opt"])
+    for optimizer, lr in ((state.actor_opt, args.lr), (state.critic_opt, args.lr * args.critic_lr_ratio)):
+        for group in optimizer.param_groups if optimizer is not None else ():
+            group["lr"] = lr  # the loaded state carries the checkpoint's
     state.sampler.epoch, state.sampler.pos = saved["sampler"]
     if saved.get("prompt_counts") is not None:
         state.successes, state.attempts = saved["prompt_counts"]
@@ -3180,11 +3358,12 @@ def plot(argv=None):
 
 def main(argv=None):
     """`python s3ac.py [flags]`: train. A bad flag stops in parse_args; an error from the data, the model or a
-    checkpoint (ValueError, OSError, ImportError) ends the run in one line, exit status 1 (--debug: the traceback)."""
+    checkpoint (ValueError, OSError, ImportError), or a streak of non-finite gradients (FloatingPointError), ends the
+    run in one line, exit status 1 (--debug: the traceback)."""
     args = parse_args(argv)
     try:
         train(args)
-    except (ValueError, OSError, ImportError) as e:
+    except (ValueError, OSError, ImportError, FloatingPointError) as e:
         if args.debug:
             raise
         sys.exit(f"s3ac.py: error: {' '.join(str(e).split()) or type(e).__name__}")

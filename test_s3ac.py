@@ -9,6 +9,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anyw
 
 import collections
 import copy
+import dataclasses
 import inspect
 import json
 import math
@@ -160,9 +161,11 @@ def test_checkpoint_generation_config_does_not_change_sampling(tiny, tmp_path):
     out = s3ac.generate_hf(loaded, [prompt], [0], {10**6}, tok.pad_token_id, 8, 1.0, 4, greedy=True)
     assert out.response_ids[0].tolist() == greedy_reference(model, prompt, 8)
     from transformers import AutoModelForCausalLM
-    raw = AutoModelForCausalLM.from_pretrained(str(tmp_path))  # the penalty really would change the tokens
+    raw = AutoModelForCausalLM.from_pretrained(str(tmp_path))  # not through load_actor: generate_hf neutralises it
     assert s3ac.generate_hf(raw, [prompt], [0], {10**6}, tok.pad_token_id, 8, 1.0, 4,
-                            greedy=True).response_ids[0].tolist() != greedy_reference(model, prompt, 8)
+                            greedy=True).response_ids[0].tolist() == greedy_reference(model, prompt, 8)
+    own = raw.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
+    assert own != greedy_reference(model, prompt, 8)  # the penalty really would change the tokens
 
 
 def test_left_padding_generate_matches_unpadded(tiny):
@@ -396,6 +399,20 @@ ANSWER_POLICY_TRAPS = [
     ("42", "The answer is: 42", "correct"), ("42", "= 42.\n\nI hope it helps!", "correct"), ("2500", "It costs 2,500 dollars.", "correct"),
     ("17", "8 + 9 = 17", "correct"), ("49", "58 - 9 = 49", "correct"), ("-33", "8 - 41 = -33", "correct"),
     ("12", "7 + 5 = 12  (\\boxed{})", "correct"), ("10", "5 * 2 = 10\nYour answer is correct", "correct"),
+    # a mixed number is one value (3 1/4 = 13/4), boxed, in the fallback or as a gold; a fragment of one is no answer
+    ("\\frac{1}{4}", "You need 3 1/4 cups.", "wrong"), ("\\frac{13}{4}", "You need 3 1/4 cups.", "correct"),
+    ("3", "It takes 3 1/4 hours.", "wrong"), ("-\\frac{13}{4}", "The answer is -3 1/4.", "correct"),
+    ("\\frac{1}{4}", "So the answer is $3\\frac{1}{4}$.", "wrong"),
+    ("13/4", "So the answer is $3\\frac{1}{4}$.", "correct"),
+    ("13/4", "\\boxed{3\\frac{1}{4}}", "correct"), ("\\frac{1}{4}", "\\boxed{3\\frac{1}{4}}", "wrong"),
+    ("\\frac{13}{4}", "\\boxed{3 1/4}", "correct"), ("-\\frac{13}{4}", "\\boxed{-3\\frac{1}{4}}", "correct"),
+    ("\\frac{13}{4}", "\\boxed{3\\,\\dfrac{1}{4}\\text{ cups}}", "correct"),
+    ("3\\frac{1}{4}", "\\boxed{3.25}", "correct"),
+    ("3\\frac{1}{4}", "\\boxed{\\frac{13}{4}}", "correct"), ("137 \\frac{1}{2}", "\\boxed{137.5}", "correct"),
+    ("\\frac{2001}{2}", "It is 1,000 1/2.", "correct"), ("\\frac{13}{4}", "2 + 3 1/4", "not_a_number"),
+    ("\\frac{17}{4}", "\\boxed{3\\frac{5}{4}}", "not_a_number"),
+    ("\\frac{7}{2}", "\\boxed{3\\frac{2}{4}}", "not_a_number"),
+    ("\\frac{1}{4}", "It is 3.5 1/4.", "not_a_number"), ("\\frac{1}{2}", "The values are 1,2 1/2", "not_a_number"),
 ]
 
 
@@ -2252,7 +2269,8 @@ def test_resume_with_critic_layers_and_refusal_of_another_k(tiny, partial_run, t
         tiny[0], out, "--steps", "3", "--resume", "--critic-layers", "0")], capture_output=True, text=True, env=env,
         timeout=300, cwd=HERE)
     assert proc.returncode != 0
-    assert "a critic of --critic-layers 1; resume it with --critic-layers 1" in proc.stderr, proc.stderr[-2000:]
+    assert "a resume cannot change --critic-loss (bce in the checkpoint, mse now), --critic-layers (1 in the " \
+           "checkpoint, 0 now)" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_partial_trunk_coverage_pretraining_warmup_and_max_minutes(tiny, tmp_path):
@@ -3978,3 +3996,201 @@ def test_strata_field_of_a_data_row(tmp_path):
 def test_verifier_on_builtin_arithmetic_answer_forms(completion, status):
     gold = next(p.answer for p in s3ac.make_arithmetic(5000, 0) if p.question == "What is 7 - 9?")
     assert gold == "-2" and s3ac.grade(gold, completion) == status
+
+
+# --- Trust under faults and changed inputs: sampling distribution, engine rows, non-finite steps, resume, context ---
+def plain_logprobs(model, batch, temperature):
+    """[B, T] fp64 log-softmax(logits / temperature) of each response token from one forward pass per row over its
+    unpadded prompt and response (no generate, no processors), 0 on padding."""
+    out = torch.zeros(batch.response_ids.shape, dtype=torch.float64)
+    with torch.no_grad():
+        for i in range(len(batch.response_ids)):
+            prompt = batch.prompt_ids[i][batch.prompt_mask[i].bool()].tolist()
+            n = int(batch.response_mask[i].sum())
+            response = batch.response_ids[i, :n].tolist()
+            logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1: -1].double() / temperature
+            out[i, :n] = torch.log_softmax(logits, -1).gather(1, torch.tensor(response)[:, None]).squeeze(1)
+    return out
+
+
+def test_hf_sampling_takes_nothing_from_the_checkpoints_generation_config(tiny, tmp_path):
+    """A checkpoint whose generation_config.json carries a repetition penalty, a no-repeat n-gram size, min_p,
+    typical_p and its own temperature / top-p / top-k: generate_hf on it, loaded plainly (not through load_actor) or
+    through load_actor, samples the flags' distribution: log mu equals a plain forward pass's log-softmax at the
+    flags' temperature, and the same seed draws the same tokens as the clean model (min_p and typical_p would run
+    after the processor that records mu). The model's own generation_config is put back after the call."""
+    from transformers import AutoModelForCausalLM
+    _, model, tok = tiny
+    penalised = copy.deepcopy(model)
+    for key, value in dict(do_sample=True, repetition_penalty=1.3, no_repeat_ngram_size=2, min_p=0.2, typical_p=0.7,
+                           temperature=0.6, top_p=0.8, top_k=20).items():
+        setattr(penalised.generation_config, key, value)
+    penalised.save_pretrained(tmp_path)
+    raw = AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    assert raw.generation_config.repetition_penalty == 1.3 and raw.generation_config.no_repeat_ngram_size == 2
+    loaded = s3ac.load_actor(str(tmp_path), torch.device("cpu"))
+    prompts = [tok(f"What is {i} + {2 * i}? 11 + 11 = 22")["input_ids"] for i in range(5)]
+    for temperature in (1.0, 0.7):
+        batches = []
+        for m in (model, raw, loaded):
+            torch.manual_seed(0)
+            batches.append(s3ac.generate_hf(m, prompts, list(range(5)), {tok.eos_token_id}, tok.pad_token_id, 12,
+                                            temperature, 2))
+        ref = plain_logprobs(model, batches[0], temperature)  # [B, T]
+        for b in batches:
+            valid = b.response_mask.bool()
+            assert valid.sum() > 30
+            assert (b.sampler_logprobs.double() - plain_logprobs(model, b, temperature))[valid].abs().max() < 1e-5
+            assert torch.equal(b.response_ids, batches[0].response_ids)
+        assert (batches[0].sampler_logprobs.double() - ref)[batches[0].response_mask.bool()].abs().max() < 1e-5
+    assert raw.generation_config.repetition_penalty == 1.3  # put back
+    greedy = s3ac.generate_hf(raw, prompts[:1], [0], {10**6}, tok.pad_token_id, 8, 1.0, 4, greedy=True)
+    assert greedy.response_ids[0].tolist() == greedy_reference(model, prompts[0], 8)  # evaluations too
+
+
+def fake_vllm_engine(monkeypatch, samples):
+    """A VLLMRollout whose engine answers every call with `samples` (CompletionOutput-like: token_ids, logprobs,
+    finish_reason), with stand-ins for the two vllm imports generate makes (no vLLM needed)."""
+    vllm, inputs = types.ModuleType("vllm"), types.ModuleType("vllm.inputs")
+    vllm.SamplingParams, vllm.inputs = (lambda **kw: types.SimpleNamespace(**kw)), inputs
+    inputs.TokensPrompt = lambda prompt_token_ids: prompt_token_ids
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
+    engine = object.__new__(s3ac.VLLMRollout)
+    engine.llm = types.SimpleNamespace(generate=lambda prompts, params, use_tqdm: [
+        types.SimpleNamespace(outputs=[s]) for s in samples])
+    engine.sleeps, engine.asleep, engine.stale = False, False, False
+    return engine
+
+
+def test_engine_logprobs_must_pair_with_the_token_ids(monkeypatch):
+    """vLLM rows: log mu of each sampled token in Batch.sampler_logprobs, 0 on padding; a row with fewer log-probs
+    than token ids (or none, or one without the sampled token) stops with an error naming the sample and its prompt,
+    where padding the short row with 0.0 would say mu = 1 under a mask of 1."""
+    lp = lambda t, x: {t: types.SimpleNamespace(logprob=x), 99: types.SimpleNamespace(logprob=-9.0)}
+    good = types.SimpleNamespace(token_ids=[5, 6, 2], logprobs=[lp(5, -0.5), lp(6, -1.25), lp(2, -0.125)],
+                                 finish_reason="stop")
+    cut = types.SimpleNamespace(token_ids=[7, 8, 9, 10], logprobs=[lp(7, -2.0), lp(8, -0.25), lp(9, -1.5),
+                                                                     lp(10, -0.75)], finish_reason="length")
+    prompts, call = [[3, 4], [3]], lambda e: e.generate(prompts, [7, 9], {2}, 2, 4, 1.0)
+    batch = call(fake_vllm_engine(monkeypatch, [good, cut]))
+    assert batch.sampler_logprobs.tolist() == [[-0.5, -1.25, -0.125, 0.0], [-2.0, -0.25, -1.5, -0.75]]
+    assert batch.response_mask.tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]] and batch.truncated.tolist() == [False, True]
+    short = types.SimpleNamespace(token_ids=[5, 6, 2], logprobs=[lp(5, -0.5), lp(6, -1.25)], finish_reason="stop")
+    with pytest.raises(ValueError, match=r"sample 1 \(prompt 9\) has 3 token ids but 2 log-probs"):
+        call(fake_vllm_engine(monkeypatch, [good, short]))
+    with pytest.raises(ValueError, match=r"sample 0 \(prompt 7\) has 3 token ids but 0 log-probs"):
+        call(fake_vllm_engine(monkeypatch, [types.SimpleNamespace(token_ids=[5, 6, 2], logprobs=None,
+                                                                  finish_reason="stop"), good]))
+    other = types.SimpleNamespace(token_ids=[5, 6], logprobs=[lp(5, -0.5), lp(4, -1.0)], finish_reason="length")
+    with pytest.raises(ValueError, match=r"sample 1 \(prompt 9\) has no log-prob for its sampled token 6"):
+        call(fake_vllm_engine(monkeypatch, [good, other]))
+
+
+def test_a_non_finite_gradient_skips_the_step_and_the_next_batch_trains(tiny):
+    """A NaN in the loss: the actor's weights and AdamW state stay bit for bit as they were, the step is counted in
+    actor/skipped_steps; the next finite batch trains. The critic's update counts its own skipped steps."""
+    _, base, tok = tiny
+    batch = sampled_batch(base, tok)
+    B, T = batch.response_mask.shape
+    advantages = torch.randn(B, T, generator=torch.Generator().manual_seed(5)) * batch.response_mask  # [B, T]
+    args = s3ac.resolve_args(s3ac.Args(micro_batch_size=2))
+    model, gen = copy.deepcopy(base).train(), torch.Generator().manual_seed(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    assert s3ac.update_actor(model, opt, batch, advantages, None, args, gen)["actor/skipped_steps"] == 0  # Adam state
+    weights, opt_state = [p.detach().clone() for p in model.parameters()], copy.deepcopy(opt.state_dict())
+    poisoned = advantages.clone()
+    poisoned[0, 0] = float("nan")  # a response token: the loss of its micro-batch is NaN
+    m = s3ac.update_actor(model, opt, batch, poisoned, None, args, gen)
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
+    after = opt.state_dict()
+    assert after["param_groups"] == opt_state["param_groups"] and after["state"].keys() == opt_state["state"].keys()
+    assert all(torch.equal(after["state"][i][k], opt_state["state"][i][k]) for i in after["state"]
+               for k in after["state"][i])
+    assert m["actor/skipped_steps"] == 1 and math.isnan(m["actor/grad_norm"])
+    assert all(p.grad is None for p in model.parameters())
+    m = s3ac.update_actor(model, opt, batch, advantages, None, args, gen)
+    assert m["actor/skipped_steps"] == 0 and m["actor/grad_norm"] > 0
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert any(not torch.equal(a, b) for a, b in zip(weights, model.parameters()))
+    critic = s3ac.Critic(copy.deepcopy(base.base_model), seed=0)
+    returns = torch.zeros(B, T)
+    returns[1, 0] = float("inf")
+    m = s3ac.update_critic(critic, torch.optim.AdamW(critic.parameters(), lr=1e-3), batch, returns * 0, returns,
+                           batch.response_mask, args, gen)
+    assert m["critic/skipped_steps"] == args.critic_epochs  # one optimizer step per epoch, each skipped
+
+
+def test_a_streak_of_skipped_steps_stops_the_run_in_one_line(tiny, tmp_path, monkeypatch):
+    """Every actor loss NaN: each step skips its actor update (counted, critic unharmed), and the third step in a row
+    (--max-skipped-steps' default) ends the run with FloatingPointError, main's one line."""
+    def nan_loss(*a, **k):
+        loss, m = s3ac.cispo_loss(*a, **k)
+        return loss * float("nan"), m
+    monkeypatch.setitem(s3ac.ACTOR_LOSSES, "cispo", nan_loss)
+    out = tmp_path / "run"
+    with pytest.raises(FloatingPointError, match=r"^--max-skipped-steps 3: steps 1 to 3 each skipped an optimizer"):
+        s3ac.train(s3ac.parse_args(smoke_flags(tiny[0], str(out), "--steps", "5", "--eval-size", "2")))
+    records = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert all(r["actor/skipped_steps"] == 1 and r["critic/skipped_steps"] == 0 for r in records[1:])
+    assert all(r["actor/grad_norm"] is None and r["critic/grad_norm"] > 0 for r in records[1:])  # NaN logged as null
+
+
+def test_resume_refuses_other_data_of_the_same_size(tiny, tmp_path):
+    """Two data files of 40 problems each: a resume on the other one stops in one line naming --data (its data
+    order and DAPS counts would index the wrong problems)."""
+    data = [write_lines(tmp_path / f"{name}.jsonl", [json.dumps({"problem": f"What is {i} + {add}?",
+                                                                 "answer": str(i + add)}) for i in range(40)])
+            for name, add in (("a", 1), ("b", 2))]
+    out = str(tmp_path / "run")
+    run_s3ac(*smoke_flags(tiny[0], out, "--steps", "1", "--data", data[0]))
+    rc, lines = run_failing(*smoke_flags(tiny[0], out, "--steps", "2", "--resume", "--data", data[1]))
+    assert rc == 1 and "Traceback" not in "\n".join(lines), lines[-5:]
+    assert "written for other training problems (36, sha256" in lines[-1] and "same --data" in lines[-1], lines[-1]
+
+
+def test_resume_applies_and_prints_a_new_lr_and_refuses_a_fixed_flag(tiny, tmp_path):
+    """The flags are the one source on resume: a new --lr reaches the restored optimizer states (actor and critic)
+    and is printed; a flag the checkpoint's contents depend on (--critic-loss) is refused with both values."""
+    out = str(tmp_path / "run")
+    run_s3ac(*smoke_flags(tiny[0], out, "--steps", "1", "--save-every", "1"))  # --lr 1e-3
+    proc = run_s3ac(*smoke_flags(tiny[0], out, "--steps", "2", "--save-every", "1", "--resume", "--lr", "2e-4"))
+    state = torch.load(os.path.join(out, "checkpoints", "step_2", "trainer_state.pt"), weights_only=False)
+    assert [g["lr"] for g in state["actor_opt"]["param_groups"]] == [2e-4]
+    assert [g["lr"] for g in state["critic_opt"]["param_groups"]] == [pytest.approx(2e-4 * 5.0)]
+    changed = [line for line in proc.stderr.splitlines() if line.startswith("--resume: flags changed")]
+    assert len(changed) == 1 and "--lr 0.001 -> 0.0002" in changed[0] and "--steps 1 -> 2" in changed[0], changed
+    rc, lines = run_failing(*smoke_flags(tiny[0], out, "--steps", "3", "--resume", "--critic-loss", "bce"))
+    assert rc == 1 and lines[-1].endswith("a resume cannot change --critic-loss (mse in the checkpoint, bce now); "
+                                          "resume with the checkpoint's values, or start a new --out-dir"), lines[-1]
+
+
+def test_context_limit_is_checked_at_start_for_both_engines(tiny, tmp_path):
+    """The longest kept prompt plus the response limit against the model's max_position_embeddings (512 here), or
+    --vllm-max-model-len when vLLM samples: one line at start-up, before any model loads; exactly at the limit
+    passes."""
+    path, _, tok = tiny
+    flags = smoke_flags(path, str(tmp_path / "run"), "--steps", "1")
+    args = s3ac.parse_args(flags)
+    train, sources = s3ac.split_problems(s3ac.make_arithmetic(200, 0), "heldout", args)
+    longest = max(len(s3ac.build_prompt(tok, p.question)) for p in train)
+    rc, lines = run_failing(*flags, "--max-new-tokens", str(513 - longest))
+    assert rc == 1 and lines[-1] == (f"s3ac.py: error: --max-new-tokens {513 - longest} + the longest training "
+                                     f"prompt, {longest} tokens, = 513 > 512, the context of {path} "
+                                     f"(max_position_embeddings): lower --max-new-tokens or --max-prompt-tokens")
+    rc, lines = run_failing(*flags, "--rollout", "vllm", "--vllm-max-model-len", "100")
+    assert rc == 1 and lines[-1] == (f"s3ac.py: error: --max-new-tokens 8 + the longest training prompt, {longest} "
+                                     f"tokens, = {longest + 8} > 100, --vllm-max-model-len 100: lower "
+                                     f"--max-new-tokens or --max-prompt-tokens")
+    # in-process: the limit itself passes; evaluations are checked with their own response limit
+    eval_sets = [("heldout", [], [s3ac.build_prompt(tok, p.question) for p in sources[0][1]])]
+    longest_eval = max(map(len, eval_sets[0][2]))
+    ok = dataclasses.replace(s3ac.resolve_args(args), max_new_tokens=512 - longest,
+                             eval_max_new_tokens=512 - longest_eval)
+    prompts = [s3ac.build_prompt(tok, p.question) for p in train]
+    s3ac.check_context(ok, path, False, prompts, eval_sets)
+    s3ac.check_context(dataclasses.replace(ok, vllm_max_model_len=100), path, False, prompts, eval_sets)  # HF: unused
+    with pytest.raises(ValueError, match=r"^--eval-max-new-tokens .* evaluation prompt"):
+        s3ac.check_context(dataclasses.replace(ok, eval_max_new_tokens=513 - longest_eval), path, True, prompts,
+                           eval_sets)
