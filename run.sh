@@ -7,6 +7,8 @@
 #                       (.ci/compare.py; extra args go to it)
 # ./run.sh mechanisms   the CPU demo's model: each S3AC piece against the effect its paper claims, a table
 #                       (.ci/mechanisms.py; extra args go to it)
+# ./run.sh readiness    the CPU demo's model and checkpoints: does the value-gradient impact score predict RL's gain
+#                       per stratum? Spearman against the paper's 0.60 / 0.73 (.ci/readiness.py; extra args go to it)
 # ./run.sh gpu-check    on a CUDA GPU: kernel tests and benchmarks, S3AC vs GRPO step times, training steps and
 #                       --resume (.ci/gpu_check.py; extra args go to it); uses $PYTHON, else .venv's python if it
 #                       exists, else python3, and makes no .venv
@@ -73,6 +75,10 @@ fi
 if [ "${1:-}" = "mechanisms" ]; then
   shift
   exec python .ci/mechanisms.py "${demo[@]}" "$@"   # each piece against its paper's claim; --help: its flags
+fi
+if [ "${1:-}" = "readiness" ]; then
+  shift
+  exec python .ci/readiness.py "${demo[@]}" "$@"   # impact score against RL's gain; --help: its flags
 fi
 
 if has_gpu; then

@@ -49,6 +49,7 @@ Run:
     python s3ac.py --critic-layers 4 --max-minutes 20 --plot           # partial-trunk critic, a time budget, curves
     python s3ac.py --out-dir runs/x --resume                           # continue a killed run
     python s3ac.py plot runs/a runs/b -o curves.png                    # pass@1 against minutes and samples, EV, c
+    python s3ac.py readiness --model A,B --data builtin:arithmetic     # will RL help? task table, headroom, impact
     torchrun --nproc_per_node=8 s3ac.py --batch-prompts 512            # data parallel, FSDP2, vLLM per rank
     ./run.sh gpu-check                           # on CUDA: kernels, step phase times, training (.ci/gpu_check.py)
 
@@ -450,6 +451,56 @@ def critic_metrics(values, returns, rewards, response_mask, critic_s: float, act
             "critic/compute_ratio": c, "critic/efficiency": critic_efficiency(adv_ev, c), **m}
 
 
+# --- Readiness: will RL help? The value-gradient hypothesis: RL impact ~ usable signal S_m x headroom H_alpha ---
+def headroom(rewards, prompt_index, alpha: float):
+    """Achievable reward headroom H_alpha, our reading: per prompt, its K sampled rewards reweighted toward the better
+    ones, q_alpha ~ p exp(alpha R) self-normalised over the samples (they come from p), H = E_q[R] - E_p[R]; 0 when the
+    K rewards are equal, >= 0 (Cov_p(R, exp(alpha R)) / E_p[exp(alpha R)]). rewards [B] in [-1, 1], prompt_index [B].
+    Returns (H [G] fp64, one per distinct prompt_index in increasing order; metrics). ValueError for alpha < 0."""
+    if alpha < 0:
+        raise ValueError(f"headroom: alpha {alpha} must be >= 0")
+    _, group = torch.unique(prompt_index.cpu(), return_inverse=True)  # [B] group id 0..G-1
+    r, G = rewards.double().cpu(), int(group.max()) + 1  # [B]
+    w = torch.exp(alpha * (r - 1))  # [B]  q_i ~ exp(alpha R_i), normalised below (R <= 1: no overflow)
+    total = lambda x: torch.zeros(G, dtype=r.dtype).index_add(0, group, x)  # [G] sum over each group
+    e_q, e_p = total(w * r) / total(w), total(r) / torch.bincount(group)  # [G] E_q[R], E_p[R]
+    h = (e_q - e_p).clamp(min=0.0)  # [G]  H_alpha = E_q[R] - E_p[R] (the clamp drops rounding only)
+    return h, {"readiness/headroom": h.mean().item()}
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one prompt (Chen et al. 2021, eq. 1) from n samples of which c are right: the chance
+    that k of them drawn without replacement hold a right one. Raises ValueError unless 0 <= c <= n, 1 <= k <= n."""
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"pass_at_k: need 0 <= c <= n and 1 <= k <= n, got n {n}, c {c}, k {k}")
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)  # 1 - C(n - c, k) / C(n, k); comb = 0 when n - c < k
+
+
+def costate_norms(hidden, logprobs, advantages, response_mask):
+    """Empirical costates lambda_hat_t (the value-gradient paper): the gradient of the advantage-weighted actor loss
+    with respect to a block's hidden states hidden [B, P + T, H], by autograd, in the graph of logprobs [B, T] (log pi
+    of the response tokens: position P - 1 + t scores token t); advantages, response_mask [B, T]. Returns
+    (||lambda_hat_t||_2 [B, T] fp32, 0 on padding; metrics). No parameter's .grad is touched."""
+    T = response_mask.shape[1]
+    valid = response_mask != 0  # [B, T]
+    # L = -sum_t A_t log pi(a_t | s_t): a SUM over tokens, not a mean, so a token's costate does not shrink with B
+    loss = -torch.where(valid, advantages.float() * logprobs.float(), 0.0).sum()
+    (costates,) = torch.autograd.grad(loss, hidden)  # [B, P + T, H]  lambda_hat_t = dL / dh_t
+    norms = torch.where(valid, costates[:, -T - 1:-1].float().norm(dim=-1), 0.0)  # [B, T]
+    return norms, {"readiness/costate_norm": masked_mean(norms, response_mask.float()).item()}
+
+
+def usable_signal(costate_norm, entropy):
+    """S_m = ||lambda_hat|| g with the gap factor g = exp(-H_bar), H_bar the mean token entropy in nats: our reading of
+    the entropy bound on |lambda_hat - lambda| (g = 1 for a deterministic policy). Tensors of one shape, e.g. [G]."""
+    return costate_norm * torch.exp(-entropy)  # S = ||lambda_hat|| exp(-H_bar)
+
+
+def impact_score(signal, h):
+    """RL impact = S_m x H_alpha, our reading: the mean over prompts of S (signal [G]) times that of H (h [G])."""
+    return float(signal.double().mean() * h.double().mean())  # impact = mean S x mean H
+
+
 # -----------------------------------------------------------------------------------------------------------------
 # Where this code departs from the papers (README.md points here)
 # -----------------------------------------------------------------------------------------------------------------
@@ -498,6 +549,12 @@ def critic_metrics(values, returns, rewards, response_mask, critic_s: float, act
 #    paper's 7.5k subset; its answer-format lines are replaced by Qwen2.5-Math's \boxed{} instruction. Where the
 #    S3AC paper gives no figure, the schedule is DAPO's public recipe for Qwen2.5-Math (512 prompts per step,
 #    lr 1e-6, 200 steps, evaluation every 10), with responses cut at 3072 tokens (the model's 4096-token context).
+# 13. Readiness, our readings (the value-gradient paper's summary gives no exact equation 29): H_alpha self-normalises
+#    q ~ p exp(alpha R) over a prompt's K samples; costates of the SUMMED loss for GRPO's advantages (population std)
+#    at the output of one block, by default the middle one, L // 2 (credit there has crossed the attention of the
+#    blocks above it, the paper's path around the sampling step; the last block's output would hold little more than
+#    the output layer's gradient); the gap factor is exp(-mean token entropy), S = costate norm x gap factor per
+#    prompt, impact = mean S x mean H.
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -560,6 +617,8 @@ def train_step(args: Args, state: TrainState, reward_fn):
                                       metrics["time/actor"], args.credit_eps))
     trained = batch.prompt_index.unique()  # prompts of this step's training batch
     rate = state.successes[trained] / state.attempts[trained].clamp(min=1e-12)  # running success rate
+    if args.k >= 2:  # H_alpha of the step's groups (--dynamic-sampling: the kept ones); K = 1: run_evaluation's
+        metrics.update(headroom(rewards, batch.prompt_index, args.alpha_headroom)[1])  # readiness/headroom
     metrics.update({"rollout/reward": rewards.mean().item(), "rollout/acc": succeeded(rewards).float().mean().item(),
                     "rollout/response_len": mask.sum(1).mean().item(),
                     "rollout/truncated": batch.truncated.float().mean().item(),
@@ -2083,6 +2142,10 @@ class Args:
     report_to: str = flag("none", "none | tensorboard (<out_dir>/tb) | wandb; metrics.jsonl is always written")
     debug: bool = flag(False, "show the traceback of a data, model or flag error (default: one line)")
     plot: bool = flag(False, "at the end, draw <out_dir>/curves.png from metrics.jsonl (python s3ac.py plot)")
+    # readiness (python s3ac.py readiness; readiness/headroom: every step's groups at K >= 2, else each evaluation)
+    alpha_headroom: float = flag(1.0, "alpha of the headroom H_alpha: the K samples reweighted by exp(alpha R)")
+    headroom_k: int = flag(4, "K = 1: samples per problem each evaluation draws for readiness/headroom; 0 = none")
+    headroom_prompts: int = flag(32, "K = 1: the first this many problems of the first evaluation source; 0 = none")
 
 
 def parse_args(argv=None) -> Args:
@@ -2135,7 +2198,8 @@ def resolve_args(args: Args) -> Args:
         **{name: (getattr(args, name) >= 0, ">= 0") for name in (
             "max_refills", "top_k", "vllm_max_model_len", "eps_high", "rho_min", "credit_eps",
             "daps_start", "daps_n_c", "steps", "threads", "eval_every", "save_every",
-            "log_samples", "critic_layers", "max_minutes", "max_skipped_steps")},
+            "log_samples", "critic_layers", "max_minutes", "max_skipped_steps", "alpha_headroom",
+            "headroom_prompts")},
         **{name: (getattr(args, name) > 0, "> 0") for name in (
             "temperature", "verify_timeout", "alpha", "lr", "is_cap", "actor_grad_clip", "critic_lr_ratio",
             "critic_grad_clip",
@@ -2149,7 +2213,8 @@ def resolve_args(args: Args) -> Args:
                                 "at least 1, or auto"),
         "critic_warmup_steps": (not isinstance(args.critic_warmup_steps, int) or args.critic_warmup_steps >= 0,
                                 ">= 0, or plateau, or auto"),
-        "rho_max": (args.rho_max > args.rho_min, f"above --rho-min {args.rho_min}")}
+        "rho_max": (args.rho_max > args.rho_min, f"above --rho-min {args.rho_min}"),
+        "headroom_k": (args.headroom_k == 0 or args.headroom_k >= 2, "0 (none) or at least 2")}
     for name, (holds, rule) in domains.items():
         if not holds:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be {rule}")
@@ -3222,12 +3287,23 @@ def evaluate_sources(generate, tokenizer, sources, reward_fn, eval_k: int, rank:
 
 def run_evaluation(args: Args, state: TrainState, eval_sets: list, reward_fn, samples_path: str, say) -> dict:
     """evaluate_sources on eval_sets [(name, problems, prompts)]; rank 0 logs every completion to samples_path and
-    says one line. Returns the eval/* metrics."""
+    says one line. At K = 1 also readiness/headroom: H_alpha of --headroom-k answers at --temperature to each of the
+    first --headroom-prompts problems of the first source, drawn with their own seed (with HF generate, the run's
+    own draws are those it makes without them). Returns the eval/* metrics (and that one)."""
     t0 = time.time()
     generate = functools.partial(generate_responses, args, state, max_new_tokens=args.eval_max_new_tokens)
     m, samples = evaluate_sources(generate, state.tokenizer, eval_sets, reward_fn, args.eval_k, state.rank,
                                   state.world)
-    m["time/eval"] = time.time() - t0
+    _, problems, prompts = eval_sets[0]
+    index = [i for i in range(min(args.headroom_prompts, len(problems))) for _ in range(args.headroom_k)]
+    if args.k == 1 and index:  # readiness/headroom of sampled answers (at K >= 2 train_step reads its own groups)
+        with torch.random.fork_rng(devices=[state.device] if state.device.type == "cuda" else []):
+            torch.manual_seed(args.seed * 1_000_003 + 1_009 * state.step + state.rank)  # training's draws untouched
+            batch = generate([prompts[i] for i in index], index, greedy=False)  # every rank the same prompts
+        texts = state.tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
+        rewards, _ = call_reward(reward_fn, [problems[i].answer for i in index], texts, batch.truncated.tolist())
+        m.update(headroom(rewards, batch.prompt_index, args.alpha_headroom)[1])
+    m["time/eval"] = time.time() - t0  # the headroom's samples included
     samples = gather_records(samples)  # every rank's completions, on rank 0
     for record in samples if state.rank == 0 else ():
         log_metrics(samples_path, {"step": state.step, "split": "eval", **record})
@@ -3356,6 +3432,147 @@ def plot(argv=None):
     print(plot_runs(**vars(opts)))
 
 
+# --- Readiness (python s3ac.py readiness): the step-0 task table and the impact score, per checkpoint and stratum ---
+def strata_groups(problems: list, spec: str) -> dict:
+    """{stratum: problem indices}: "all", then for spec "auto" each Problem.strata field alone and all together
+    (op=+, ..., digits=1x2, ..., op=+:digits=1x2, ...), for spec "f1,f2" those together. ValueError: unknown field."""
+    seen = list(dict.fromkeys(f for p in problems for f in p.strata))  # the data's fields, first seen first
+    fields = seen if spec == "auto" else spec.split(",")
+    if set(fields) - set(seen):
+        raise ValueError(f"--strata {spec}: no problem has {sorted(set(fields) - set(seen))} (fields: {seen})")
+    groups = {"all": list(range(len(problems)))}
+    alone = [[f] for f in fields] if spec == "auto" else []  # each field alone, then all together (once)
+    for chosen in alone + ([fields] if len(fields) > 1 or spec != "auto" else []):
+        names = [":".join(f"{f}={p.strata[f]}" for f in chosen) if set(chosen) <= set(p.strata) else None
+                 for p in problems]
+        groups.update({name: [i for i, x in enumerate(names) if x == name] for name in sorted(set(names) - {None})})
+    return groups
+
+
+def block_costates(policy: Policy, batch: Batch, advantages, block: int, temperature: float, micro_batch_size: int):
+    """(costate norms, entropy), [B, T] each: costate_norms at the OUTPUT of block `block` (the input of block + 1,
+    hooked in the actor's own forward), one forward and backward per micro-batch; no parameter gradient is kept.
+    Rows whose advantages are all 0 have costates 0 (L does not depend on them): their micro-batches, last, run
+    forward only, for the entropy."""
+    norms = torch.zeros(advantages.shape, device=advantages.device)  # [B, T]
+    entropy, outputs = torch.zeros_like(norms), []  # [B, T]
+    moving = advantages.ne(0).any(1).tolist()  # [B] rows with a gradient
+    order = sorted(range(len(moving)), key=lambda i: not moving[i])  # those first
+    handle = policy.lm.base_model.layers[block].register_forward_hook(
+        lambda module, inputs, out: outputs.append(out[0] if isinstance(out, tuple) else out))
+    try:
+        for rows in [order[i: i + micro_batch_size] for i in range(0, len(order), micro_batch_size)]:
+            with torch.set_grad_enabled(moving[rows[0]]):  # sorted: the first row says whether any moves
+                logprobs, entropy[rows] = actor_logprobs(policy, batch.rows(rows), temperature)  # [b, T] each
+                mask = batch.response_mask[rows].to(logprobs.device)  # [b, T]
+                if moving[rows[0]]:
+                    norms[rows] = costate_norms(outputs[-1], logprobs, advantages[rows], mask)[0]  # [b, T]
+            outputs.clear()
+    finally:
+        handle.remove()
+    return norms, entropy  # [B, T] each
+
+
+def checkpoint_readiness(args: Args, name: str, problems: list, opts, reward_fn, device) -> list:
+    """readiness's JSON lines of checkpoint `name`, one per stratum: per problem opts.k samples at --temperature
+    (generate_hf, call_reward), their share right, pass@k, mixed (right and wrong ones), H (headroom), the token means
+    of the entropy and of the costate norm (block_costates for GRPO's advantages), S (usable_signal), and greedy
+    pass@1 (one greedy answer); per stratum the mean and population std over its problems, and impact_score."""
+    from transformers import AutoTokenizer
+    path = resolve_model(name, args.cache_dir)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    problems, prompts, _ = prepare_prompts(args, tokenizer, problems, [], True)
+    policy, _, _, eos_ids, pad_id = load_models(dataclasses.replace(args, algo="grpo", rollout="hf"), path, path,
+                                                None, tokenizer, device, 0, 1)
+    L, n, k, amp = policy.lm.config.num_hidden_layers, len(problems), opts.k, compute_dtype(args.dtype, device)
+    block = L // 2 if opts.block == "auto" else int(opts.block)  # auto: the middle (why: departure 13)
+    print(f"{name}: {n} problems x {k} samples, costates at the output of block {block} of {L}", file=sys.stderr)
+    torch.manual_seed(args.seed)
+    policy.eval()
+
+    def answers(greedy: bool):  # (Batch, rewards [B]) of k samples per problem, or of one greedy answer
+        index = [i for i in range(n) for _ in range(1 if greedy else k)]
+        with autocast(device, amp):
+            batch = generate_hf(policy.lm, [prompts[i] for i in index], index, eos_ids, pad_id, args.max_new_tokens,
+                                args.temperature, args.gen_batch_size, greedy, args.top_p, args.top_k)
+        texts = tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
+        return batch, call_reward(reward_fn, [problems[i].answer for i in index], texts, batch.truncated.tolist())[0]
+
+    t0 = time.time()
+    batch, rewards = answers(greedy=False)
+    t1 = time.time()
+    mask, index = batch.response_mask, batch.prompt_index  # [B, T], [B]
+    advantages, _ = grpo_advantages(rewards, index, mask)  # [B, T] population std, 0 for equal rewards
+    with autocast(device, amp):
+        norms, entropy = block_costates(policy, batch, advantages.to(device), block, args.temperature,
+                                        args.micro_batch_size)  # [B, T] each
+    t2 = time.time()
+    per_problem = lambda x: torch.zeros(n, dtype=torch.float64).index_add(0, index, x.double().cpu())  # [n] sums
+    tokens, right = per_problem(mask.sum(1)), per_problem(succeeded(rewards))  # [n] each
+    costate, ent = per_problem(norms.sum(1)) / tokens, per_problem((entropy.cpu() * mask).sum(1)) / tokens  # [n]
+    h, signal = headroom(rewards, index, args.alpha_headroom)[0], usable_signal(costate, ent)  # [n] each
+    measures = {**({"greedy pass@1": succeeded(answers(greedy=True)[1]).double()} if opts.greedy else {}),
+                "pass@1": right / k, f"pass@{k}": right.clone().apply_(lambda c: pass_at_k(k, int(c), k)),
+                "mixed": ((right > 0) & (right < k)).double(), "headroom": h, "entropy": ent, "costate": costate,
+                "S": signal}  # [n] each
+    print(f"{name}: sampling {t1 - t0:.0f} s, costates {t2 - t1:.0f} s, greedy {time.time() - t2:.0f} s",
+          file=sys.stderr)
+    return [{"model": name, "stratum": stratum, "n": len(rows), "k": k, "alpha": args.alpha_headroom, "block": block,
+             **{key: {"mean": v[rows].mean().item(), "std": v[rows].std(correction=0).item()}
+                for key, v in measures.items()}, "impact": impact_score(signal[rows], h[rows])}
+            for stratum, rows in strata_groups(problems, opts.strata).items()]
+
+
+def readiness_table(lines: list) -> str:
+    """readiness's JSON lines as one markdown table: a row per checkpoint and stratum, each per-problem measure as
+    its mean ± std over the problems (pass@1's std: the spread of the problems' success rates)."""
+    keys = [key for key, value in lines[0].items() if isinstance(value, dict)]
+    out = [f"| model | stratum | n | {' | '.join(keys)} | impact |", "|---" * (len(keys) + 4) + "|"]
+    for r in lines:  # the model as its last two path parts
+        cells = [f"{r[key]['mean']:.3g} ± {r[key]['std']:.2g}" for key in keys] + [f"{r['impact']:.3g}"]
+        out.append(f"| {'/'.join(os.path.normpath(r['model']).split(os.sep)[-2:])} | {r['stratum']} | {r['n']} | "
+                   + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def readiness(argv=None):
+    """python s3ac.py readiness --model A[,B ...] [flags]: the task table at step 0 and the value-gradient readiness
+    of every checkpoint on every stratum of --data (checkpoint_readiness; our readings: departure 13): one markdown
+    table, JSON lines in --out. Trains nothing; rollouts, rewards and log-probs are training's."""
+    parser = argparse.ArgumentParser(prog="s3ac.py readiness", description="Will RL help these checkpoints, and where?",
+                                     epilog="Other flags (python s3ac.py --help) set the model, data and rollouts.")
+    for flag, default, text in (
+            ("--prompts", 256, "problems, a seeded sample of --data"), ("--k", 16, "samples per problem (>= 2)"),
+            ("--block", "auto", "the block m whose output's costates are measured; auto = L // 2, the middle"),
+            ("--strata", "auto", "auto: each field alone and all together | f1,f2: those together (and all)"),
+            ("--out", "readiness.jsonl", "JSON lines, one per checkpoint and stratum")):
+        parser.add_argument(flag, type=type(default), default=default, help=text)
+    parser.add_argument("--no-greedy", dest="greedy", action="store_false", help="no greedy pass@1 (one answer each)")
+    opts, rest = parser.parse_known_args(argv)
+    if opts.k < 2 or opts.prompts < 1:
+        parser.error(f"--k {opts.k} --prompts {opts.prompts}: need K >= 2 samples and at least one problem")
+    args = parse_args(rest)
+    reward_fn, _, owned = make_rewards(args)
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    try:
+        problems = distinct(load_problems(args.data, args.prompt_key, args.answer_key, args.split, args.seed,
+                                          math_golds=isinstance(reward_fn, Verifier)))
+        problems = random.Random(args.seed).sample(problems, min(opts.prompts, len(problems)))
+        device = init_distributed(args.device)[2]
+        lines = [line for name in args.model.split(",")
+                 for line in checkpoint_readiness(args, name, problems, opts, reward_fn, device)]
+    except (ValueError, OSError, ImportError) as e:
+        if args.debug:
+            raise
+        sys.exit(f"s3ac.py readiness: error: {' '.join(str(e).split()) or type(e).__name__}")
+    finally:
+        for fn in owned:
+            fn.close()
+    _write_atomic(opts.out, "".join(json.dumps(line) + "\n" for line in lines))
+    print(readiness_table(lines))
+    return lines
+
+
 def main(argv=None):
     """`python s3ac.py [flags]`: train. A bad flag stops in parse_args; an error from the data, the model or a
     checkpoint (ValueError, OSError, ImportError), or a streak of non-finite gradients (FloatingPointError), ends the
@@ -3372,6 +3589,8 @@ def main(argv=None):
 if __name__ == "__main__":
     if sys.argv[1:2] == ["plot"]:
         plot(sys.argv[2:])
+    elif sys.argv[1:2] == ["readiness"]:
+        readiness(sys.argv[2:])
     elif sys.argv[1:2] == ["compare"]:
         sys.exit("s3ac.py: the side-by-side comparison is ./run.sh compare (python .ci/compare.py --help)")
     elif sys.argv[1:2] == ["gpu-check"]:

@@ -4194,3 +4194,268 @@ def test_context_limit_is_checked_at_start_for_both_engines(tiny, tmp_path):
     with pytest.raises(ValueError, match=r"^--eval-max-new-tokens .* evaluation prompt"):
         s3ac.check_context(dataclasses.replace(ok, eval_max_new_tokens=513 - longest_eval), path, True, prompts,
                            eval_sets)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Readiness: headroom, pass@k, costates, python s3ac.py readiness and .ci/readiness.py (the prediction check)
+# ---------------------------------------------------------------------------------------------------------------
+def headroom_loop(rewards, alpha):
+    """fp64 reference of one prompt's H_alpha: plain Python, exp(alpha R) weights over the samples."""
+    weights = [math.exp(alpha * r) for r in rewards]
+    return sum(w * r for w, r in zip(weights, rewards)) / sum(weights) - sum(rewards) / len(rewards)
+
+
+def test_headroom_hand_cases():
+    e2 = math.e ** 2
+    rewards = torch.tensor([1.0, 1, 1, 1, -1, -1, -1, -1, -1, 1, -1, -1])  # all right, all wrong, one right in four
+    h, m = s3ac.headroom(rewards, torch.tensor([0] * 4 + [1] * 4 + [2] * 4), 1.0)
+    assert h.tolist()[:2] == [0.0, 0.0]
+    assert h[2].item() == pytest.approx((e2 - 3) / (e2 + 3) + 0.5, abs=1e-12)  # E_q[R] = (e - 3/e) / (e + 3/e)
+    assert m["readiness/headroom"] == pytest.approx(h.mean().item())
+    # groups come from prompt_index, not the layout; one H per distinct index, in increasing order
+    h, _ = s3ac.headroom(torch.tensor([-1.0, 1, -1, 1, -1, -1]), torch.tensor([9, 9, 4, 4, 9, 4]), 1.0)
+    assert h.tolist() == pytest.approx([headroom_loop([-1, 1, -1], 1.0), headroom_loop([1, -1, -1], 1.0)])
+    assert s3ac.headroom(rewards, torch.zeros(12, dtype=torch.long), 0.0)[0].item() == 0.0  # alpha 0: q = p
+    with pytest.raises(ValueError, match="alpha"):
+        s3ac.headroom(rewards, torch.zeros(12, dtype=torch.long), -0.5)
+
+
+def test_headroom_matches_a_loop_and_is_never_negative():
+    g = torch.Generator().manual_seed(0)
+    for case in range(200):
+        K, G = int(torch.randint(1, 9, (), generator=g)), int(torch.randint(1, 5, (), generator=g))
+        rewards = torch.rand(G * K, generator=g, dtype=torch.float64) * 2 - 1  # [-1, 1], partial credit too
+        if case % 3 == 0:
+            rewards = rewards.sign()  # +-1 only, ties everywhere
+        alpha = float(torch.rand((), generator=g)) * 8
+        index = torch.arange(G).repeat_interleave(K)[torch.randperm(G * K, generator=g)]
+        h, _ = s3ac.headroom(rewards, index, alpha)
+        want = [headroom_loop(rewards[index == i].tolist(), alpha) for i in range(G)]
+        assert (h >= 0).all() and h.tolist() == pytest.approx([max(w, 0.0) for w in want], abs=1e-12)
+
+
+def test_pass_at_k_hand_cases_and_brute_force():
+    import itertools
+    assert s3ac.pass_at_k(4, 1, 1) == 0.25 and s3ac.pass_at_k(4, 1, 2) == 0.5  # 1 - C(3, 2) / C(4, 2) = 1 - 3/6
+    assert s3ac.pass_at_k(5, 2, 3) == pytest.approx(0.9)  # 1 - C(3, 3) / C(5, 3) = 1 - 1/10
+    assert s3ac.pass_at_k(4, 2, 3) == 1.0 and s3ac.pass_at_k(4, 0, 4) == 0.0 and s3ac.pass_at_k(4, 1, 4) == 1.0
+    for n in range(1, 7):  # every k-subset of n samples, c of them right: the share holding a right one
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                subsets = list(itertools.combinations([1] * c + [0] * (n - c), k))
+                assert s3ac.pass_at_k(n, c, k) == pytest.approx(sum(any(s) for s in subsets) / len(subsets))
+    for bad in ((4, 5, 1), (4, 1, 5), (4, 1, 0), (4, -1, 1)):
+        with pytest.raises(ValueError):
+            s3ac.pass_at_k(*bad)
+
+
+def test_costate_norms_on_a_linear_model_by_hand():
+    """h [B, P + T, H] -> logits W h: the costate of -A log softmax(W h_p)[a] is -A W^T (e_a - softmax(W h_p)), a
+    token's own term only (nothing mixes positions), written out in fp64 below."""
+    g = torch.Generator().manual_seed(1)
+    B, P, T, H, V = 2, 2, 3, 4, 5
+    W = torch.randn(V, H, generator=g, dtype=torch.float64, requires_grad=True)
+    h = torch.randn(B, P + T, H, generator=g, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(V, (B, T), generator=g)
+    mask = torch.tensor([[1.0, 1, 1], [1, 1, 0]])
+    adv = torch.tensor([[0.5, -1.0, 2.0], [1.5, 0.25, 1e6]])  # padding holds garbage
+
+    def logprobs_of(hidden, tokens):
+        logp = torch.log_softmax(hidden @ W.T, -1)  # [B, P + T, V]
+        return logp[:, P - 1:-1].gather(2, tokens[:, :, None])[:, :, 0]  # [B, T]: position P - 1 + t scores t
+
+    norms, m = s3ac.costate_norms(h, logprobs_of(h, targets), adv, mask)
+    for b in range(B):
+        for t in range(T):
+            pos, pi = P - 1 + t, torch.softmax(h[b, P - 1 + t] @ W.T, -1).detach()  # [V]
+            onehot = torch.zeros(V, dtype=torch.float64)
+            onehot[targets[b, t]] = 1.0
+            want = (-adv[b, t].double() * W.detach().T @ (onehot - pi)).norm().item() if mask[b, t] else 0.0
+            assert norms[b, t].item() == pytest.approx(want, rel=1e-5, abs=1e-7), (b, t, pos)
+    assert m["readiness/costate_norm"] == pytest.approx((norms * mask).sum().item() / 5, rel=1e-6)
+    assert W.grad is None and h.grad is None  # autograd.grad only: nothing accumulated
+    # the SUMMED loss: a batch of the same row twice gives each token the same costate, not half of it
+    h2 = h.detach()[[0, 0]].requires_grad_()  # [2, P + T, H] row 0 twice, two sequences
+    twice, _ = s3ac.costate_norms(h2, logprobs_of(h2, targets[[0, 0]]), adv[[0, 0]], mask[[0, 0]])
+    assert torch.allclose(twice, norms[[0, 0]])
+    zero, m = s3ac.costate_norms(h, logprobs_of(h, targets), torch.zeros(B, T), mask)
+    assert torch.equal(zero, torch.zeros(B, T)) and m["readiness/costate_norm"] == 0.0
+
+
+def test_block_costates_hook_block_output_against_hidden_states(tiny):
+    """block_costates on the tiny Llama at block 0 against an fp64 reference from the model's own
+    output_hidden_states (hidden_states[1]: block 0's output) and full logits; the entropy too."""
+    path, model, _ = tiny
+    rows = [{"prompt_ids": [20, 21], "response_ids": [22, 2], "prompt_index": 2, "reward": 1.0},
+            {"prompt_ids": [23], "response_ids": [24, 25, 2], "prompt_index": 2, "reward": 1.0},
+            {"prompt_ids": [5, 6, 7], "response_ids": [8, 9, 10, 2], "prompt_index": 0, "reward": 1.0},
+            {"prompt_ids": [11], "response_ids": [12, 2], "prompt_index": 0, "reward": -1.0},
+            {"prompt_ids": [13, 14], "response_ids": [15, 16, 17], "prompt_index": 1, "reward": 1.0}]
+    batch, _ = s3ac.rows_to_batch(rows, pad_id=2)
+    mask = batch.response_mask  # [5, 4]
+    # rows 0 and 1 have zero advantages: costates 0, their entropy from a forward-only micro-batch (the last)
+    adv = torch.tensor([[0.0] * 4, [0.0] * 4, [1.0, -0.5, 2.0, 0.3], [-1.0, 0.7, 9.0, 9.0],
+                        [0.2, 0.4, -0.6, 9.0]]) * mask
+    temperature = 0.7
+    norms, entropy = s3ac.block_costates(s3ac.Policy(model), batch, adv, 0, temperature, micro_batch_size=2)
+    assert all(p.grad is None for p in model.parameters())
+    input_ids, attention_mask, position_ids = s3ac.model_inputs(batch)
+    out = model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                      output_hidden_states=True)
+    block0 = out.hidden_states[1]  # [5, P + T, H]
+    block0.retain_grad()
+    logp = torch.log_softmax(model.lm_head(out.last_hidden_state).double() / temperature, -1)  # [5, P + T, V]
+    P, T = batch.prompt_ids.shape[1], mask.shape[1]
+    scored = logp[:, P - 1:-1]  # [5, T, V]
+    token_logp = scored.gather(2, batch.response_ids[:, :, None])[:, :, 0]  # [5, T]
+    (-(adv.double() * token_logp * mask).sum()).backward()
+    want = block0.grad[:, P - 1:-1].double().norm(dim=-1) * mask  # [5, T]
+    assert torch.allclose(norms.double(), want, rtol=1e-4, atol=1e-6)
+    assert norms[:2].eq(0).all() and norms[2:].gt(0).sum() == mask[2:].sum()
+    want_entropy = -(scored.exp() * scored).sum(-1) * mask  # [5, T]
+    assert torch.allclose(entropy.double() * mask, want_entropy.detach(), rtol=1e-4, atol=1e-5)
+    model.zero_grad(set_to_none=True)
+
+
+def test_usable_signal_and_impact_hand_cases():
+    costate, entropy = torch.tensor([2.0, 3.0, 0.0]), torch.tensor([0.0, math.log(3.0), 1.0])
+    assert s3ac.usable_signal(costate, entropy).tolist() == pytest.approx([2.0, 1.0, 0.0])  # S = |lambda| e^-H
+    assert s3ac.impact_score(torch.tensor([1.0, 3.0]), torch.tensor([0.5, 0.0])) == pytest.approx(2.0 * 0.25)
+
+
+def test_strata_groups_auto_named_and_none():
+    P = lambda op, d: s3ac.Problem("q", "1", {"op": op, "digits": d})  # noqa: E731
+    problems = [P("+", "1x1"), P("*", "1x2"), P("+", "1x2"), P("+", "1x1")]
+    assert s3ac.strata_groups(problems, "auto") == {
+        "all": [0, 1, 2, 3], "op=*": [1], "op=+": [0, 2, 3], "digits=1x1": [0, 3], "digits=1x2": [1, 2],
+        "op=*:digits=1x2": [1], "op=+:digits=1x1": [0, 3], "op=+:digits=1x2": [2]}
+    assert s3ac.strata_groups(problems, "digits") == {"all": [0, 1, 2, 3], "digits=1x1": [0, 3], "digits=1x2": [1, 2]}
+    assert list(s3ac.strata_groups(problems, "digits,op")) == ["all", "digits=1x1:op=+", "digits=1x2:op=*",
+                                                               "digits=1x2:op=+"]
+    assert s3ac.strata_groups([s3ac.Problem("q", "1")] * 2, "auto") == {"all": [0, 1]}
+    with pytest.raises(ValueError, match="--strata size"):
+        s3ac.strata_groups(problems, "size")
+
+
+PARITY_REWARD = ("def reward(golds, completions, truncated):\n"  # a random model is never right: a stand-in
+                 "    r = [1.0 if sum(map(ord, c + g)) % 2 else -1.0 for g, c in zip(golds, completions)]\n"
+                 "    return r, ['correct' if x > 0 else 'wrong' for x in r]\n")
+
+
+def test_readiness_subcommand_two_checkpoints_two_strata(tiny, tmp_path):
+    second = str(tmp_path / "second")
+    make_tiny_model(second, seed=1)
+    (tmp_path / "parity.py").write_text(PARITY_REWARD)
+    out = tmp_path / "ready.jsonl"
+    proc = run_s3ac("readiness", "--model", f"{tiny[0]},{second}", "--data", "builtin:arithmetic:200:op=+-",
+                    "--prompts", "6", "--k", "3", "--strata", "op", "--max-new-tokens", "6", "--threads", "1",
+                    "--reward-fn", f"{tmp_path / 'parity.py'}:reward", "--out", str(out), timeout=300)
+    lines = read_jsonl(out)
+    assert [(r["model"], r["stratum"]) for r in lines] == [(m, s) for m in (tiny[0], second)
+                                                           for s in ("all", "op=+", "op=-")]
+    table = [line for line in proc.stdout.splitlines() if line.startswith("|")]
+    assert table[0].split(" | ")[3:] == ["greedy pass@1", "pass@1", "pass@3", "mixed", "headroom", "entropy",
+                                        "costate", "S", "impact |"]
+    assert len(table) == 2 + 6
+    for r in lines:
+        assert r["k"] == 3 and r["block"] == 1 and r["alpha"] == 1.0  # auto: L // 2 of the tiny model's 2 blocks
+        figures = [r[key][stat] for key in ("greedy pass@1", "pass@1", "pass@3", "mixed", "headroom", "entropy",
+                                            "costate", "S") for stat in ("mean", "std")] + [r["impact"]]
+        assert all(math.isfinite(x) for x in figures), r
+        assert r["pass@3"]["mean"] >= r["pass@1"]["mean"] and r["headroom"]["mean"] >= 0
+        assert r["impact"] == pytest.approx(r["S"]["mean"] * r["headroom"]["mean"])
+    for model in (tiny[0], second):
+        mine = {r["stratum"]: r for r in lines if r["model"] == model}
+        assert mine["op=+"]["n"] + mine["op=-"]["n"] == mine["all"]["n"] == 6
+        assert mine["all"]["headroom"]["mean"] * 6 == pytest.approx(
+            mine["op=+"]["headroom"]["mean"] * mine["op=+"]["n"] + mine["op=-"]["headroom"]["mean"] * mine["op=-"]["n"])
+    assert any(r["costate"]["mean"] > 0 for r in lines)  # the parity reward gives mixed groups
+
+
+def test_readiness_headroom_logged_during_training(smoke_run, tiny, tmp_path):
+    # K = 2: every step, from its own groups (a random model under the math verifier: all wrong, so H = 0)
+    records = read_jsonl(os.path.join(smoke_run[1], "metrics.jsonl"))
+    for r in records[1:]:
+        assert r["readiness/headroom"] == 0.0 and r["rollout/acc"] == 0.0
+    # K = 1: each evaluation samples --headroom-k answers to the first --headroom-prompts problems
+    (tmp_path / "parity.py").write_text(PARITY_REWARD)
+    out = str(tmp_path / "k1")
+    flags = smoke_flags(tiny[0], out, "--steps", "1", "--headroom-k", "3", "--headroom-prompts", "3",
+                        "--reward-fn", f"{tmp_path / 'parity.py'}:reward")
+    flags[flags.index("--k") + 1] = "1"
+    run_s3ac(*flags)
+    records = read_jsonl(os.path.join(out, "metrics.jsonl"))
+    assert [r["step"] for r in records] == [0, 1]
+    assert all(0.0 <= r["readiness/headroom"] <= 2.0 and r["time/eval"] > 0 for r in records)
+    # the measurement draws with its own seed: without it (--headroom-k 0) the run trains on the same rollouts
+    flags[flags.index("--out-dir") + 1] = out + "-off"
+    run_s3ac(*flags, "--headroom-k", "0")
+    off = read_jsonl(os.path.join(out + "-off", "metrics.jsonl"))
+    assert "readiness/headroom" not in off[0] and "readiness/headroom" not in off[1]
+    for key in ("rollout/reward", "rollout/response_len", "actor/pg_loss", "eval/pass@1"):
+        assert off[1][key] == records[1][key], key
+    for bad in (["--headroom-k", "1"], ["--alpha-headroom", "-1"]):
+        with pytest.raises(SystemExit):
+            s3ac.parse_args(["--model", "m", *bad])
+
+
+def load_readiness_check():
+    """.ci/readiness.py (the prediction check) as a module."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("readiness_check", os.path.join(HERE, ".ci", "readiness.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_readiness_check_spearman_and_ranks_hand_cases():
+    rc = load_readiness_check()
+    assert rc.average_ranks([10, 20, 20, 30]) == [1, 2.5, 2.5, 4] and rc.average_ranks([3, 1, 3, 3]) == [3, 1, 3, 3]
+    # ties: ranks x 1, 2.5, 2.5, 4 and y 1, 3, 2, 4 -> 4.5 / sqrt(4.5 * 5) = sqrt(0.9)
+    assert rc.spearman([1, 2, 2, 3], [1, 3, 2, 4]) == pytest.approx(math.sqrt(0.9), abs=1e-12)
+    assert rc.spearman([1, 2, 3, 4, 5], [2, 4, 8, 16, 1000]) == pytest.approx(1.0)  # monotone, not linear
+    assert rc.spearman([1, 2, 3, 4], [9, 7, 5, -3]) == pytest.approx(-1.0)
+    assert math.isnan(rc.spearman([1, 2, 3], [5, 5, 5])) and math.isnan(rc.spearman([1], [2]))
+    points = [{"before": b, "impact": i} for b, i in ((0.1, 3.0), (0.5, 1.0), (0.3, 2.0))]
+    assert rc.combined_predictor(points) == [1 + 3, 3 + 1, 2 + 2]
+    with pytest.raises(ValueError):
+        rc.spearman([1, 2], [1])
+
+
+def test_readiness_check_quantile_and_bootstrap_known_values():
+    rc = load_readiness_check()
+    assert rc.quantile([4, 1, 3, 2], 0.5) == 2.5 and rc.quantile([1, 2, 3, 4, 5], 0.25) == 2.0
+    assert rc.quantile([0, 10], 0.975) == pytest.approx(9.75) and math.isnan(rc.quantile([], 0.5))
+    # a monotone set: every resample with two distinct points has rho 1; the rest (constant) are left out
+    points = list(range(6))
+    low, high, kept = rc.bootstrap_ci(points, lambda ps: rc.spearman(ps, [p ** 3 for p in ps]), 300, seed=1)
+    assert (low, high) == (1.0, 1.0) and 0 < kept <= 300
+    # the mean of two points 0 and 1: resample means 0, 1/2, 1 with chances 1/4, 1/2, 1/4 -> interval [0, 1]
+    low, high, kept = rc.bootstrap_ci([0.0, 1.0], lambda ps: sum(ps) / len(ps), 1000, seed=0)
+    assert (low, high, kept) == (0.0, 1.0, 1000)
+    # seeded: the same resamples each call
+    stat = lambda ps: sum(ps) / len(ps)  # noqa: E731
+    assert rc.bootstrap_ci([1.0, 2.0, 7.0], stat, 50, seed=3) == rc.bootstrap_ci([1.0, 2.0, 7.0], stat, 50, seed=3)
+
+
+def test_readiness_check_tiny_runs_end_to_end(tmp_path):
+    import time
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, os.path.join(HERE, ".ci", "readiness.py"), "--tiny", "--out-dir",
+                           str(tmp_path)], capture_output=True, text=True, env=env, timeout=300, cwd=HERE)
+    seconds = time.time() - t0
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    points = result["points"]
+    assert [(p["checkpoint"][-5:], p["stratum"]) for p in points] == [
+        ("tiny0", "op=+"), ("tiny0", "op=-"), ("tiny1", "op=+"), ("tiny1", "op=-")]
+    for p in points:
+        assert all(math.isfinite(p[k]) for k in ("before", "after", "gain", "impact", "headroom", "S")), p
+        assert p["gain"] == pytest.approx(p["after"] - p["before"])
+    rows = {r["name"]: r for r in result["correlations"]}
+    assert rows["impact vs gain"]["paper"] == 0.6 and rows["rank(pass@1 before) + rank(impact) vs after"]["paper"] \
+        == 0.73 and len(rows) == 5
+    assert read_jsonl(tmp_path / "points.jsonl") == points
+    assert "| impact vs gain |" in proc.stdout and (tmp_path / "table.md").read_text().startswith("| checkpoint |")
+    assert seconds < 90, seconds  # about 40 s alone on 2 cores; CI may share them

@@ -1,0 +1,294 @@
+"""Does the impact score predict what RL gains? python .ci/readiness.py (or ./run.sh readiness).
+
+    ./run.sh readiness                          # the CPU demo's model and settings, its checkpoints, four strata
+    python .ci/readiness.py --tiny              # two random tiny models x two strata: CI, well under a minute
+    python .ci/readiness.py --help              # its own flags; the others go to every s3ac.py run
+
+Points: every checkpoint (--checkpoints) x every stratum (--strata: filters of --data's strata such as
+op=+:digits=2x2). For each point, three figures:
+    readiness  `s3ac.py readiness` of the checkpoint on --readiness-prompts training problems of the stratum (one run
+               for every checkpoint and stratum): impact, H (headroom), S (usable signal), pass@1 sampled;
+    before     greedy pass@1 on --eval-size held-out problems of the stratum (the RL run's evaluation at step 0);
+    after      the same after a short critic-free RL run from the checkpoint on the stratum's training problems
+               (`s3ac.py --algo grpo --k 4`, the same --steps, --batch-prompts and flags for every point; the paper's
+               theory is about critic-free updates): gain = after - before.
+Then Spearman's rho, each with a percentile bootstrap 95% interval over points (--bootstrap resamples), beside the
+value-gradient paper's figures: impact, H alone and S alone against the gain (paper: impact 0.60); pass@1 before
+against after (current ability alone, for reference); and rank(pass@1 before) + rank(impact) against after (the
+paper's combined predictor, 0.73; a sum of ranks since pass@1 and impact have different scales).
+
+Held-out problems: a seeded sample of the stratum's problems whose questions are not in --exclude-data (the data the
+checkpoints were trained on: the CPU demo's builtin:arithmetic), so that a later checkpoint has not seen them. Outputs
+in --out-dir: data/ (every stratum's train and held-out problems, readiness.jsonl), readiness/ and c<i>-s<j>/ (one
+per run, skipped when its `done` holds the same flags), points.jsonl, table.md, result.json.
+"""
+
+import argparse
+import glob
+import json
+import math
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
+sys.path.insert(0, HERE)  # s3ac.py
+
+from s3ac import _write_atomic, distinct, load_problems  # noqa: E402
+
+PAPER = {"impact": 0.60, "combined": 0.73}  # the value-gradient paper's Spearman figures (OLMo-2 1B checkpoints)
+DEMO_STRATA = "op=+:digits=1x2,op=-:digits=2x2,op=*:digits=1x2,op=*:digits=2x2"  # easy to hard for the demo's model
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# Statistics: small pure functions (test_s3ac.py checks each against hand-worked cases)
+# -----------------------------------------------------------------------------------------------------------------
+def average_ranks(values: list) -> list:
+    """Ranks 1..n of values, ties given the mean of the ranks they span ([10, 20, 20, 30] -> [1, 2.5, 2.5, 4])."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks, start = [0.0] * len(values), 0
+    while start < len(order):
+        end = start
+        while end + 1 < len(order) and values[order[end + 1]] == values[order[start]]:
+            end += 1
+        for i in order[start: end + 1]:
+            ranks[i] = (start + end) / 2 + 1  # the mean of ranks start + 1 .. end + 1
+        start = end + 1
+    return ranks
+
+
+def spearman(x: list, y: list) -> float:
+    """Spearman's rho: Pearson's correlation of the average ranks of x and y (ties allowed); nan for fewer than two
+    points or a constant x or y."""
+    if len(x) != len(y):
+        raise ValueError(f"spearman: {len(x)} x values against {len(y)} y values")
+    if len(x) < 2:
+        return math.nan
+    rx, ry = average_ranks(x), average_ranks(y)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    sxy = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    sxx, syy = sum((a - mx) ** 2 for a in rx), sum((b - my) ** 2 for b in ry)
+    return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else math.nan
+
+
+def quantile(values: list, q: float) -> float:
+    """The q-quantile of values by linear interpolation between order statistics (numpy's default); nan for none."""
+    v = sorted(values)
+    if not v:
+        return math.nan
+    pos = q * (len(v) - 1)
+    lo = math.floor(pos)
+    return v[lo] + (v[min(lo + 1, len(v) - 1)] - v[lo]) * (pos - lo)
+
+
+def bootstrap_ci(points: list, statistic, resamples: int = 1000, seed: int = 0, level: float = 0.95):
+    """Percentile bootstrap interval of statistic(points) over `resamples` resamples of the points with replacement
+    (seeded): (low, high, kept), resamples whose statistic is nan (e.g. a constant column) left out and counted out
+    of kept."""
+    rng = random.Random(seed)
+    stats = [statistic(rng.choices(points, k=len(points))) for _ in range(resamples)]
+    stats = [s for s in stats if not math.isnan(s)]
+    return quantile(stats, (1 - level) / 2), quantile(stats, (1 + level) / 2), len(stats)
+
+
+def combined_predictor(points: list) -> list:
+    """rank(pass@1 before) + rank(impact) of each point: the paper's current-ability-plus-impact predictor, as a sum
+    of ranks (the two figures have different scales)."""
+    return [a + b for a, b in zip(average_ranks([p["before"] for p in points]),
+                                  average_ranks([p["impact"] for p in points]))]
+
+
+CORRELATIONS = [  # (name, predictor of a point list, target of a point list, the paper's figure)
+    ("impact vs gain", lambda ps: [p["impact"] for p in ps], lambda ps: [p["gain"] for p in ps], PAPER["impact"]),
+    ("H vs gain", lambda ps: [p["headroom"] for p in ps], lambda ps: [p["gain"] for p in ps], None),
+    ("S vs gain", lambda ps: [p["S"] for p in ps], lambda ps: [p["gain"] for p in ps], None),
+    ("pass@1 before vs after", lambda ps: [p["before"] for p in ps], lambda ps: [p["after"] for p in ps], None),
+    ("rank(pass@1 before) + rank(impact) vs after", combined_predictor, lambda ps: [p["after"] for p in ps],
+     PAPER["combined"])]
+
+
+def correlations(points: list, resamples: int, seed: int) -> list:
+    """Each CORRELATIONS row: {"name", "rho", "low", "high", "kept" (bootstrap resamples with a defined rho),
+    "paper"}."""
+    out = []
+    for name, x, y, paper in CORRELATIONS:
+        rho_of = lambda ps: spearman(x(ps), y(ps))  # noqa: E731
+        low, high, kept = bootstrap_ci(points, rho_of, resamples, seed)
+        out.append({"name": name, "rho": rho_of(points), "low": low, "high": high, "kept": kept, "paper": paper})
+    return out
+
+
+def tables(points: list, rows: list) -> str:
+    """The points and the correlations, two markdown tables."""
+    f = lambda v: "nan" if v is None or math.isnan(v) else f"{v:.3g}"  # noqa: E731
+    out = ["| checkpoint | stratum | pass@1 before | after | gain | impact | H | S | pass@1 sampled |",
+           "|---" * 9 + "|"]
+    out += [f"| {p['checkpoint']} | {p['stratum']} | {f(p['before'])} | {f(p['after'])} | {f(p['gain'])} | "
+            f"{f(p['impact'])} | {f(p['headroom'])} | {f(p['S'])} | {f(p['pass@1 sampled'])} |" for p in points]
+    out += ["", f"| Spearman ({len(points)} points) | rho | bootstrap 95% interval | paper |", "|---|---|---|---|"]
+    out += [f"| {r['name']} | {f(r['rho'])} | [{f(r['low'])}, {f(r['high'])}] ({r['kept']} resamples) | "
+            f"{'-' if r['paper'] is None else r['paper']} |" for r in rows]
+    return "\n".join(out)
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# The experiment: data, runs, points
+# -----------------------------------------------------------------------------------------------------------------
+def parse_stratum(spec: str) -> dict:
+    """'op=+:digits=2x2' -> {"op": "+", "digits": "2x2"}. Raises ValueError for a part without '='."""
+    pairs = [part.partition("=") for part in spec.split(":")]
+    if not spec or any(not eq or not key or not value for key, eq, value in pairs):
+        raise ValueError(f"--strata: {spec!r} is not field=value[:field=value ...]")
+    return {key: value for key, _, value in pairs}
+
+
+def split_strata(opts) -> list:
+    """Per stratum spec: (spec, train problems, held-out problems), written to <out-dir>/data/. Held out: a seeded
+    sample of at most --eval-size of the stratum's problems whose questions are not in --exclude-data; the rest
+    train. Raises ValueError for a stratum with fewer than 4 problems to hold out or none left to train on."""
+    problems = distinct(load_problems(opts.data, seed=opts.seed))
+    excluded = load_problems(opts.exclude_data, seed=0) if opts.exclude_data else []  # seed 0: the demo's
+    seen = {p.question for p in excluded}
+    rng, out, readiness_rows = random.Random(opts.seed + 12345), [], []
+    os.makedirs(os.path.join(opts.out_dir, "data"), exist_ok=True)
+    for j, spec in enumerate(opts.strata.split(",")):
+        want = parse_stratum(spec)
+        mine = [p for p in problems if all(p.strata.get(k) == v for k, v in want.items())]
+        fresh = [p for p in mine if p.question not in seen]
+        held = rng.sample(fresh, min(opts.eval_size, len(fresh) // 2))
+        train = [p for p in mine if p.question not in {h.question for h in held}]
+        if len(held) < 4 or not train:
+            raise ValueError(f"--strata {spec}: {len(mine)} problems, {len(fresh)} not in --exclude-data: too few")
+        for part, rows in (("train", train), ("eval", held)):
+            _write_atomic(os.path.join(opts.out_dir, "data", f"s{j}-{part}.jsonl"), "".join(
+                json.dumps({"question": p.question, "answer": p.answer}) + "\n" for p in rows))
+        readiness_rows += [{"question": p.question, "answer": p.answer, "strata": {"stratum": spec}}
+                           for p in rng.sample(train, min(opts.readiness_prompts, len(train)))]
+        out.append((spec, len(train), len(held)))
+    _write_atomic(os.path.join(opts.out_dir, "data", "readiness.jsonl"),
+                  "".join(json.dumps(r) + "\n" for r in readiness_rows))
+    return out
+
+
+def run_once(argv: list, out: str, resume: bool = True):
+    """python s3ac.py argv (out: its directory), unless resume and out/done holds the same argv; then out/done.
+    Raises SystemExit when out/done holds other flags (resume)."""
+    done = os.path.join(out, "done")
+    if resume and os.path.exists(done):
+        with open(done) as f:
+            if f.read().strip() == json.dumps(argv):
+                return
+        raise SystemExit(f"{out}: finished with other settings (see {done}); remove it or pick another --out-dir")
+    os.makedirs(out, exist_ok=True)
+    subprocess.run([sys.executable, os.path.join(HERE, "s3ac.py"), *argv], check=True)
+    shutil.rmtree(os.path.join(out, "checkpoints"), ignore_errors=True)  # a 135M model's weights and optimizer
+    _write_atomic(done, json.dumps(argv) + "\n")
+
+
+def eval_pass_at_1(run_dir: str):
+    """(pass@1 at step 0, pass@1 of the last evaluation) of a run's metrics.jsonl."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        evals = [r["eval/pass@1"] for r in map(json.loads, f) if r.get("eval/pass@1") is not None]
+    return evals[0], evals[-1]
+
+
+def tiny_setup(tmp: str) -> list:
+    """--tiny: two random tiny Qwen2 models (.ci/gpu_check.py's make_random_model, seeds 0 and 1) and a stand-in
+    reward (a random model is never right: +1 when the code points of the completion and the gold sum to an odd
+    number), in tmp. Returns the flags that point every run at them."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # .ci/
+    from gpu_check import make_random_model
+    for seed in (0, 1):
+        make_random_model(os.path.join(tmp, f"tiny{seed}"), hidden=32, layers=2, heads=4, seed=seed)
+    with open(os.path.join(tmp, "parity.py"), "w") as f:
+        f.write("def reward(golds, completions, truncated):\n"
+                "    r = [1.0 if sum(map(ord, c + g)) % 2 else -1.0 for g, c in zip(golds, completions)]\n"
+                "    return r, ['correct' if x > 0 else 'wrong' for x in r]\n")
+    return ["--reward-fn", os.path.join(tmp, "parity.py") + ":reward", "--max-new-tokens", "8",
+            "--micro-batch-size", "4", "--gen-batch-size", "16", "--lr", "1e-3", "--threads", "1"]
+
+
+def main(argv=None):
+    """Parse flags, split the strata, run readiness per checkpoint and one RL run per point, print and write the
+    tables. Returns result.json's contents."""
+    parser = argparse.ArgumentParser(prog=".ci/readiness.py", description=__doc__.split("\n")[0],
+                                     epilog="Other flags (python s3ac.py --help) go to every s3ac.py run.")
+    parser.add_argument("--tiny", action="store_true", help="two random tiny models x two strata, a few steps (CI)")
+    for flag, default, text in (
+            ("--model", "", "the step-0 checkpoint (the CPU demo's model); --checkpoints auto starts with it"),
+            ("--checkpoints", "auto", "comma-separated; auto = --model, then runs/cpu-demo/checkpoints/step_*/actor"),
+            ("--strata", DEMO_STRATA, "comma-separated stratum filters of --data, field=value[:field=value]"),
+            ("--data", "builtin:arithmetic:40000", "problems with strata (split into train and held out per stratum)"),
+            ("--exclude-data", "builtin:arithmetic", "the checkpoints' training data: never held out ('' = none)"),
+            ("--eval-size", 100, "held-out problems per stratum, at most (half of the stratum's, if fewer)"),
+            ("--readiness-prompts", 64, "training problems per stratum that readiness samples"),
+            ("--readiness-k", 8, "readiness: samples per problem"),
+            ("--algo", "grpo", "the RL run's algorithm (critic-free: grpo, rloo, reinforce_pp)"),
+            ("--k", 4, "the RL run's rollouts per prompt"), ("--batch-prompts", 8, "the RL run's prompts per step"),
+            ("--steps", 8, "the RL run's steps (the same budget for every point)"),
+            ("--seed", 0, "seed of the splits, samples and runs"),
+            ("--bootstrap", 1000, "bootstrap resamples of the points"),
+            ("--out-dir", os.path.join(HERE, "runs", "readiness"), "data, runs, points.jsonl, table.md, result.json")):
+        parser.add_argument(flag, type=type(default), default=default, help=text)
+    opts, rest = parser.parse_known_args(argv)
+    tmp = tempfile.TemporaryDirectory() if opts.tiny else None
+    if opts.tiny:
+        rest = tiny_setup(tmp.name) + rest
+        opts.checkpoints = ",".join(os.path.join(tmp.name, f"tiny{s}") for s in (0, 1))
+        opts.strata, opts.data, opts.exclude_data = "op=+,op=-", "builtin:arithmetic:400", ""
+        opts.eval_size, opts.readiness_prompts, opts.readiness_k = 4, 3, 2
+        opts.k, opts.batch_prompts, opts.steps, opts.bootstrap = 2, 2, 1, 200
+    if opts.checkpoints == "auto":
+        demo = sorted(glob.glob(os.path.join(HERE, "runs", "cpu-demo", "checkpoints", "step_*", "actor")),
+                      key=lambda d: int(re.findall(r"step_(\d+)", d)[-1]))
+        opts.checkpoints = ",".join(([opts.model] if opts.model else []) + demo)
+        print(f"--checkpoints auto: {opts.checkpoints}", file=sys.stderr)
+    checkpoints = [c for c in opts.checkpoints.split(",") if c]
+    if not checkpoints:
+        parser.error("no checkpoint: give --model or --checkpoints")
+    try:
+        strata = split_strata(opts)
+        for spec, n_train, n_held in strata:
+            print(f"stratum {spec}: {n_train} training problems, {n_held} held out", file=sys.stderr)
+        data = os.path.join(opts.out_dir, "data")
+        out = os.path.join(opts.out_dir, "readiness")  # one run: every checkpoint on every stratum
+        run_once(["readiness", *rest, "--model", ",".join(checkpoints), "--data", os.path.join(data, "readiness.jsonl"),
+                  "--prompts", "1000000", "--k", str(opts.readiness_k), "--strata", "stratum", "--seed", str(opts.seed),
+                  "--out", os.path.join(out, "readiness.jsonl")], out, resume=not opts.tiny)
+        with open(os.path.join(out, "readiness.jsonl")) as f:
+            ready = {(r["model"], r["stratum"]): r for r in map(json.loads, f)}
+        points = []
+        for i, ckpt in enumerate(checkpoints):
+            for j, (spec, _, n_held) in enumerate(strata):
+                out = os.path.join(opts.out_dir, f"c{i}-s{j}")
+                run_once([*rest, "--model", ckpt, "--data", os.path.join(data, f"s{j}-train.jsonl"), "--eval-data",
+                          os.path.join(data, f"s{j}-eval.jsonl"), "--eval-size", str(n_held), "--algo", opts.algo,
+                          "--k", str(opts.k), "--batch-prompts", str(opts.batch_prompts), "--steps", str(opts.steps),
+                          "--eval-every", "0", "--save-every", "0", "--seed", str(opts.seed), "--out-dir", out], out,
+                         resume=not opts.tiny)  # --tiny's models live in a new directory each time
+                before, after = eval_pass_at_1(out)
+                r = ready[ckpt, f"stratum={spec}"]
+                points.append({"checkpoint": ckpt, "stratum": spec, "before": before, "after": after,
+                               "gain": after - before, "impact": r["impact"], "headroom": r["headroom"]["mean"],
+                               "S": r["S"]["mean"], "pass@1 sampled": r["pass@1"]["mean"]})
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    rows = correlations(points, opts.bootstrap, opts.seed)
+    text = tables(points, rows)
+    print(text)
+    _write_atomic(os.path.join(opts.out_dir, "points.jsonl"), "".join(json.dumps(p) + "\n" for p in points))
+    _write_atomic(os.path.join(opts.out_dir, "table.md"), text + "\n")
+    result = {"points": points, "correlations": rows, "opts": vars(opts), "flags": rest}
+    clean = lambda v: None if isinstance(v, float) and math.isnan(v) else v  # noqa: E731  nan -> null
+    _write_atomic(os.path.join(opts.out_dir, "result.json"), json.dumps(
+        {**result, "correlations": [{k: clean(v) for k, v in r.items()} for r in rows]}, indent=1) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
