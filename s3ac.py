@@ -1017,6 +1017,8 @@ def critic_warmup_step(args: Args, state: TrainState, reward_fn) -> dict:
     mask = batch.response_mask.to(state.device)  # [B, T]
     returns = mc_returns(rewards.to(state.device), mask, args.gamma)  # [B, T]
     metrics.update(critic_fit(values, raw, returns, mask, args.critic_loss))
+    metrics.update({"rollout/reward": rewards.mean().item(), "rollout/acc": succeeded(rewards).float().mean().item(),
+                    "critic/v0_mean": values[:, 0].mean().item()})  # what the critic is fitting, and V(s_0) before
     state.critic.train()
     metrics.update(update_critic(state.critic, state.critic_opt, batch, values, returns, mask, args, state.update_gen))
     metrics["time/pretrain"] = time.time() - t0
