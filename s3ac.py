@@ -515,9 +515,10 @@ def impact_score(signal, h):
 #    the kept tokens only (no weight can bring back tokens that are never drawn), scaled down by Z. With
 #    --is-correction none the sampler's log-probs only feed the rollout/logprob_gap metrics. PACT's rho =
 #    pi_new / mu uses the same mu.
-# 2. When the actor takes one optimizer step per rollout batch (the default), pi_old is the pre-update policy,
-#    so old_logprobs are the detached log-probs of the same forward pass and the ratio is exactly 1; with
-#    --minibatches or --actor-epochs above 1 they come from a separate no-grad pass.
+# 2. log pi_old always comes from one separate no-grad pass before the update (old_policy_logprobs), as verl's and
+#    OpenRLHF's recomputation: with one optimizer step per rollout batch (--minibatches 1, the CPU demo's) the
+#    ratio is then exactly 1 and CISPO's clip never acts; the paper setting takes DAPO's 16 mini-batches of 32
+#    prompts (--minibatches auto), where it does.
 # 3. Learning rates are constant (no warm-up or decay); AdamW without weight decay (DAPO's recipe warms up for
 #    10 steps and decays weights by 0.1); fp32 weights and optimizer states, bf16 autocast for forward passes on CUDA.
 # 4. The critic is a separate model (default: a copy of the actor's checkpoint) that must share the actor's
@@ -2119,7 +2120,8 @@ class Args:
     daps_a_min: float = flag(0.1, "acceptance floor for very easy and very hard prompts, in (0, 1]")
     daps_decay: float = flag(0.99, "per-step decay of the success and attempt counts")
     # updates (actor and critic)
-    minibatches: int = flag(1, "optimizer steps per pass over the rollout batch")
+    minibatches: str = flag("auto", "optimizer steps per pass over the rollout batch; auto: batch_prompts // 32 (DAPO's "
+                            "mini-batches of 32 prompts), at least 1")
     micro_batch_size: int = flag(8, "sequences per forward/backward; gradients accumulate over a mini-batch")
     max_skipped_steps: int = flag(3, "stop after this many training steps in a row that skipped an optimizer step "
                                   "(actor or critic: a non-finite gradient norm leaves weights and optimizer state "
@@ -2173,7 +2175,8 @@ CRITIC_ALGOS = ("s3ac", "ppo")  # the algorithms that train a critic; grpo, rloo
 
 NAMED_OR_NUMBER = {  # the fields that take a number or a named value: (named values, number type)
     "actor_lam": (("auto", "adaptive"), float), "critic_lam": (("auto",), float), "eps_low": (("auto",), float),
-    "eval_max_new_tokens": (("auto",), int), "critic_warmup_steps": (("auto", "plateau"), int)}
+    "eval_max_new_tokens": (("auto",), int), "critic_warmup_steps": (("auto", "plateau"), int),
+    "minibatches": (("auto",), int)}
 
 
 def resolve_args(args: Args) -> Args:
@@ -2194,7 +2197,7 @@ def resolve_args(args: Args) -> Args:
     number = lambda x: isinstance(x, float)  # not a named value
     domains = {  # every numeric flag: (holds, what it must be); a NaN fails every test
         **{name: (getattr(args, name) >= 1, "at least 1") for name in (
-            "k", "batch_prompts", "max_new_tokens", "minibatches", "micro_batch_size", "actor_epochs", "critic_epochs",
+            "k", "batch_prompts", "max_new_tokens", "micro_batch_size", "actor_epochs", "critic_epochs",
             "gen_batch_size", "max_prompt_tokens", "coverage_prompts", "coverage_epochs", "eval_size", "eval_k",
             "keep_checkpoints")},
         **{name: (getattr(args, name) >= 0, ">= 0") for name in (
@@ -2215,6 +2218,7 @@ def resolve_args(args: Args) -> Args:
                                 "at least 1, or auto"),
         "critic_warmup_steps": (not isinstance(args.critic_warmup_steps, int) or args.critic_warmup_steps >= 0,
                                 ">= 0, or plateau, or auto"),
+        "minibatches": (args.minibatches == "auto" or args.minibatches >= 1, "at least 1, or auto"),
         "rho_max": (args.rho_max > args.rho_min, f"above --rho-min {args.rho_min}"),
         "headroom_k": (args.headroom_k == 0 or args.headroom_k >= 2, "0 (none) or at least 2")}
     for name, (holds, rule) in domains.items():
@@ -2245,7 +2249,8 @@ def resolve_args(args: Args) -> Args:
         eps_low=auto(args.eps_low, 0.2 if actor_loss == "ppo" else 1.0),
         eval_max_new_tokens=auto(args.eval_max_new_tokens, args.max_new_tokens),
         critic_warmup_steps=auto(args.critic_warmup_steps, "plateau" if args.algo in CRITIC_ALGOS and
-                                 not uses_coverage(args) else 0))
+                                 not uses_coverage(args) else 0),
+        minibatches=auto(args.minibatches, max(1, args.batch_prompts // 32)))
 
 
 def _named_or_number(name: str, value, words: tuple, number_type=float):
@@ -2605,7 +2610,8 @@ def setup_run(args: Args, reward_fn=None, eval_reward_fn=None) -> Run:
               (f" --actor-lam {args.actor_lam} --critic-lam {args.critic_lam} --critic-loss {args.critic_loss} "
                f"--critic-sync {args.critic_sync} --critic-warmup-steps {args.critic_warmup_steps}"
                if args.algo in CRITIC_ALGOS else " (no critic)") +
-              f" --is-correction {args.is_correction}" + (f" on {world} ranks" if world > 1 else ""), file=sys.stderr)
+              f" --is-correction {args.is_correction} --minibatches {args.minibatches}" +
+              (f" on {world} ranks" if world > 1 else ""), file=sys.stderr)
         os.makedirs(args.out_dir, exist_ok=True)
     kernels.set_backend(args.kernels)
     if args.threads:

@@ -84,6 +84,25 @@ def run_s3ac(*flags, timeout=600):
     return proc
 
 
+def load_ci(name: str):
+    """.ci/<name>.py (a script behind the README's measurements) as a module."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(f"ci_{name}", os.path.join(HERE, ".ci", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_ci(name: str, *flags, timeout=300):
+    """python .ci/<name>.py flags as a subprocess (one thread, unbuffered): (the finished process, its seconds)."""
+    import time
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, os.path.join(HERE, ".ci", f"{name}.py"), *flags], capture_output=True,
+                          text=True, env=env, timeout=timeout, cwd=HERE)
+    return proc, time.time() - t0
+
+
 def read_jsonl(path):
     with open(path) as f:
         return [json.loads(line) for line in f]
@@ -1736,7 +1755,7 @@ sys.path.insert(0, sys.argv[1])
 import s3ac
 rank, world, device = s3ac.init_distributed("cpu")
 data = torch.load(sys.argv[2], weights_only=False)
-args = s3ac.resolve_args(s3ac.Args(micro_batch_size=2, critic_epochs=2, actor_grad_clip=0.05))
+args = s3ac.resolve_args(s3ac.Args(micro_batch_size=2, critic_epochs=2, actor_grad_clip=0.05, minibatches=1))
 lm = s3ac.load_actor(sys.argv[3], device)
 policy, critic = s3ac.Policy(lm), s3ac.load_critic(sys.argv[3], device, seed=1)
 if world > 1:
@@ -1990,10 +2009,7 @@ def test_gpu_check_script_tiny_path(tmp_path):
 def test_gpu_check_script_keeps_going_after_a_failed_part(tmp_path):
     """A part that fails, prints an error row or runs out of time is reported as such, with the JSON lines it
     printed before; the train check accepts NaN only where s3ac.py defines it."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(HERE, ".ci", "gpu_check.py"))
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
+    gpu_check = load_ci("gpu_check")
 
     def part(name, row, then="", timeout=30):  # a part that prints one JSON line, then does `then`
         code = f"import json, time; print(json.dumps({row!r}), flush=True); print('not json'); {then}"
@@ -2366,15 +2382,6 @@ def test_curves_figure_one_colour_per_run_in_every_panel(tmp_path):
     plt.close(fig)
 
 
-def load_compare():
-    """.ci/compare.py (the side-by-side comparison harness) as a module."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("compare", os.path.join(HERE, ".ci", "compare.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_compare_help_runs():
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, os.path.join(HERE, ".ci", "compare.py"), "--help"], capture_output=True,
@@ -2394,7 +2401,7 @@ def test_compare_table_arithmetic(tmp_path):
     """Means and standard errors over seeds, pass@1 at the least training time any run reached (a step that runs
     across it counts), the best of those evaluations, its step and final - best, the second half of the steps for EV,
     all steps for c, and '-' for the keys a critic-free run lacks; the paired differences by seed."""
-    compare = load_compare()
+    compare = load_ci("compare")
     ev = lambda e, v0, c: {"critic/explained_var": e, "critic/adv_explained_var": v0, "critic/compute_ratio": c}
     write_run(str(tmp_path / "s0"), {0: 0.1, 2: 0.3, 4: 0.5}, [ev(0.0, 0.0, 0.5), ev(0.0, 0.0, 0.5),
                                                                ev(0.2, 0.1, 0.3), ev(0.4, 0.3, 0.3)])
@@ -2430,7 +2437,7 @@ def test_compare_runs_seed_major_with_each_configs_flags(tmp_path, monkeypatch):
     """compare() with s3ac.py replaced by a recorder: seed 0 of every config first; --s3ac-flags reach only the
     S3AC run; shared flags reach every run; a rerun skips finished runs, and stops on a run finished with other
     settings."""
-    compare = load_compare()
+    compare = load_ci("compare")
     calls = []
 
     def fake_run(command, check):
@@ -3394,7 +3401,7 @@ def test_kernels_logprobs_rejects_bad_arguments():
         K.logprobs_from_hidden(torch.zeros(2, 3), torch.zeros(5, 3), torch.zeros(2, dtype=torch.long), 0.0)
 
 
-# --- Symbolic answers, perturbation set, golds from worked solutions (issue 24) ---
+# --- Symbolic answers, perturbation set, golds from worked solutions ---
 MATH500 = Path(__file__).resolve().parent.parent / "shared" / "data" / "math500.jsonl"
 
 
@@ -3549,7 +3556,7 @@ def test_perturbation_set_of_math500():
           f"{len(misses)} of {counts[True]} equivalent forms (all listed), false positives 0 of {counts[False]}")
 
 
-# The four false-positive classes of issue 24 and the others found beside them: (gold, boxed answer, status).
+# Four false-positive classes of symbolic answers and the others found beside them: (gold, boxed answer, status).
 SYMBOLIC_CASES = [
     # \mathrm{e} is Euler's e: math-verify stopped reading at \mathrm{e}, so the sign after 2 went unread
     ("2 - \\frac{1}{\\mathrm{e}}", "2 + \\frac{1}{\\mathrm{e}}", "wrong"),
@@ -3641,25 +3648,11 @@ def test_distinct_keeps_the_first_of_each_question_in_order():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# --- Mechanisms: .ci/mechanisms.py (issue 23) ---
+# --- Mechanisms: .ci/mechanisms.py ---
 # ---------------------------------------------------------------------------------------------------------------
-def load_mechanisms():
-    """.ci/mechanisms.py (each S3AC piece against its paper's claim) as a module."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("mechanisms", os.path.join(HERE, ".ci", "mechanisms.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_mechanisms_tiny_prints_every_experiment_with_finite_figures(tmp_path):
-    import time
-    mech = load_mechanisms()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    t0 = time.time()
-    proc = subprocess.run([sys.executable, os.path.join(HERE, ".ci", "mechanisms.py"), "--tiny", "--out",
-                           str(tmp_path)], capture_output=True, text=True, env=env, timeout=300, cwd=HERE)
-    seconds = time.time() - t0
+    mech = load_ci("mechanisms")
+    proc, seconds = run_ci("mechanisms", "--tiny", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [line["experiment"] for line in lines] == list(mech.EXPERIMENTS)  # one line each, in order
@@ -3678,7 +3671,7 @@ def test_mechanisms_tiny_prints_every_experiment_with_finite_figures(tmp_path):
 
 
 def test_mechanisms_grad_norm_share_and_clipped_share_hand_cases():
-    mech = load_mechanisms()
+    mech = load_ci("mechanisms")
     # two updates: head |g|^2 3 and 1, backbone 1 and 3 -> 4 / 8; the share of the sums, not the mean of shares
     assert mech.grad_norm_share([3.0, 1.0], [1.0, 3.0]) == 0.5
     assert mech.grad_norm_share([9.0, 0.0], [1.0, 0.0]) == 0.9  # mean of per-update shares would say 0.45 or nan
@@ -3690,7 +3683,7 @@ def test_mechanisms_grad_norm_share_and_clipped_share_hand_cases():
 
 
 def test_mechanisms_held_out_split_hand_cases():
-    mech = load_mechanisms()
+    mech = load_ci("mechanisms")
     # prompts 2, 4, 6 have right answers: the last of them (3 // 2 = 1) and the last three without one
     assert mech.held_out_split([0, 0, 3, 0, 1, 0, 2, 0], 4) == {3, 5, 6, 7}
     assert mech.held_out_split([0, 0, 0, 0], 2) == {2, 3}  # no right answer anywhere: the last prompts
@@ -3699,14 +3692,14 @@ def test_mechanisms_held_out_split_hand_cases():
 
 
 def test_mechanisms_mid_share_hand_case():
-    mech = load_mechanisms()
+    mech = load_ci("mechanisms")
     p_ref = {0: 0.2, 1: 0.5, 2: 0.8, 3: 0.9, 4: 0.0}  # (0.2, 0.8]: 0.2 out, 0.8 in
     assert mech.mid_share([0, 1, 1, 2, 3, 4], p_ref) == 0.5  # prompts 1, 1, 2 of six trajectories
     assert mech.mid_share([0, 4], p_ref) == 0.0 and math.isnan(mech.mid_share([], p_ref))
 
 
 def test_mechanisms_outcome_losses_and_value_separation_hand_case():
-    mech = load_mechanisms()
+    mech = load_ci("mechanisms")
     values = torch.tensor([[0.0, 0.5, 9.0], [-0.5, 7.0, 7.0]])  # padding holds garbage
     mask = torch.tensor([[1.0, 1, 0], [1, 0, 0]])
     rewards = torch.tensor([1.0, -1.0])
@@ -3720,7 +3713,7 @@ def test_mechanisms_outcome_losses_and_value_separation_hand_case():
 
 
 def test_mechanisms_value_head_inits_have_their_scales():
-    mech = load_mechanisms()
+    mech = load_ci("mechanisms")
     H = 4096
     critic = types.SimpleNamespace(value_head=torch.nn.Linear(H, 1, bias=False))
     assert mech.init_value_head(critic, "inv_h_plus_1", 0).value_head.weight.std().item() == pytest.approx(
@@ -3736,15 +3729,6 @@ def test_mechanisms_value_head_inits_have_their_scales():
 # ---------------------------------------------------------------------------------------------------------------
 # Kernel benchmarks (.ci/bench.py), and kernels.py standing without s3ac.py
 # ---------------------------------------------------------------------------------------------------------------
-def load_bench():
-    """.ci/bench.py (the kernel benchmarks; gpu-check's part 2) as a module."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("bench", os.path.join(HERE, ".ci", "bench.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _s3ac_imports(source: str) -> list:
     """Every place in `source` that imports s3ac: `import s3ac[.x]`, `from s3ac[.x] import ...`, and
     __import__("s3ac") / importlib.import_module("s3ac"), at any depth (inside functions too)."""
@@ -3779,7 +3763,7 @@ def test_kernels_py_imports_no_s3ac():
 def test_bench_gae_verl_loop_hand_case_and_s3ac_gae():
     """The baseline computes what s3ac.gae computes: a hand-worked row with a masked gap, then fp64 against
     s3ac.gae's reverse loop on the benchmark's own inputs (right padding and a masked span)."""
-    bench = load_bench()
+    bench = load_ci("bench")
     # gamma 1, lambda 0.5; t = 2: delta = 1 - 0.25 = 0.75; t = 0 (t = 1 masked, skipped): delta = 0.25 - 0.5 = -0.25,
     # A_0 = -0.25 + 0.5 * 0.75 = 0.125; returns = A + V
     adv, ret = bench.gae_verl_loop(torch.tensor([[0.0, 9.0, 1.0]]), torch.tensor([[0.5, 7.0, 0.25]]),
@@ -3797,7 +3781,7 @@ def test_bench_gae_verl_loop_hand_case_and_s3ac_gae():
 def test_bench_cli_tiny_cpu_section_and_gpu_check_command():
     """python .ci/bench.py --cpu --tiny, the CPU section's code path (log-probs in fresh worker processes): its rows
     and their arithmetic; --help; the command gpu-check's part 2 runs is bench.py with flags it accepts."""
-    bench = load_bench()
+    bench = load_ci("bench")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     script = os.path.join(HERE, ".ci", "bench.py")
     proc = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, env=env, timeout=120)
@@ -3822,11 +3806,7 @@ def test_bench_cli_tiny_cpu_section_and_gpu_check_command():
         grads_mib = (N * H + V * H) * 4 / 2**20
         assert lp[f"{k}_peak_extra_minus_grads_MiB"] == pytest.approx(lp[f"{k}_peak_extra_MiB"] - grads_mib, abs=0.11)
     assert lp["time_ratio_chunked_over_naive"] > 0 and "memory_ratio_chunked_over_naive_minus_grads" in lp
-    # gpu-check's part 2
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(HERE, ".ci", "gpu_check.py"))
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
+    gpu_check = load_ci("gpu_check")  # gpu-check's part 2
     cmd = gpu_check.part_command("bench", types.SimpleNamespace(), "python")
     assert os.path.samefile(cmd[1], script)
     assert bench.build_parser().parse_args(cmd[2:]).gpu
@@ -3838,7 +3818,7 @@ def test_bench_gpu_section_rows_on_cpu(monkeypatch):
     """bench_gpu's code at tiny sizes on CPU tensors (Triton's interpreter), with torch.cuda's timers and memory
     counters replaced by fixed numbers: no section fails, each row carries the fields gpu-check runs are compared
     by, and the percentages and speed-ups follow from the (fake) times."""
-    bench = load_bench()
+    bench = load_ci("bench")
     for name, value in _K_GAE_INTERPRETER_BLOCKS.items():
         monkeypatch.setattr(K, name, value)
     calls = []
@@ -4399,17 +4379,8 @@ def test_readiness_headroom_logged_during_training(smoke_run, tiny, tmp_path):
             s3ac.parse_args(["--model", "m", *bad])
 
 
-def load_readiness_check():
-    """.ci/readiness.py (the prediction check) as a module."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("readiness_check", os.path.join(HERE, ".ci", "readiness.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_readiness_check_spearman_and_ranks_hand_cases():
-    rc = load_readiness_check()
+    rc = load_ci("readiness")
     assert rc.average_ranks([10, 20, 20, 30]) == [1, 2.5, 2.5, 4] and rc.average_ranks([3, 1, 3, 3]) == [3, 1, 3, 3]
     # ties: ranks x 1, 2.5, 2.5, 4 and y 1, 3, 2, 4 -> 4.5 / sqrt(4.5 * 5) = sqrt(0.9)
     assert rc.spearman([1, 2, 2, 3], [1, 3, 2, 4]) == pytest.approx(math.sqrt(0.9), abs=1e-12)
@@ -4423,7 +4394,7 @@ def test_readiness_check_spearman_and_ranks_hand_cases():
 
 
 def test_readiness_check_quantile_and_bootstrap_known_values():
-    rc = load_readiness_check()
+    rc = load_ci("readiness")
     assert rc.quantile([4, 1, 3, 2], 0.5) == 2.5 and rc.quantile([1, 2, 3, 4, 5], 0.25) == 2.0
     assert rc.quantile([0, 10], 0.975) == pytest.approx(9.75) and math.isnan(rc.quantile([], 0.5))
     # a monotone set: every resample with two distinct points has rho 1; the rest (constant) are left out
@@ -4439,12 +4410,7 @@ def test_readiness_check_quantile_and_bootstrap_known_values():
 
 
 def test_readiness_check_tiny_runs_end_to_end(tmp_path):
-    import time
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    t0 = time.time()
-    proc = subprocess.run([sys.executable, os.path.join(HERE, ".ci", "readiness.py"), "--tiny", "--out-dir",
-                           str(tmp_path)], capture_output=True, text=True, env=env, timeout=300, cwd=HERE)
-    seconds = time.time() - t0
+    proc, seconds = run_ci("readiness", "--tiny", "--out-dir", str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     result = json.loads((tmp_path / "result.json").read_text())
     points = result["points"]
