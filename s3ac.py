@@ -507,10 +507,9 @@ def impact_score(signal, h):
 # 1. Rollouts use plain temperature sampling over the full vocabulary by default: the model's generation_config is
 #    replaced by a neutral one (no top-p, top-k or repetition penalty). CISPO's and PPO's ratio is pi / pi_old,
 #    pi_old the trainer's own recomputation; the sampler/trainer mismatch (bf16 vLLM against the fp32 trainer) is
-#    corrected by
-#    truncated importance sampling (TIS, --is-correction tis, the default): each token's actor loss is weighted by
-#    min(pi_old / mu, C), mu the engine's own log-prob of the token (vLLM's processed log-probs; HF generate's
-#    from SamplerLogprobs). With --top-p / --top-k, mu is the truncated distribution the token was drawn from,
+#    corrected by truncated importance sampling (TIS, --is-correction tis, the default): each token's actor loss is
+#    weighted by min(pi_old / mu, C), mu the engine's own log-prob of the token (vLLM's processed log-probs; HF
+#    generate's from SamplerLogprobs). With --top-p / --top-k, mu is the truncated distribution the token was drawn from,
 #    mu / Z on the kept tokens (Z the kept mass), so the weight is about Z: the update is the policy gradient over
 #    the kept tokens only (no weight can bring back tokens that are never drawn), scaled down by Z. With
 #    --is-correction none the sampler's log-probs only feed the rollout/logprob_gap metrics. PACT's rho =
