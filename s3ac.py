@@ -1058,6 +1058,8 @@ def train(args: Args, reward_fn=None, eval_reward_fn=None):
             if plateau and warmup_plateaued(held_out_losses):
                 say(f"critic warm-up: the fit stopped improving after {i + 1} batches")
                 break
+            if args.max_minutes and state.train_s >= 60 * args.max_minutes:  # the budget counts warm-up too
+                break
 
         # the loop: a step, evaluation every eval_every steps, one log record, a checkpoint every save_every steps
         for step in run.steps():
@@ -1675,7 +1677,7 @@ _NUMBER_IN_TEXT = re.compile(  # a mixed number first (one value), then a fracti
 _FRACTION_AFTER_DIGITS = (re.compile(r"(?:\\frac|\d+/)"), re.compile(r"\d\s*$"))  # a fraction, digits before it:
 #   the fragment of a mixed number that is none ('3.5 1/4', '1,2 1/2')
 
-_OPERATOR_BEFORE = re.compile(r"(?:[\d)}]\s*[-+*/^x]|\\times|\\cdot|\\div|\d\s+and|"
+_OPERATOR_BEFORE = re.compile(r"(?:[\d)}]\s*[-+*/^x]|#|\\times|\\cdot|\\div|\d\s+and|"
                               r"\b(?:plus|minus|times|by|over|from|add|subtract|multiply|divide))\s*$", re.IGNORECASE)
 
 _OPERATOR_AFTER = re.compile(r"^\s*(?:[-+*/^]|x\s*\d|\\times|\\cdot|\\div|\b(?:plus|minus|times)\b)")
@@ -1778,7 +1780,7 @@ def final_statement_number(text: str):
         return None, True
     if any(p.search(before) for p in (_OPERATOR_BEFORE, _LATEX_AROUND[0], _LIST_AROUND[0])) or \
             any(p.match(after) for p in (_OPERATOR_AFTER, _LATEX_AROUND[1], _LIST_AROUND[1])) or \
-            (_FRACTION_AFTER_DIGITS[0].match(last.group()) and _FRACTION_AFTER_DIGITS[1].search(before)):
+            (_FRACTION_AFTER_DIGITS[0].search(last.group()) and _FRACTION_AFTER_DIGITS[1].search(before)):
         return last.group(), False
     sign = "-" if re.search(r"(?:^|[\s(:])-$", before) else ""  # 'is -5'; not 'answer - 42' or '3 - 5'
     return sign + last.group(), True
@@ -2434,6 +2436,7 @@ def _row_to_problem(row, prompt_key: str, answer_key: str, where: str, math_gold
     return Problem(strip_answer_format(str(row[qkey])), answer, strata)
 
 
+DATA_SEED = 0  # builtin problems are one set for every --seed (a seed changes their order, not the set)
 HELDOUT_SEED = 12345  # --eval-data heldout: the same held-out problems for every --seed, so seeds and runs pair
 
 
@@ -2453,7 +2456,7 @@ def split_problems(train: list, eval_spec: str, args: Args, math_golds: bool = T
                 gold_of = {p.question: p.answer for p in distinct(heldout_golds())}
                 held_out = [dataclasses.replace(p, answer=gold_of[p.question]) for p in held_out]
         else:
-            held_out = load_problems(spec, args.prompt_key, args.answer_key, args.eval_split, seed=args.seed + 1,
+            held_out = load_problems(spec, args.prompt_key, args.answer_key, args.eval_split, seed=DATA_SEED + 1,
                                      math_golds=math_golds)
             held_out = distinct(held_out)[: args.eval_size]
         sources.append((eval_name(spec), held_out))
@@ -2616,7 +2619,7 @@ def setup_run(args: Args, reward_fn=None, eval_reward_fn=None) -> Run:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    load = functools.partial(load_problems, args.data, args.prompt_key, args.answer_key, args.split, args.seed)
+    load = functools.partial(load_problems, args.data, args.prompt_key, args.answer_key, args.split, DATA_SEED)
     math_golds, eval_math_golds = isinstance(reward_fn, Verifier), isinstance(eval_reward_fn, Verifier)
     train_problems, eval_sources = split_problems(  # each reward reads its own gold layout (make_rewards)
         load(math_golds=math_golds), args.eval_data, args, math_golds=eval_math_golds,
@@ -3562,7 +3565,7 @@ def readiness(argv=None):
     reward_fn, _, owned = make_rewards(args)
     torch.set_num_threads(args.threads or torch.get_num_threads())
     try:
-        problems = distinct(load_problems(args.data, args.prompt_key, args.answer_key, args.split, args.seed,
+        problems = distinct(load_problems(args.data, args.prompt_key, args.answer_key, args.split, DATA_SEED,
                                           math_golds=isinstance(reward_fn, Verifier)))
         problems = random.Random(args.seed).sample(problems, min(opts.prompts, len(problems)))
         device = init_distributed(args.device)[2]

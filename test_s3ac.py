@@ -432,6 +432,9 @@ ANSWER_POLICY_TRAPS = [
     ("\\frac{17}{4}", "\\boxed{3\\frac{5}{4}}", "not_a_number"),
     ("\\frac{7}{2}", "\\boxed{3\\frac{2}{4}}", "not_a_number"),
     ("\\frac{1}{4}", "It is 3.5 1/4.", "not_a_number"), ("\\frac{1}{2}", "The values are 1,2 1/2", "not_a_number"),
+    # a bare number before a mixed number: neither is the answer (a review's cases)
+    ("\\frac{11}{4}", "The answer is 1 2 3/4.", "not_a_number"), ("\\frac{13}{4}", "So it takes 2 3 1/4 hours", "not_a_number"),
+    ("\\frac{9}{4}", "Answer #2 1/4", "not_a_number"),
 ]
 
 
@@ -1114,7 +1117,7 @@ def test_update_actor_with_pi_old_of_a_separate_pass_has_ratio_one(tiny):
     prompts = [tok("1+1=")["input_ids"], tok("What is 3 * 4?")["input_ids"]]
     batch = s3ac.generate_hf(model, prompts, [0, 1], {10**6}, tok.pad_token_id, 4, 1.0, 4)
     before = s3ac.policy_logprobs(model, batch, 1.0, 8)  # [B, T] log pi_old
-    args = s3ac.resolve_args(s3ac.Args(micro_batch_size=1))
+    args = s3ac.resolve_args(s3ac.Args(micro_batch_size=1, minibatches=1))
     model.train()
     m = s3ac.update_actor(model, torch.optim.SGD(model.parameters(), lr=1.0), batch,
                           torch.tensor([[1.0] * 4, [-1.0] * 4]) * batch.response_mask, before, args,
@@ -1608,7 +1611,7 @@ def _actor_step(model, batch, advantages, **flags):
     """The parameters after one SGD step (lr 1) of train_step's actor phase: log pi_old from one no-grad pass,
     importance_weights, update_actor on w * A; and its metrics."""
     model = copy.deepcopy(model)
-    args = s3ac.resolve_args(s3ac.Args(micro_batch_size=2, actor_grad_clip=1e9, **flags))
+    args = s3ac.resolve_args(s3ac.Args(micro_batch_size=2, actor_grad_clip=1e9, minibatches=1, **flags))
     old = s3ac.policy_logprobs(model, batch, args.temperature, 8)  # [B, T] log pi_old
     w, m = s3ac.importance_weights(args, batch, old, batch.response_mask)  # [B, T]
     model.train()
@@ -4074,7 +4077,7 @@ def test_a_non_finite_gradient_skips_the_step_and_the_next_batch_trains(tiny):
     batch = sampled_batch(base, tok)
     B, T = batch.response_mask.shape
     advantages = torch.randn(B, T, generator=torch.Generator().manual_seed(5)) * batch.response_mask  # [B, T]
-    args = s3ac.resolve_args(s3ac.Args(micro_batch_size=2))
+    args = s3ac.resolve_args(s3ac.Args(micro_batch_size=2, minibatches=1))
     model, gen = copy.deepcopy(base).train(), torch.Generator().manual_seed(0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
     assert s3ac.update_actor(model, opt, batch, advantages, None, args, gen)["actor/skipped_steps"] == 0  # Adam state

@@ -6,7 +6,8 @@
 S3AC K=1 (with --s3ac-flags, the demo's critic), REINFORCE++ K=1 and GRPO K=4 on a quarter of the prompts (equal
 samples per step). One run of s3ac.py per seed, one after another, seed s of every config before seed s + 1; each with
 the same --max-minutes, the same training data and the same held-out problems (--eval-data heldout is one fixed
-sample for every seed), and seed s of every config draws the same prompt order. Then one table (compare_table) with
+sample for every seed), and seed s of every config draws the same prompt order (S3AC's critic warm-up takes its first
+batches). Then one table (compare_table) with
 pass@1 at equal minutes, each run's best pass@1, the step it came at and its final minus best, and the paired
 differences by seed (paired_table): S3AC - REINFORCE++ and S3AC - GRPO, with their standard errors. Printed and
 written to <out-dir>/table.md; the curves of every run (s3ac.plot_runs) to <out-dir>/compare.png.
@@ -150,7 +151,9 @@ def compare(argv=None):
         shutil.rmtree(os.path.join(out, "checkpoints"), ignore_errors=True)  # gigabytes per run
         _write_atomic(done, json.dumps(flags) + "\n")
     records = {name: [read_records(d) for d in dirs] for name, dirs in runs.items() if dirs}
-    table = compare_table(records) + "\n\n" + paired_table(records, "s3ac-k1", [n for n in records if n != "s3ac-k1"])
+    table = compare_table(records)
+    if "s3ac-k1" in records:
+        table += "\n\n" + paired_table(records, "s3ac-k1", [n for n in records if n != "s3ac-k1"])
     print(table)
     _write_atomic(os.path.join(opts.out_dir, "table.md"), table + "\n")
     print(plot_runs([d for dirs in runs.values() for d in dirs], os.path.join(opts.out_dir, "compare.png")))

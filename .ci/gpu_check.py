@@ -267,7 +267,7 @@ def step_check(argv) -> int:
 
     config = Qwen2Config(**MODEL_SIZES[opts.size], tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
     args = resolve_args(Args(model="random", micro_batch_size=opts.micro_batch_size, max_new_tokens=opts.tokens,
-                             k=4, lr=1e-6))
+                             k=4, lr=1e-6, minibatches=1))  # one optimizer step per update, as measured before
     amp = compute_dtype(args.dtype, device)
     use_vllm = opts.rollout == "vllm" or (opts.rollout == "auto" and device.type == "cuda" and vllm_available())
     eos_ids, pad_id = {config.vocab_size - 1}, 0  # random weights: a stop is rare, responses run to --tokens
