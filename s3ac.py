@@ -3460,34 +3460,33 @@ def strata_groups(problems: list, spec: str) -> dict:
 
 
 def block_costates(policy: Policy, batch: Batch, advantages, block: int, temperature: float, micro_batch_size: int):
-    """(costate norms, entropy), [B, T] each: costate_norms at the OUTPUT of block `block` (the input of block + 1,
-    hooked in the actor's own forward), one forward and backward per micro-batch; no parameter gradient is kept.
-    Rows whose advantages are all 0 have costates 0 (L does not depend on them): their micro-batches, last, run
-    forward only, for the entropy."""
+    """costate_norms [B, T] at the OUTPUT of block `block` (the input of block + 1, hooked in the actor's own
+    forward), one forward and backward per micro-batch of the rows whose advantages [B, T] are not all 0; the others
+    have costates 0 (L does not depend on them) and run nothing. No parameter gradient is kept."""
     norms = torch.zeros(advantages.shape, device=advantages.device)  # [B, T]
-    entropy, outputs = torch.zeros_like(norms), []  # [B, T]
-    moving = advantages.ne(0).any(1).tolist()  # [B] rows with a gradient
-    order = sorted(range(len(moving)), key=lambda i: not moving[i])  # those first
+    moving = [i for i, m in enumerate(advantages.ne(0).any(1).tolist()) if m]  # rows with a gradient
+    outputs = []
     handle = policy.lm.base_model.layers[block].register_forward_hook(
         lambda module, inputs, out: outputs.append(out[0] if isinstance(out, tuple) else out))
     try:
-        for rows in [order[i: i + micro_batch_size] for i in range(0, len(order), micro_batch_size)]:
-            with torch.set_grad_enabled(moving[rows[0]]):  # sorted: the first row says whether any moves
-                logprobs, entropy[rows] = actor_logprobs(policy, batch.rows(rows), temperature)  # [b, T] each
+        for rows in [moving[i: i + micro_batch_size] for i in range(0, len(moving), micro_batch_size)]:
+            with torch.enable_grad():
+                logprobs, _ = actor_logprobs(policy, batch.rows(rows), temperature)  # [b, T]
                 mask = batch.response_mask[rows].to(logprobs.device)  # [b, T]
-                if moving[rows[0]]:
-                    norms[rows] = costate_norms(outputs[-1], logprobs, advantages[rows], mask)[0]  # [b, T]
+                norms[rows] = costate_norms(outputs[-1], logprobs, advantages[rows], mask)[0]  # [b, T]
             outputs.clear()
     finally:
         handle.remove()
-    return norms, entropy  # [B, T] each
+    return norms  # [B, T]
 
 
 def checkpoint_readiness(args: Args, name: str, problems: list, opts, reward_fn, device) -> list:
     """readiness's JSON lines of checkpoint `name`, one per stratum: per problem opts.k samples at --temperature
-    (generate_hf, call_reward), their share right, pass@k, mixed (right and wrong ones), H (headroom), the token means
-    of the entropy and of the costate norm (block_costates for GRPO's advantages), S (usable_signal), and greedy
-    pass@1 (one greedy answer); per stratum the mean and population std over its problems, and impact_score."""
+    (generate_hf, call_reward), their share right, pass@k, mixed (right and wrong ones), H (headroom), the token mean
+    of the entropy (estimated by -log mu of the sampled tokens), and for the first opts.costate_prompts problems the
+    token mean of the costate norm (block_costates for GRPO's advantages) and S (usable_signal); greedy pass@1 (one
+    greedy answer); per stratum the mean and population std over its problems (costate and S: over those measured),
+    and impact_score."""
     from transformers import AutoTokenizer
     path = resolve_model(name, args.cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -3513,13 +3512,16 @@ def checkpoint_readiness(args: Args, name: str, problems: list, opts, reward_fn,
     t1 = time.time()
     mask, index = batch.response_mask, batch.prompt_index  # [B, T], [B]
     advantages, _ = grpo_advantages(rewards, index, mask)  # [B, T] population std, 0 for equal rewards
+    measured = index < opts.costate_prompts  # [B] the samples of the first --costate-prompts problems
     with autocast(device, amp):
-        norms, entropy = block_costates(policy, batch, advantages.to(device), block, args.temperature,
-                                        args.micro_batch_size)  # [B, T] each
+        norms = block_costates(policy, batch, (advantages * measured[:, None]).to(device), block, args.temperature,
+                               args.micro_batch_size)  # [B, T]
     t2 = time.time()
     per_problem = lambda x: torch.zeros(n, dtype=torch.float64).index_add(0, index, x.double().cpu())  # [n] sums
     tokens, right = per_problem(mask.sum(1)), per_problem(succeeded(rewards))  # [n] each
-    costate, ent = per_problem(norms.sum(1)) / tokens, per_problem((entropy.cpu() * mask).sum(1)) / tokens  # [n]
+    # the mean token entropy, estimated by -log mu of the sampled tokens (E_a~pi[-log pi(a|s)] = H(pi(.|s)))
+    ent = per_problem(-(batch.sampler_logprobs * mask).sum(1)) / tokens  # [n] nats
+    costate = torch.where(torch.arange(n) < opts.costate_prompts, per_problem(norms.sum(1)) / tokens, math.nan)  # [n]
     h, signal = headroom(rewards, index, args.alpha_headroom)[0], usable_signal(costate, ent)  # [n] each
     measures = {**({"greedy pass@1": succeeded(answers(greedy=True)[1]).double()} if opts.greedy else {}),
                 "pass@1": right / k, f"pass@{k}": right.clone().apply_(lambda c: pass_at_k(k, int(c), k)),
@@ -3527,9 +3529,10 @@ def checkpoint_readiness(args: Args, name: str, problems: list, opts, reward_fn,
                 "S": signal}  # [n] each
     print(f"{name}: sampling {t1 - t0:.0f} s, costates {t2 - t1:.0f} s, greedy {time.time() - t2:.0f} s",
           file=sys.stderr)
+    finite = lambda v: v[v.isfinite()]  # costate and S: only the --costate-prompts problems have them
     return [{"model": name, "stratum": stratum, "n": len(rows), "k": k, "alpha": args.alpha_headroom, "block": block,
-             **{key: {"mean": v[rows].mean().item(), "std": v[rows].std(correction=0).item()}
-                for key, v in measures.items()}, "impact": impact_score(signal[rows], h[rows])}
+             **{key: {"mean": finite(v[rows]).mean().item(), "std": finite(v[rows]).std(correction=0).item()}
+                for key, v in measures.items()}, "impact": impact_score(finite(signal[rows]), h[rows])}
             for stratum, rows in strata_groups(problems, opts.strata).items()]
 
 
@@ -3554,6 +3557,8 @@ def readiness(argv=None):
     for flag, default, text in (
             ("--prompts", 256, "problems, a seeded sample of --data"), ("--k", 16, "samples per problem (>= 2)"),
             ("--block", "auto", "the block m whose output's costates are measured; auto = L // 2, the middle"),
+            ("--costate-prompts", 32, "the problems (the first of the sample) whose costates are measured: a "
+             "backward pass per mixed group"),
             ("--strata", "auto", "auto: each field alone and all together | f1,f2: those together (and all)"),
             ("--out", "readiness.jsonl", "JSON lines, one per checkpoint and stratum")):
         parser.add_argument(flag, type=type(default), default=default, help=text)
