@@ -165,9 +165,9 @@ def mc_returns(rewards, response_mask, gamma: float):
 # --- Actor losses: CISPO (S3AC's), the PPO clipped surrogate, truncated importance weights ---
 # One normaliser for every loss here: the token mean, loss = sum over the mask's tokens / num_tokens, num_tokens the
 # mask's tokens in the whole optimizer step's mini-batch, all ranks included (optimize counts them once and passes
-# them to every micro-batch's call; the mask is train_actor's loss mask, or the critic's; FSDP2 sums the ranks'
-# gradients, shard), so a step's gradient is that of the global token mean; called alone, the mask's tokens of
-# the call. Truncated IS (tis_weights) is not inside a loss: update_actor scales the advantages by it.
+# them to every micro-batch's call; the mask is the actor's loss mask (actor_loss_mask), or the critic's; FSDP2 sums
+# the ranks' gradients, shard), so a step's gradient is that of the global token mean; called alone, the mask's
+# tokens of the call. Truncated IS (tis_weights) is not inside a loss: train_step scales the advantages by it.
 @triton_on_cuda
 def cispo_loss(logprobs, old_logprobs, advantages, response_mask, eps_low: float, eps_high: float,
                num_tokens=None):
@@ -3495,6 +3495,8 @@ def checkpoint_readiness(args: Args, name: str, problems: list, opts, reward_fn,
                                                 None, tokenizer, device, 0, 1)
     L, n, k, amp = policy.lm.config.num_hidden_layers, len(problems), opts.k, compute_dtype(args.dtype, device)
     block = L // 2 if opts.block == "auto" else int(opts.block)  # auto: the middle (why: departure 13)
+    if not 0 <= block < L:
+        raise ValueError(f"--block {opts.block}: {name} has blocks 0 to {L - 1}")
     print(f"{name}: {n} problems x {k} samples, costates at the output of block {block} of {L}", file=sys.stderr)
     torch.manual_seed(args.seed)
     policy.eval()
