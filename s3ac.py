@@ -157,7 +157,8 @@ def decoupled_gae(rewards, values, response_mask, gamma: float, critic_lam: floa
 
 
 def mc_returns(rewards, response_mask, gamma: float):
-    """Monte-Carlo returns [B, T]: GAE with lambda = 1 (V is irrelevant then), R on every token when gamma = 1."""
+    """Monte-Carlo returns [B, T]: GAE with lambda = 1 (V is irrelevant then), R on every token when gamma = 1.
+    Needs: outcome_rewards_to_tokens, gae."""
     token_rewards = outcome_rewards_to_tokens(rewards, response_mask)  # [B, T]
     return gae(token_rewards, torch.zeros_like(token_rewards), response_mask, gamma, 1.0)[1]  # [B, T]
 
@@ -270,7 +271,8 @@ def bce_value_loss(value_logits, targets, response_mask, num_tokens=None):
 
 def critic_loss_fn(raw, old_values, targets, response_mask, critic_loss: str, eps_v: float, num_tokens=None):
     """The critic's loss toward targets [B, T] on the +-1 scale: mse = value_loss (raw = V, clipped around
-    old_values), bce = bce_value_loss (raw = z, soft targets (R + 1) / 2; old_values unused). Returns theirs."""
+    old_values), bce = bce_value_loss (raw = z, soft targets (R + 1) / 2; old_values unused). Returns theirs.
+    Needs: value_loss, bce_value_loss."""
     if critic_loss == "bce":
         # a soft target above 1 (PACT's rho_t > 1 on a right answer) has no minimum under BCE: clamp to [0, 1]
         soft_targets = ((targets + 1) / 2).clamp(0.0, 1.0)  # [B, T]
@@ -282,10 +284,11 @@ def pact_targets(returns, logprobs, behaviour_logprobs, response_mask, rho_min: 
     """PACT's importance-corrected critic targets and loss mask ("policy-aligned critic training"): with rho_t the
     detached per-token ratio (not PACT's product I_t; departure 7), E_mu[target_t | s_t] = V^pi_new(s_t) when later
     tokens follow pi_new as well (exact for the last token). A kept wrong answer (R = -1) keeps the target -1.
-    returns [B, T] (the Monte-Carlo return R_t on the +-1 scale, mc_returns, not a lambda-return; a right answer's
-    target reaches 2 rho_max - 1, which mse fits as it is and bce clamps at 1), logprobs [B, T] of the updated
-    actor, behaviour_logprobs [B, T] of mu, the policy that sampled (the sampler's own under TIS), response_mask
-    [B, T]. Returns (targets [B, T] on the +-1 scale, critic_mask [B, T] float, metrics)."""
+    returns [B, T] (the Monte-Carlo return R_t on the +-1 scale: decoupled_gae's returns at critic lambda 1, or
+    mc_returns; a right answer's target reaches 2 rho_max - 1, which mse fits as it is and bce clamps at 1),
+    logprobs [B, T] of the updated actor, behaviour_logprobs [B, T] of mu, the policy that sampled (the sampler's
+    own under TIS, else pi_old), response_mask [B, T]. Returns (targets [B, T] on the +-1 scale, critic_mask [B, T]
+    float, metrics)."""
     valid = response_mask.bool()  # [B, T]
     rho = torch.where(valid, logprobs.detach() - behaviour_logprobs, 0.0).exp()  # [B, T]  rho_t = pi_new / mu
     critic_mask = (valid & (rho >= rho_min) & (rho <= rho_max)).float()  # [B, T]  kept: rho_min <= rho_t <= rho_max
