@@ -18,7 +18,7 @@ against after (current ability alone, for reference); and rank(pass@1 before) + 
 paper's combined predictor, 0.73; a sum of ranks since pass@1 and impact have different scales).
 
 Held-out problems: a seeded sample of the stratum's problems whose questions are not in --exclude-data (the data the
-checkpoints were trained on: the CPU demo's builtin:arithmetic), so that a later checkpoint has not seen them. Outputs
+checkpoints were trained on: the CPU demo's task), so that a later checkpoint has not seen them. Outputs
 in --out-dir: data/ (every stratum's train and held-out problems, readiness.jsonl), readiness/ and c<i>-s<j>/ (one
 per run, skipped when its `done` holds the same flags), points.jsonl, table.md, result.json.
 """
@@ -41,7 +41,8 @@ sys.path.insert(0, HERE)  # s3ac.py
 from s3ac import _write_atomic, distinct, load_problems  # noqa: E402
 
 PAPER = {"impact": 0.60, "combined": 0.73}  # the value-gradient paper's Spearman figures (OLMo-2 1B checkpoints)
-DEMO_STRATA = "op=+:digits=1x2,op=-:digits=2x2,op=*:digits=1x2,op=*:digits=2x2"  # easy to hard for the demo's model
+DEMO_TASK = "builtin:arithmetic:op=+*:digits=1x1,1x2,2x1"  # the CPU demo's --data (run.sh)
+DEMO_STRATA = "op=+:digits=1x2,op=+:digits=2x1,op=*:digits=1x2,op=*:digits=2x1"  # its strata with room to hold out
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -151,7 +152,7 @@ def split_strata(opts) -> list:
     sample of at most --eval-size of the stratum's problems whose questions are not in --exclude-data; the rest
     train. Raises ValueError for a stratum with fewer than 4 problems to hold out or none left to train on."""
     problems = distinct(load_problems(opts.data, seed=opts.seed))
-    excluded = load_problems(opts.exclude_data, seed=0) if opts.exclude_data else []  # seed 0: the demo's
+    excluded = load_problems(opts.exclude_data) if opts.exclude_data else []  # builtin data: one set for every seed
     seen = {p.question for p in excluded}
     rng, out, readiness_rows = random.Random(opts.seed + 12345), [], []
     os.makedirs(os.path.join(opts.out_dir, "data"), exist_ok=True)
@@ -223,7 +224,7 @@ def main(argv=None):
             ("--checkpoints", "auto", "comma-separated; auto = --model, then runs/cpu-demo/checkpoints/step_*/actor"),
             ("--strata", DEMO_STRATA, "comma-separated stratum filters of --data, field=value[:field=value]"),
             ("--data", "builtin:arithmetic:40000", "problems with strata (split into train and held out per stratum)"),
-            ("--exclude-data", "builtin:arithmetic", "the checkpoints' training data: never held out ('' = none)"),
+            ("--exclude-data", DEMO_TASK, "the checkpoints' training data: never held out ('' = none)"),
             ("--eval-size", 100, "held-out problems per stratum, at most (half of the stratum's, if fewer)"),
             ("--readiness-prompts", 64, "training problems per stratum that readiness samples"),
             ("--readiness-k", 8, "readiness: samples per problem"),
