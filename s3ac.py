@@ -14,7 +14,9 @@ The list of departures from the papers closes section 1. Shape letters: B sequen
 P prompt tokens, H hidden size, V vocabulary; response_mask [B, T] is 1.0 on the generated tokens, the stop token
 included, 0.0 on padding.
 
-One training step, train_step, with the real names (each phase one call; section 2):
+Before step 1, train() warms the critic up on fresh rollouts with the actor frozen (critic_warmup_step, until its
+held-out fit stops improving: --critic-warmup-steps auto), as S3AC pretrains its critic. Then one training step,
+train_step, with the real names (each phase one call; section 2):
 
     state.successes, state.attempts = decayed by --daps-decay       # DAPS's per-prompt counts S, N
     batch, rewards, statuses, records, m = sample_rollouts(args, state, reward_fn)
@@ -1028,6 +1030,32 @@ def critic_warmup_step(args: Args, state: TrainState, reward_fn) -> dict:
     return metrics
 
 
+def critic_pretraining(args: Args, state: TrainState, reward_fn, log, say):
+    """Before step 1, the actor frozen: coverage pretraining when asked for, then on-policy warm-up
+    (--critic-warmup-steps N batches, or plateau: until warmup_plateaued, at most WARMUP_MAX_BATCHES, and never past
+    --max-minutes). Each epoch and batch is logged (log) and said (say); their time goes into state.train_s."""
+    if uses_coverage(args):
+        epochs = coverage_pretraining(args, state, reward_fn)
+        state.train_s += epochs[-1]["time/pretrain"]  # generation (unless --coverage-data) and every epoch
+        for m in epochs:
+            log({"step": 0, **m})
+            say(f"coverage epoch {m['pretrain/epoch']} | held-out EV {m['pretrain/explained_var']:+.3f} "
+                f"v_loss {m['pretrain/v_loss']:.4f}")
+    plateau, held_out_losses = args.critic_warmup_steps == "plateau", []
+    for i in range(WARMUP_MAX_BATCHES if plateau else args.critic_warmup_steps):
+        m = mean_over_ranks(critic_warmup_step(args, state, reward_fn))  # its rollouts count toward the counts
+        state.train_s += m["time/pretrain"]
+        log({"step": 0, "pretrain/warmup_step": i + 1, **m})
+        say(f"critic warm-up {i + 1} | held-out EV {m['pretrain/explained_var']:+.3f} v_loss "
+            f"{m['pretrain/v_loss']:.4f} (before its update)")
+        held_out_losses.append(m["pretrain/v_loss"])  # the same on every rank (a mean over ranks)
+        if plateau and warmup_plateaued(held_out_losses):
+            say(f"critic warm-up: the fit stopped improving after {i + 1} batches")
+            return
+        if args.max_minutes and state.train_s >= 60 * args.max_minutes:  # the budget counts warm-up too
+            return
+
+
 def train(args: Args, reward_fn=None, eval_reward_fn=None):
     """Run S3AC (or the --algo baseline) as args say; returns the path of metrics.jsonl. reward_fn and
     eval_reward_fn (section 3a's contract): the training and the evaluations' reward, by default the flags'
@@ -1042,27 +1070,8 @@ def train(args: Args, reward_fn=None, eval_reward_fn=None):
         # step 0: evaluation, then critic pretraining (actor frozen): coverage trajectories, on-policy warm-up batches
         if state.step == 0:
             run.log({"step": 0, **evaluate_now()})
-        if state.step == 0 and state.critic is not None and uses_coverage(args):
-            epochs = coverage_pretraining(args, state, run.reward_fn)
-            state.train_s += epochs[-1]["time/pretrain"]  # generation (unless --coverage-data) and every epoch
-            for m in epochs:
-                run.log({"step": 0, **m})
-                say(f"coverage epoch {m['pretrain/epoch']} | held-out EV {m['pretrain/explained_var']:+.3f} "
-                    f"v_loss {m['pretrain/v_loss']:.4f}")
-        plateau, held_out_losses = args.critic_warmup_steps == "plateau", []
-        batches = WARMUP_MAX_BATCHES if plateau else args.critic_warmup_steps
-        for i in range(batches if state.step == 0 and state.critic is not None else 0):
-            m = mean_over_ranks(critic_warmup_step(args, state, run.reward_fn))  # its rollouts count toward the counts
-            state.train_s += m["time/pretrain"]
-            run.log({"step": 0, "pretrain/warmup_step": i + 1, **m})
-            say(f"critic warm-up {i + 1} | held-out EV {m['pretrain/explained_var']:+.3f} v_loss "
-                f"{m['pretrain/v_loss']:.4f} (before its update)")
-            held_out_losses.append(m["pretrain/v_loss"])
-            if plateau and warmup_plateaued(held_out_losses):
-                say(f"critic warm-up: the fit stopped improving after {i + 1} batches")
-                break
-            if args.max_minutes and state.train_s >= 60 * args.max_minutes:  # the budget counts warm-up too
-                break
+        if state.step == 0 and state.critic is not None:
+            critic_pretraining(args, state, run.reward_fn, run.log, say)
 
         # the loop: a step, evaluation every eval_every steps, one log record, a checkpoint every save_every steps
         for step in run.steps():
@@ -1553,17 +1562,15 @@ def neutral_generation_config(model):
 def generate_hf(model, prompts: list, prompt_index: list, eos_ids, pad_id: int, max_new_tokens: int,
                 temperature: float, batch_size: int, greedy: bool = False, top_p: float = 1.0, top_k: int = 0,
                 record_block: int = None) -> Batch:
-    """Sample one response per prompt (token-id lists; repeat one K times for K rollouts) with
-    transformers' generate: left padding, stop on any eos id, plain temperature sampling (over the full vocabulary
-    unless top_p < 1 or top_k > 0) or greedy; the model's generation_config is neutralised for the call
-    (neutral_generation_config), so no checkpoint default (repetition_penalty, no_repeat_ngram_size, min_p, ...)
-    reaches the distribution. A sampled batch carries Batch.sampler_logprobs, log mu of each token (SamplerLogprobs):
-    softmax(logits / temperature) renormalised over what top-k / top-p keep, the distribution it was drawn from (as
-    vLLM's processed log-probs). Under torchrun every
-    rank passes the same number of prompts. record_block = L - k also keeps what the partial-trunk critic reads, the
-    hidden states after block L - k, from generation's own forward passes, in Batch.features [B, P + T, H] fp32
-    (equal to trunk_features up to float rounding; 0 on padding and at each row's last token, which the critic never
-    reads); their copies land in time/rollout, not in c."""
+    """Sample one response per prompt (token-id lists; repeat one K times for K rollouts) with transformers'
+    generate: left padding, stop on any eos id, plain temperature sampling (over the full vocabulary unless top_p < 1
+    or top_k > 0) or greedy; the model's generation_config is neutralised for the call (neutral_generation_config), so
+    no checkpoint default (repetition_penalty, no_repeat_ngram_size, min_p, ...) reaches the distribution. A sampled
+    batch carries Batch.sampler_logprobs [B, T], log mu of each token (SamplerLogprobs): softmax(logits / temperature)
+    renormalised over what top-k / top-p keep, the distribution it was drawn from. Under torchrun every rank passes
+    the same number of prompts. record_block = L - k also keeps what the partial-trunk critic reads, the hidden
+    states after block L - k, from generation's own forward passes, in Batch.features [B, P + T, H] fp32 (trunk_features
+    up to float rounding; 0 on padding and at each row's last token, which the critic never reads)."""
     from transformers import GenerationConfig, LogitsProcessorList
     from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
     # the sampling distribution mu is built here, not by generate, so that the last processor sees exactly it; every
