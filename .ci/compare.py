@@ -14,6 +14,7 @@ written to <out-dir>/table.md; the curves of every run (s3ac.plot_runs) to <out-
 """
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -127,6 +128,8 @@ def compare(argv=None):
             ("--s3ac-flags", "", "flags of the S3AC run alone, one string (./run.sh passes the demo's critic)"),
             ("--eval-every", 20, "steps between evaluations of every run (and one at its end)"),
             ("--batch-prompts", 16, "prompts per step at K = 1; GRPO answers a quarter of them 4 times"),
+            ("--only", "", "run only these settings now, comma-separated (s3ac-k1, reinforce_pp-k1, grpo-k4; '' = "
+                           "all), to split a comparison over sessions; the tables cover every finished run"),
             ("--out-dir", "runs/compare", "one directory per run, table.md, compare.png")):
         parser.add_argument(flag, type=type(default), default=default, help=text)
     opts, rest = parser.parse_known_args(argv)
@@ -134,6 +137,9 @@ def compare(argv=None):
     configs = {"s3ac-k1": (opts.seeds, ["--k", "1", "--batch-prompts", str(b), *shlex.split(opts.s3ac_flags)]),
                "reinforce_pp-k1": (opts.seeds, ["--algo", "reinforce_pp", "--k", "1", "--batch-prompts", str(b)]),
                "grpo-k4": (opts.grpo_seeds, ["--algo", "grpo", "--k", "4", "--batch-prompts", str(b // 4)])}
+    only = [name for name in opts.only.split(",") if name] or list(configs)
+    if set(only) - set(configs):
+        parser.error(f"--only: {', '.join(sorted(set(only) - set(configs)))} is not one of {', '.join(configs)}")
     runs = {name: [os.path.join(opts.out_dir, f"{name}-seed{s}") for s in range(n)] for name, (n, _) in configs.items()}
     order = sorted(((seed, name, out) for name, dirs in runs.items() for seed, out in enumerate(dirs)),
                    key=lambda run: run[0])  # seed 0 of every config first: a stopped comparison stays balanced
@@ -141,6 +147,8 @@ def compare(argv=None):
         flags = ["--eval-every", str(opts.eval_every), "--steps", "1000000", "--max-minutes", str(opts.minutes),
                  "--save-every", "0", *rest, "--seed", str(seed), "--out-dir", out, *configs[name][1]]
         done = os.path.join(out, "done")  # a finished run: the flags it ran with, one JSON list
+        if name not in only:
+            continue
         if os.path.exists(done):
             with open(done) as f:
                 if f.read().strip() != json.dumps(flags):
@@ -150,13 +158,15 @@ def compare(argv=None):
         subprocess.run([sys.executable, os.path.join(HERE, "s3ac.py"), *flags], check=True)
         shutil.rmtree(os.path.join(out, "checkpoints"), ignore_errors=True)  # gigabytes per run
         _write_atomic(done, json.dumps(flags) + "\n")
-    records = {name: [read_records(d) for d in dirs] for name, dirs in runs.items() if dirs}
+    finished = {name: list(itertools.takewhile(lambda d: os.path.exists(os.path.join(d, "done")), dirs))
+                for name, dirs in runs.items()}  # seeds 0, 1, ... while finished: seed i pairs with seed i
+    records = {name: [read_records(d) for d in dirs] for name, dirs in finished.items() if dirs}
     table = compare_table(records)
     if "s3ac-k1" in records:
         table += "\n\n" + paired_table(records, "s3ac-k1", [n for n in records if n != "s3ac-k1"])
     print(table)
     _write_atomic(os.path.join(opts.out_dir, "table.md"), table + "\n")
-    print(plot_runs([d for dirs in runs.values() for d in dirs], os.path.join(opts.out_dir, "compare.png")))
+    print(plot_runs([d for dirs in finished.values() for d in dirs], os.path.join(opts.out_dir, "compare.png")))
 
 
 if __name__ == "__main__":
