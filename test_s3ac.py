@@ -4426,3 +4426,33 @@ def test_readiness_check_tiny_runs_end_to_end(tmp_path):
     assert read_jsonl(tmp_path / "points.jsonl") == points
     assert "| impact vs gain |" in proc.stdout and (tmp_path / "table.md").read_text().startswith("| checkpoint |")
     assert seconds < 90, seconds  # about 40 s alone on 2 cores; CI may share them
+
+
+def test_compare_only_runs_the_named_settings_and_tables_the_finished(tmp_path, monkeypatch):
+    """--only s3ac-k1 runs S3AC's seeds alone and tables them; a later --only reinforce_pp-k1 adds its seeds and the
+    paired row over the seeds both have finished; an unknown name is refused before any run."""
+    compare = load_ci("compare")
+    calls = []
+
+    def fake_run(command, check):
+        out = command[command.index("--out-dir") + 1]
+        calls.append(os.path.basename(out))
+        write_run(out, {0: 0.1, 2: 0.3 if "s3ac-k1" in out else 0.2}, [{}, {}])
+
+    monkeypatch.setattr(compare.subprocess, "run", fake_run)
+    monkeypatch.setattr(compare, "plot_runs", lambda dirs, out: out)
+    argv = ["--data", "builtin:arithmetic:40", "--seeds", "2", "--grpo-seeds", "1", "--out-dir", str(tmp_path)]
+    compare.compare(argv + ["--only", "s3ac-k1"])
+    assert calls == ["s3ac-k1-seed0", "s3ac-k1-seed1"]
+    table = open(os.path.join(tmp_path, "table.md")).read()
+    assert "| s3ac-k1 | 2 |" in table and "reinforce_pp" not in table and "grpo" not in table
+    calls.clear()
+    compare.compare(argv + ["--only", "reinforce_pp-k1"])
+    assert calls == ["reinforce_pp-k1-seed0", "reinforce_pp-k1-seed1"]
+    table = open(os.path.join(tmp_path, "table.md")).read()
+    assert "| s3ac-k1 | 2 |" in table and "| reinforce_pp-k1 | 2 |" in table and "grpo" not in table
+    assert "| s3ac-k1 - reinforce_pp-k1 | 2 | +0.100 ± 0.000 | +0.100, +0.100 |" in table
+    calls.clear()
+    with pytest.raises(SystemExit):
+        compare.compare(argv + ["--only", "s3ac,grpo-k4"])
+    assert calls == []
