@@ -1032,8 +1032,9 @@ def critic_warmup_step(args: Args, state: TrainState, reward_fn) -> dict:
 
 def critic_pretraining(args: Args, state: TrainState, reward_fn, log, say):
     """Before step 1, the actor frozen: coverage pretraining when asked for, then on-policy warm-up
-    (--critic-warmup-steps N batches, or plateau: until warmup_plateaued, at most WARMUP_MAX_BATCHES, and never past
-    --max-minutes). Each epoch and batch is logged (log) and said (say); their time goes into state.train_s."""
+    (--critic-warmup-steps N batches, or plateau: until warmup_plateaued, at most WARMUP_MAX_BATCHES; either way it
+    stops after the first batch that reaches --max-minutes). Each epoch and batch is logged (log) and said (say);
+    their time goes into state.train_s."""
     if uses_coverage(args):
         epochs = coverage_pretraining(args, state, reward_fn)
         state.train_s += epochs[-1]["time/pretrain"]  # generation (unless --coverage-data) and every epoch

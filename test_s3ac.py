@@ -3916,8 +3916,8 @@ def _pretrain_records(out):
 
 def test_critic_algorithms_warm_up_the_critic_by_default(tiny, tmp_path):
     """The default --critic-warmup-steps auto resolves to plateau for s3ac: warm-up records (step 0, actor frozen)
-    come before step 1, at least 2 and at most WARMUP_MAX_BATCHES; --critic-warmup-steps 0 logs none; a critic-free
-    algorithm warms up nothing."""
+    come before step 1, at least 2 and at most WARMUP_MAX_BATCHES, and a resume does not repeat them;
+    --critic-warmup-steps 0 logs none; a critic-free algorithm warms up nothing."""
     path = tiny[0]
     out = str(tmp_path / "auto")
     proc = run_s3ac(*smoke_flags(path, out, "--steps", "1", "--critic-warmup-steps", "auto"))
@@ -3931,6 +3931,10 @@ def test_critic_algorithms_warm_up_the_critic_by_default(tiny, tmp_path):
     assert len(warm) == s3ac.WARMUP_MAX_BATCHES or s3ac.warmup_plateaued(losses)  # it stopped by the rule
     assert not any(s3ac.warmup_plateaued(losses[:j]) for j in range(1, len(losses)))  # and not before
     assert records[warm[0]]["time/pretrain"] > 0
+    proc = run_s3ac(*smoke_flags(path, out, "--steps", "2", "--critic-warmup-steps", "auto", "--resume"))
+    resumed = read_jsonl(os.path.join(out, "metrics.jsonl"))  # a resume past step 0 warms up nothing again
+    assert "critic warm-up" not in proc.stderr and [r["step"] for r in resumed if r["step"] > 0] == [1, 2]
+    assert [r for r in resumed if "pretrain/warmup_step" in r] == [records[i] for i in warm]
     off = str(tmp_path / "off")
     run_s3ac(*smoke_flags(path, off, "--steps", "1", "--critic-warmup-steps", "0"))
     assert _pretrain_records(off) == []
@@ -4430,7 +4434,8 @@ def test_readiness_check_tiny_runs_end_to_end(tmp_path):
 
 def test_compare_only_runs_the_named_settings_and_tables_the_finished(tmp_path, monkeypatch):
     """--only s3ac-k1 runs S3AC's seeds alone and tables them; a later --only reinforce_pp-k1 adds its seeds and the
-    paired row over the seeds both have finished; an unknown name is refused before any run."""
+    paired row; an unknown name is refused before any run, and so is a finished run of a setting --only leaves out
+    whose flags differ (it would be tabled beside the new runs)."""
     compare = load_ci("compare")
     calls = []
 
@@ -4455,4 +4460,6 @@ def test_compare_only_runs_the_named_settings_and_tables_the_finished(tmp_path, 
     calls.clear()
     with pytest.raises(SystemExit):
         compare.compare(argv + ["--only", "s3ac,grpo-k4"])
+    with pytest.raises(SystemExit, match="s3ac-k1-seed0: finished with other settings"):
+        compare.compare(argv + ["--only", "grpo-k4", "--minutes", "3"])  # S3AC's runs would be tabled: checked too
     assert calls == []

@@ -147,13 +147,13 @@ def compare(argv=None):
         flags = ["--eval-every", str(opts.eval_every), "--steps", "1000000", "--max-minutes", str(opts.minutes),
                  "--save-every", "0", *rest, "--seed", str(seed), "--out-dir", out, *configs[name][1]]
         done = os.path.join(out, "done")  # a finished run: the flags it ran with, one JSON list
-        if name not in only:
-            continue
-        if os.path.exists(done):
+        if os.path.exists(done):  # checked for every setting, those --only leaves out too: they are tabled
             with open(done) as f:
                 if f.read().strip() != json.dumps(flags):
                     raise SystemExit(f"{out}: finished with other settings (see {done}); remove it or pick another "
                                      "--out-dir")
+            continue
+        if name not in only:
             continue
         subprocess.run([sys.executable, os.path.join(HERE, "s3ac.py"), *flags], check=True)
         shutil.rmtree(os.path.join(out, "checkpoints"), ignore_errors=True)  # gigabytes per run
