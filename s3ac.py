@@ -14,9 +14,10 @@ The list of departures from the papers closes section 1. Shape letters: B sequen
 P prompt tokens, H hidden size, V vocabulary; response_mask [B, T] is 1.0 on the generated tokens, the stop token
 included, 0.0 on padding.
 
-Before step 1, train() warms the critic up on fresh rollouts with the actor frozen (critic_warmup_step, until its
-held-out fit stops improving: --critic-warmup-steps auto), as S3AC pretrains its critic. Then one training step,
-train_step, with the real names (each phase one call; section 2):
+Before step 1, train() pretrains the critic with the actor frozen (critic_pretraining: coverage trajectories when
+asked for, then warm-up batches of fresh rollouts until the held-out fit stops improving, --critic-warmup-steps auto),
+as S3AC pretrains its critic. Then one training step, train_step, with the real names (each phase one call;
+section 2):
 
     state.successes, state.attempts = decayed by --daps-decay       # DAPS's per-prompt counts S, N
     batch, rewards, statuses, records, m = sample_rollouts(args, state, reward_fn)
@@ -1034,7 +1035,8 @@ def critic_pretraining(args: Args, state: TrainState, reward_fn, log, say):
     """Before step 1, the actor frozen: coverage pretraining when asked for, then on-policy warm-up
     (--critic-warmup-steps N batches, or plateau: until warmup_plateaued, at most WARMUP_MAX_BATCHES; either way it
     stops after the first batch that reaches --max-minutes). Each epoch and batch is logged (log) and said (say);
-    their time goes into state.train_s."""
+    their time goes into state.train_s. Returns None; errors of the rollouts or the reward propagate. Source: S3AC,
+    critic pretraining before the online phase (coverage or on-policy); the plateau rule (warmup_plateaued) is ours."""
     if uses_coverage(args):
         epochs = coverage_pretraining(args, state, reward_fn)
         state.train_s += epochs[-1]["time/pretrain"]  # generation (unless --coverage-data) and every epoch
