@@ -1644,7 +1644,7 @@ def generate_responses(args: Args, state: TrainState, prompts: list, index: list
 #   3. Without a box, and only when the gold is a plain number, --answer-fallback final_number reads the last number
 #      of the final statement, after its last "=" (final_statement_number); a question, a hedge ('41 or -42',
 #      'x = 2 or x = -2'), a negation ('not 42', '1 is not equal to 10'), a list ('1,2,3'), an operand ('6 * 7',
-#      '42 +') or a number in LaTeX is no answer.
+#      '42 +'), an approximation ('1 + 63 ≈ 64', 'about 42', as \approx in a box) or a number in LaTeX is no answer.
 #   4. A plain-number gold needs a plain-number answer (integer, decimal or reduced fraction, with a sign,
 #      thousands separators, LaTeX spacing or a unit): "23 + 19", "6 \times 7" or "5!" are "not_a_number".
 #      A mixed number is one value: 3 1/4 and 3\frac{1}{4} are 13/4 (and -3 1/4 is -13/4), in a box, in the
@@ -1702,6 +1702,10 @@ _LIST_AROUND = (re.compile(r"\d\s*,\s*$"), re.compile(r"^\s*,\s*-?\d"))
 _NOT_AN_ANSWER = re.compile(r"\b(?:or|nor)\s*\(?\s*(?:[-+]\s*)?$", re.IGNORECASE)  # '41 or 42', '13 or (- 2)': none
 
 _HEDGED_EQUATION = re.compile(r"\d[^=]*\b(?:or|nor)\s+\w*\s*$", re.IGNORECASE)  # '13, or x = -2': no answer
+
+_APPROXIMATE = re.compile(  # an approximation just before the number read: '1 + 63 ≈ 64', 'about 42'
+    r"(?:\u2248|\u2243|\\approx|\\simeq|\\sim|\b(?:approx(?:imately)?|roughly|about|around|nearly|almost)\b\.?)"
+    r"\s*(?:[-+]\s*)?$", re.IGNORECASE)
 
 _RETRACTION = re.compile(r"\b(?:wrong|incorrect|not correct|mistake|redo|recalculate)\b", re.IGNORECASE)
 
@@ -1768,9 +1772,9 @@ def parse_number(text: str):
 def final_statement_number(text: str):
     """(answer, ok) of a response without a box: the last number of its final statement, the last
     sentence that holds a digit (closing sentences without one are passed over unless they retract), after its last
-    '='. ok is False when that number is an operand or part of an expression ('multiply 6 * 7.', '42 +', '\\sqrt{42}',
-    '1,2,3'); (None, True) when there is no final answer (a question, a retraction, 'not 42', '41 or 42', an
-    inequality: '1 is not equal to 10')."""
+    '='. ok is False when that number is an operand, part of an expression or an approximation ('multiply 6 * 7.',
+    '42 +', '\\sqrt{42}', '1,2,3', '≈ 64', 'about 42'); (None, True) when there is no final answer (a question, a
+    retraction, 'not 42', '41 or 42', an inequality: '1 is not equal to 10')."""
     sentences = [s for s in re.split(r"\n+|(?<=[.!?])\s+", _normalise(text)) if s.strip()]
     while sentences and not re.search(r"\d", sentences[-1]):
         if _RETRACTION.search(sentences.pop()):
@@ -1791,7 +1795,7 @@ def final_statement_number(text: str):
         return None, True
     if _NOT_EQUAL.search(sentences[-1][: len(sentences[-1]) - len(statement) + last.start()]):  # '9 \neq 10'
         return None, True
-    if any(p.search(before) for p in (_OPERATOR_BEFORE, _LATEX_AROUND[0], _LIST_AROUND[0])) or \
+    if any(p.search(before) for p in (_OPERATOR_BEFORE, _APPROXIMATE, _LATEX_AROUND[0], _LIST_AROUND[0])) or \
             any(p.match(after) for p in (_OPERATOR_AFTER, _LATEX_AROUND[1], _LIST_AROUND[1])) or \
             (_FRACTION_AFTER_DIGITS[0].search(last.group()) and _FRACTION_AFTER_DIGITS[1].search(before)):
         return last.group(), False
@@ -1945,7 +1949,7 @@ def grade(gold: str, completion: str, truncated: bool = False, fallback: str = "
         if _unit_powers(gold) and _unit_powers(answer) and _unit_powers(gold) != _unit_powers(answer):
             return "wrong"  # 12 m^2 is not 12 m^3
         if gold_number is not None:
-            if re.search(r"[<>]|!=|\\(?:[lg]eq?|neq?|[lg]t|approx)\b", answer):  # an inequality, not a value
+            if re.search(r"[<>\u2248\u2243]|!=|\\(?:[lg]eq?|neq?|[lg]t|approx|simeq|sim)\b", answer):  # not a value
                 return "not_a_number"
             sides = answer.split("=")  # '\\boxed{6 \\times 7 = 42}': the value after the last '='
             value = parse_number(sides[-1])

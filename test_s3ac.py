@@ -384,6 +384,12 @@ ANSWER_POLICY_TRAPS = [
     ("2", "either 13 or - 2.", "no_answer"), ("3", "x \\neq - 3", "no_answer"), ("2", "either 13 or +2.", "no_answer"),
     ("-2", "either 13 or (-2).", "no_answer"), ("-2", "x = 2 or x = -2", "no_answer"), ("-2", "x = 13, or x = -2.", "no_answer"),
     ("5", "The answer is 5, not -5.", "correct"), ("3", "x = 3 or -", "correct"), ("10", "x or y = 10", "correct"),
+    # an approximation is no exact value, in a box or not (a real rollout: '1 + 63 ≈ 64'); one elsewhere leaves it alone
+    ("64", "1 + 63 ≈ 64", "not_a_number"), ("42", "The answer is about 42.", "not_a_number"),
+    ("42", "It is approximately 42 apples.", "not_a_number"), ("42", "So x is roughly 42", "not_a_number"),
+    ("-5", "x \\approx -5", "not_a_number"), ("42", "\\boxed{\\approx 42}", "not_a_number"),
+    ("42", "\\boxed{≈ 42}", "not_a_number"), ("42", "It took about 3 hours, so the answer is 42.", "correct"),
+    ("3", "I am almost done: 1 + 2 = 3", "correct"), ("42", "Pi is about 3.14; 6 * 7 = 42", "correct"),
     # an inequality elsewhere in the sentence, or a factorial, leaves the answer alone
     ("120", "So 5!=120.", "correct"), ("10", "Since x \\neq 0, we get x = 10.", "correct"),
     ("10", "Because x \u2260 0, x = 10.", "correct"), ("10", "The boxes are not equally sized, so the answer is 10.", "correct"),
@@ -3979,7 +3985,8 @@ def test_strata_field_of_a_data_row(tmp_path):
 @pytest.mark.parametrize("completion,status", [
     ("7 - 9 = -2.", "correct"), ("The answer is \\boxed{-2}.", "correct"), ("7 minus 9 equals -2", "correct"),
     ("7 - 9 = 2.", "wrong"), ("It is -2 or 2.", "no_answer"), ("\\boxed{7 - 9}", "not_a_number"),
-    ("The answer is -2, not 2.", "correct"), ("So 7 - 9 is 2, not -2.", "wrong")])
+    ("The answer is -2, not 2.", "correct"), ("So 7 - 9 is 2, not -2.", "wrong"),
+    ("7 - 9 ≈ -2", "not_a_number")])
 def test_verifier_on_builtin_arithmetic_answer_forms(completion, status):
     gold = next(p.answer for p in s3ac.make_arithmetic(5000, 0) if p.question == "What is 7 - 9?")
     assert gold == "-2" and s3ac.grade(gold, completion) == status
