@@ -1703,9 +1703,11 @@ _NOT_AN_ANSWER = re.compile(r"\b(?:or|nor)\s*\(?\s*(?:[-+]\s*)?$", re.IGNORECASE
 
 _HEDGED_EQUATION = re.compile(r"\d[^=]*\b(?:or|nor)\s+\w*\s*$", re.IGNORECASE)  # '13, or x = -2': no answer
 
+_APPROX_SIGN = r"(?:\u2248|\u2243|\\(?:approx|simeq|sim)(?![A-Za-z]))"  # ≈, ≃, \approx, \simeq, \sim
+
 _APPROXIMATE = re.compile(  # an approximation just before the number read: '1 + 63 ≈ 64', 'about 42'
-    r"(?:\u2248|\u2243|\\approx|\\simeq|\\sim|\b(?:approx(?:imately)?|roughly|about|around|nearly|almost)\b\.?)"
-    r"\s*(?:[-+]\s*)?$", re.IGNORECASE)
+    r"(?:" + _APPROX_SIGN + r"|\b(?:approx(?:imately)?|roughly|about|around|nearly|almost)\b\.?)\s*(?:[-+]\s*)?$",
+    re.IGNORECASE)
 
 _RETRACTION = re.compile(r"\b(?:wrong|incorrect|not correct|mistake|redo|recalculate)\b", re.IGNORECASE)
 
@@ -1949,7 +1951,7 @@ def grade(gold: str, completion: str, truncated: bool = False, fallback: str = "
         if _unit_powers(gold) and _unit_powers(answer) and _unit_powers(gold) != _unit_powers(answer):
             return "wrong"  # 12 m^2 is not 12 m^3
         if gold_number is not None:
-            if re.search(r"[<>\u2248\u2243]|!=|\\(?:[lg]eq?|neq?|[lg]t|approx|simeq|sim)\b", answer):  # not a value
+            if re.search(r"[<>]|!=|\\(?:[lg]eq?|neq?|[lg]t)\b|" + _APPROX_SIGN, answer):  # not a value
                 return "not_a_number"
             sides = answer.split("=")  # '\\boxed{6 \\times 7 = 42}': the value after the last '='
             value = parse_number(sides[-1])

@@ -2484,6 +2484,35 @@ def test_compare_runs_seed_major_with_each_configs_flags(tmp_path, monkeypatch):
     assert "| s3ac-k1 - reinforce_pp-k1 | 2 |" in table and "| s3ac-k1 - grpo-k4 | 1 |" in table
 
 
+def test_compare_first_seed_runs_and_tables_only_later_seeds(tmp_path, monkeypatch):
+    """--first-seed 2: seeds 2 and 3 of the K = 1 configs run (seed-major), no seed below 2 and no GRPO run
+    (--grpo-seeds 2 leaves none from seed 2 on); the tables pair seed 2 with seed 2 and 3 with 3, and a rerun runs
+    nothing."""
+    compare = load_ci("compare")
+    calls = []
+    evals = {"s3ac-k1-seed2": 0.5, "s3ac-k1-seed3": 0.4, "reinforce_pp-k1-seed2": 0.2, "reinforce_pp-k1-seed3": 0.3}
+
+    def fake_run(command, check):
+        flags = command[2:]
+        out = flags[flags.index("--out-dir") + 1]
+        calls.append((os.path.basename(out), flags[flags.index("--seed") + 1]))
+        write_run(out, {0: 0.1, 2: evals[os.path.basename(out)]}, [{}, {}])
+
+    monkeypatch.setattr(compare.subprocess, "run", fake_run)
+    monkeypatch.setattr(compare, "plot_runs", lambda dirs, out: out)
+    argv = ["--seeds", "4", "--grpo-seeds", "2", "--first-seed", "2", "--minutes", "3", "--out-dir", str(tmp_path)]
+    compare.compare(argv)
+    assert calls == [("s3ac-k1-seed2", "2"), ("reinforce_pp-k1-seed2", "2"), ("s3ac-k1-seed3", "3"),
+                     ("reinforce_pp-k1-seed3", "3")]
+    assert sorted(os.listdir(tmp_path)) == sorted(list(evals) + ["table.md"])
+    # by hand: seed 2 0.5 - 0.2 = +0.3, seed 3 0.4 - 0.3 = +0.1; mean +0.2, se |0.3 - 0.1| / 2 = 0.1
+    table = open(os.path.join(tmp_path, "table.md")).read()
+    assert "| s3ac-k1 - reinforce_pp-k1 | 2 | +0.200 ± 0.100 | +0.300, +0.100 |" in table and "grpo" not in table
+    calls.clear()
+    compare.compare(argv)
+    assert calls == []
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Copy-paste: the math functions of sections 6-8 tested below run on their own, with only torch and the helpers
 # their docstrings name after "Needs:" (all_reduce, named so, pastes as the identity of a single process)

@@ -124,6 +124,9 @@ def compare(argv=None):
                                      epilog="Other flags (python s3ac.py --help) go to every run.")
     for flag, default, text in (
             ("--seeds", 6, "seeds of S3AC and REINFORCE++ (K = 1)"), ("--grpo-seeds", 3, "seeds of GRPO K = 4"),
+            ("--first-seed", 0, "the first seed of every config: runs and tables cover seeds --first-seed .. --seeds "
+                                "- 1 (to go on where earlier runs' files are gone; their figures are then pooled by "
+                                "hand)"),
             ("--minutes", 20.0, "training minutes of every run (--max-minutes)"),
             ("--s3ac-flags", "", "flags of the S3AC run alone, one string (./run.sh passes the demo's critic)"),
             ("--eval-every", 20, "steps between evaluations of every run (and one at its end)"),
@@ -140,9 +143,10 @@ def compare(argv=None):
     only = [name for name in opts.only.split(",") if name] or list(configs)
     if set(only) - set(configs):
         parser.error(f"--only: {', '.join(sorted(set(only) - set(configs)))} is not one of {', '.join(configs)}")
-    runs = {name: [os.path.join(opts.out_dir, f"{name}-seed{s}") for s in range(n)] for name, (n, _) in configs.items()}
-    order = sorted(((seed, name, out) for name, dirs in runs.items() for seed, out in enumerate(dirs)),
-                   key=lambda run: run[0])  # seed 0 of every config first: a stopped comparison stays balanced
+    seeds = {name: range(opts.first_seed, n) for name, (n, _) in configs.items()}
+    runs = {name: [os.path.join(opts.out_dir, f"{name}-seed{s}") for s in seeds[name]] for name in configs}
+    order = sorted(((seed, name, out) for name in configs for seed, out in zip(seeds[name], runs[name])),
+                   key=lambda run: run[0])  # the first seed of every config first: a stopped comparison stays balanced
     for seed, name, out in order:
         flags = ["--eval-every", str(opts.eval_every), "--steps", "1000000", "--max-minutes", str(opts.minutes),
                  "--save-every", "0", *rest, "--seed", str(seed), "--out-dir", out, *configs[name][1]]
@@ -159,7 +163,7 @@ def compare(argv=None):
         shutil.rmtree(os.path.join(out, "checkpoints"), ignore_errors=True)  # gigabytes per run
         _write_atomic(done, json.dumps(flags) + "\n")
     finished = {name: list(itertools.takewhile(lambda d: os.path.exists(os.path.join(d, "done")), dirs))
-                for name, dirs in runs.items()}  # seeds 0, 1, ... while finished: seed i pairs with seed i
+                for name, dirs in runs.items()}  # the first seed, the next, ... while finished: i pairs with i
     records = {name: [read_records(d) for d in dirs] for name, dirs in finished.items() if dirs}
     table = compare_table(records)
     if "s3ac-k1" in records:
