@@ -1709,6 +1709,8 @@ _APPROXIMATE = re.compile(  # an approximation just before the number read: '1 +
     r"(?:" + _APPROX_SIGN + r"|\b(?:approx(?:imately)?|roughly|about|around|nearly|almost)\b\.?)\s*(?:[-+]\s*)?$",
     re.IGNORECASE)
 
+_NOT_A_VALUE = re.compile(r"[<>]|!=|\\(?:[lg]eq?|neq?|[lg]t)\b|" + _APPROX_SIGN)  # a boxed inequality or approximation
+
 _RETRACTION = re.compile(r"\b(?:wrong|incorrect|not correct|mistake|redo|recalculate)\b", re.IGNORECASE)
 
 _NOT_EQUAL = re.compile(  # an inequality just before the number read: '1 is not equal to 10', '9 \neq 10'
@@ -1951,7 +1953,7 @@ def grade(gold: str, completion: str, truncated: bool = False, fallback: str = "
         if _unit_powers(gold) and _unit_powers(answer) and _unit_powers(gold) != _unit_powers(answer):
             return "wrong"  # 12 m^2 is not 12 m^3
         if gold_number is not None:
-            if re.search(r"[<>]|!=|\\(?:[lg]eq?|neq?|[lg]t)\b|" + _APPROX_SIGN, answer):  # not a value
+            if _NOT_A_VALUE.search(answer):
                 return "not_a_number"
             sides = answer.split("=")  # '\\boxed{6 \\times 7 = 42}': the value after the last '='
             value = parse_number(sides[-1])
