@@ -2511,6 +2511,10 @@ def test_compare_first_seed_runs_and_tables_only_later_seeds(tmp_path, monkeypat
     calls.clear()
     compare.compare(argv)
     assert calls == []
+    for first in ("-1", "4"):  # a run named ...-seed-1, or no seed at all: refused before anything runs
+        with pytest.raises(SystemExit):
+            compare.compare(argv[:5] + [first] + argv[6:])
+    assert calls == []
 
 
 # ---------------------------------------------------------------------------------------------------------------

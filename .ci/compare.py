@@ -143,6 +143,8 @@ def compare(argv=None):
     only = [name for name in opts.only.split(",") if name] or list(configs)
     if set(only) - set(configs):
         parser.error(f"--only: {', '.join(sorted(set(only) - set(configs)))} is not one of {', '.join(configs)}")
+    if not 0 <= opts.first_seed < opts.seeds:
+        parser.error(f"--first-seed {opts.first_seed}: must be at least 0 and below --seeds ({opts.seeds})")
     seeds = {name: range(opts.first_seed, n) for name, (n, _) in configs.items()}
     runs = {name: [os.path.join(opts.out_dir, f"{name}-seed{s}") for s in seeds[name]] for name in configs}
     order = sorted(((seed, name, out) for name in configs for seed, out in zip(seeds[name], runs[name])),
