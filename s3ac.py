@@ -1644,7 +1644,8 @@ def generate_responses(args: Args, state: TrainState, prompts: list, index: list
 #   3. Without a box, and only when the gold is a plain number, --answer-fallback final_number reads the last number
 #      of the final statement, after its last "=" (final_statement_number); a question, a hedge ('41 or -42',
 #      'x = 2 or x = -2'), a negation ('not 42', '1 is not equal to 10'), a list ('1,2,3'), an operand ('6 * 7',
-#      '42 +'), an approximation ('1 + 63 ≈ 64', 'about 42', as \approx in a box) or a number in LaTeX is no answer.
+#      '42 +'), an approximation ('1 + 63 ≈ 64', '42 + 1 ≅ 43', 'about 42', as \approx in a box) or a number in
+#      LaTeX is no answer.
 #   4. A plain-number gold needs a plain-number answer (integer, decimal or reduced fraction, with a sign,
 #      thousands separators, LaTeX spacing or a unit): "23 + 19", "6 \times 7" or "5!" are "not_a_number".
 #      A mixed number is one value: 3 1/4 and 3\frac{1}{4} are 13/4 (and -3 1/4 is -13/4), in a box, in the
@@ -1703,7 +1704,8 @@ _NOT_AN_ANSWER = re.compile(r"\b(?:or|nor)\s*\(?\s*(?:[-+]\s*)?$", re.IGNORECASE
 
 _HEDGED_EQUATION = re.compile(r"\d[^=]*\b(?:or|nor)\s+\w*\s*$", re.IGNORECASE)  # '13, or x = -2': no answer
 
-_APPROX_SIGN = r"(?:\u2248|\u2243|\\(?:approx|simeq|sim)(?![A-Za-z]))"  # ≈, ≃, \approx, \simeq, \sim
+# ≈ ≃ ≅ ≊ ≒ ∼ (Unicode's almost / asymptotically / approximately equal signs, the tilde operator), their LaTeX
+_APPROX_SIGN = r"(?:[\u2248\u2243\u2245\u224a\u2252\u223c]|\\(?:approx|simeq|sim|cong)(?![A-Za-z]))"
 
 _APPROXIMATE = re.compile(  # an approximation just before the number read: '1 + 63 ≈ 64', 'about 42'
     r"(?:" + _APPROX_SIGN + r"|\b(?:approx(?:imately)?|roughly|about|around|nearly|almost)\b\.?)\s*(?:[-+]\s*)?$",

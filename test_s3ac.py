@@ -389,6 +389,11 @@ ANSWER_POLICY_TRAPS = [
     ("42", "It is approximately 42 apples.", "not_a_number"), ("42", "So x is roughly 42", "not_a_number"),
     ("-5", "x \\approx -5", "not_a_number"), ("42", "\\boxed{\\approx 42}", "not_a_number"),
     ("42", "\\boxed{≈ 42}", "not_a_number"), ("42", "It took about 3 hours, so the answer is 42.", "correct"),
+    # Unicode's other approximately-equal signs (a real rollout: '42 + 1 ≅ 43\nThe answer is correct.'), and LaTeX's
+    ("43", "42 + 1 \u2245 43\nThe answer is correct.", "not_a_number"), ("43", "42 + 1 \u2243 43", "not_a_number"),
+    ("43", "42 + 1 \u224a 43", "not_a_number"), ("43", "42 + 1 \u2252 43", "not_a_number"),
+    ("43", "42 + 1 \u223c 43", "not_a_number"), ("43", "\\boxed{\\cong 43}", "not_a_number"),
+    ("54", "53 + 1 \u2245 54.\nThe final answer is 54.", "correct"), ("43", "Since 1 \u2245 1, 42 + 1 = 43", "correct"),
     ("3", "I am almost done: 1 + 2 = 3", "correct"), ("42", "Pi is about 3.14; 6 * 7 = 42", "correct"),
     # an inequality elsewhere in the sentence, or a factorial, leaves the answer alone
     ("120", "So 5!=120.", "correct"), ("10", "Since x \\neq 0, we get x = 10.", "correct"),
