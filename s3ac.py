@@ -1644,8 +1644,9 @@ def generate_responses(args: Args, state: TrainState, prompts: list, index: list
 #   3. Without a box, and only when the gold is a plain number, --answer-fallback final_number reads the last number
 #      of the final statement, after its last "=" (final_statement_number); a question, a hedge ('41 or -42',
 #      'x = 2 or x = -2'), a negation ('not 42', '1 is not equal to 10'), a list ('1,2,3'), an operand ('6 * 7',
-#      '42 +'), an approximation ('1 + 63 ≈ 64', '42 + 1 ≅ 43', 'about 42', as \approx in a box) or a number in
-#      LaTeX is no answer.
+#      '42 +'), an approximation ('1 + 63 ≈ 64', '42 + 1 ≅ 43', '42 + 1 ~ 43', 'about 42', as \approx in a box), a
+#      number in LaTeX, or one followed by a closing sentence that retracts or denies it ('The equation has no
+#      solution.') is no answer.
 #   4. A plain-number gold needs a plain-number answer (integer, decimal or reduced fraction, with a sign,
 #      thousands separators, LaTeX spacing or a unit): "23 + 19", "6 \times 7" or "5!" are "not_a_number".
 #      A mixed number is one value: 3 1/4 and 3\frac{1}{4} are 13/4 (and -3 1/4 is -13/4), in a box, in the
@@ -1704,8 +1705,9 @@ _NOT_AN_ANSWER = re.compile(r"\b(?:or|nor)\s*\(?\s*(?:[-+]\s*)?$", re.IGNORECASE
 
 _HEDGED_EQUATION = re.compile(r"\d[^=]*\b(?:or|nor)\s+\w*\s*$", re.IGNORECASE)  # '13, or x = -2': no answer
 
-# ≈ ≃ ≅ ≊ ≒ ∼ (Unicode's almost / asymptotically / approximately equal signs, the tilde operator), their LaTeX
-_APPROX_SIGN = r"(?:[\u2248\u2243\u2245\u224a\u2252\u223c]|\\(?:approx|simeq|sim|cong)(?![A-Za-z]))"
+# ≈ ≃ ≅ ≊ ≒ ∼ ～ (Unicode's almost / asymptotically / approximately equal signs, the tilde operator, the full-width
+# tilde), their LaTeX; an ASCII "~" after a space and before a number ('42 + 1 ~ 43') becomes ≈ in _normalise
+_APPROX_SIGN = r"(?:[\u2248\u2243\u2245\u224a\u2252\u223c\uff5e]|\\(?:approx|simeq|sim|cong)(?![A-Za-z]))"
 
 _APPROXIMATE = re.compile(  # an approximation just before the number read: '1 + 63 ≈ 64', 'about 42'
     r"(?:" + _APPROX_SIGN + r"|\b(?:approx(?:imately)?|roughly|about|around|nearly|almost)\b\.?)\s*(?:[-+]\s*)?$",
@@ -1715,9 +1717,14 @@ _NOT_A_VALUE = re.compile(r"[<>]|!=|\\(?:[lg]eq?|neq?|[lg]t)\b|" + _APPROX_SIGN)
 
 _RETRACTION = re.compile(r"\b(?:wrong|incorrect|not correct|mistake|redo|recalculate)\b", re.IGNORECASE)
 
+_DENIAL = re.compile(  # a closing sentence without a digit that denies the answer: 'The equation has no solution.'
+    r"\bno\s+(?:real\s+|valid\s+|integer\s+)?(?:solutions?|answers?)\b|\bimpossible\b|\bundefined\b"
+    r"|\bdoes\s*(?:not|n['\u2019]?t)\s+exist\b", re.IGNORECASE)
+
 _NOT_EQUAL = re.compile(  # an inequality just before the number read: '1 is not equal to 10', '9 \neq 10'
     r"(?:(?:\bnot|\bcannot|n['\u2019]?t)\s+(?:equal(?:s|led)?|the\s+same|equivalent|identical)(?:\s+(?:to|as|with))?"
-    r"|\bunequal\s+to|(?<![\d)}!])!=|=/=|<>|\u2260|\\neq?|\\not\s*=)\s*(?:[-+]\s*)?$", re.IGNORECASE)  # not 5!=120
+    r"|\bunequal\s+to|(?<![\d)}!])!=|=/=|<>|[\u2260\u2249]|\\neq?|\\not\s*=)"  # ≠ ≉; not 5!=120
+    r"\s*(?:[-+]\s*)?$", re.IGNORECASE)
 
 
 def last_boxed(text: str):
@@ -1742,6 +1749,7 @@ def _normalise(s: str) -> str:
     s = s.replace("\u2212", "-").replace("\u2013", "-").replace("\u2217", "*").replace("\u22c5", "*")
     s = s.replace("\u00b7", "*").replace("\u00d7", "*").replace("\u00f7", "/").replace("\\ast", "*")
     s = re.sub(r"\\(?:text|textbf|mbox|mathrm|mathbf)\{([^{}]*)\}", r" \1 ", s)
+    s = re.sub(r"(?<=\s)~(?=\s*[-+]?\s*\d)", "\u2248", s)  # '1 + 2 ~ 3': ASCII for ≈; 'is~3' is LaTeX's space
     s = re.sub(r"\\[dtc]frac", r"\\frac", s)
     s = re.sub(r"\\frac\s*(\d)\s*(\d)", r"\\frac{\1}{\2}", s)  # \frac12
     s = re.sub(r"\^\s*\{?\\circ\}?|\\degree|\u00b0|\\%|%|\\\$|\$|\\left|\\right|\\displaystyle|\\\(|\\\)|\\\[|\\\]"
@@ -1777,13 +1785,15 @@ def parse_number(text: str):
 
 def final_statement_number(text: str):
     """(answer, ok) of a response without a box: the last number of its final statement, the last
-    sentence that holds a digit (closing sentences without one are passed over unless they retract), after its last
+    sentence that holds a digit (closing sentences without one are passed over unless they retract or deny an answer:
+'The equation has no solution.'), after its last
     '='. ok is False when that number is an operand, part of an expression or an approximation ('multiply 6 * 7.',
     '42 +', '\\sqrt{42}', '1,2,3', '≈ 64', 'about 42'); (None, True) when there is no final answer (a question, a
     retraction, 'not 42', '41 or 42', an inequality: '1 is not equal to 10')."""
     sentences = [s for s in re.split(r"\n+|(?<=[.!?])\s+", _normalise(text)) if s.strip()]
     while sentences and not re.search(r"\d", sentences[-1]):
-        if _RETRACTION.search(sentences.pop()):
+        closing = sentences.pop()
+        if _RETRACTION.search(closing) or _DENIAL.search(closing):
             return None, True
     if not sentences or _RETRACTION.search(sentences[-1]) or sentences[-1].rstrip().endswith("?"):
         return None, True

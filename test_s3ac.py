@@ -377,6 +377,7 @@ ANSWER_POLICY_TRAPS = [
     ("10", "9 \\neq 10", "no_answer"), ("10", "9 \u2260 10", "no_answer"), ("10", "So 9 != 10.", "no_answer"),
     ("10", "It does not equal 10.", "no_answer"), ("10", "5 + 5 is not the same as 10", "no_answer"),
     ("10", "9 \\not= 10", "no_answer"), ("10", "9 doesn\u2019t equal 10", "no_answer"), ("10", "9 <> 10", "no_answer"),
+    ("10", "9 \u2249 10", "no_answer"),
     ("10", "9 is not equivalent to 10.", "no_answer"), ("10", "9 is unequal to 10.", "no_answer"),
     ("-2", "so the final result is either 13 or -2.", "no_answer"),  # a real rollout: a negative number read after
     ("-4", "It is 4 nor -4.", "no_answer"), ("-42", "The answer is 5, not -42.", "wrong"),  # 'or', 'not', '!='
@@ -394,6 +395,10 @@ ANSWER_POLICY_TRAPS = [
     ("43", "42 + 1 \u224a 43", "not_a_number"), ("43", "42 + 1 \u2252 43", "not_a_number"),
     ("43", "42 + 1 \u223c 43", "not_a_number"), ("43", "\\boxed{\\cong 43}", "not_a_number"),
     ("54", "53 + 1 \u2245 54.\nThe final answer is 54.", "correct"), ("43", "Since 1 \u2245 1, 42 + 1 = 43", "correct"),
+    # ASCII "~" after a space, the full-width tilde; "~" between two words is LaTeX's unbreakable space
+    ("43", "42 + 1 ~ 43", "not_a_number"), ("43", "42 + 1 ~43", "not_a_number"), ("-2", "x ~ -2", "not_a_number"),
+    ("43", "42 + 1 \uff5e 43", "not_a_number"), ("42", "The answer is~42.", "correct"),
+    ("42", "By Table~2, 6 * 7 = 42.", "correct"), ("42", "$6 \\times 7 = 42$~", "correct"),
     ("3", "I am almost done: 1 + 2 = 3", "correct"), ("42", "Pi is about 3.14; 6 * 7 = 42", "correct"),
     # an inequality elsewhere in the sentence, or a factorial, leaves the answer alone
     ("120", "So 5!=120.", "correct"), ("10", "Since x \\neq 0, we get x = 10.", "correct"),
@@ -416,6 +421,12 @@ ANSWER_POLICY_TRAPS = [
     ("7", "you simply multiply 1 and 7.", "not_a_number"), ("7", "Take 14 and subtract 7.", "not_a_number"),
     ("7", "The difference between 14 and 7.", "not_a_number"), ("0", "The product of 9 and 0.", "not_a_number"),
     ("42", "The answer is 42.\n\nWait, that is wrong. Let me redo it.", "no_answer"),
+    # a closing sentence without a digit that denies the answer; one that does not leaves it alone
+    ("12", "7 + 5 = 12.\nThe equation has no solution.", "no_answer"),
+    ("12", "7 + 5 = 12. No real solutions exist.", "no_answer"), ("12", "7 + 5 = 12\nThis is impossible.", "no_answer"),
+    ("12", "x = 12. Otherwise it is undefined.", "no_answer"), ("12", "7 + 5 = 12. The limit doesn't exist.", "no_answer"),
+    ("12", "7 + 5 = 12.\nThere is no other answer.", "correct"), ("12", "7 + 5 = 12.\nThe solution is complete.", "correct"),
+    ("12", "No solution is needed: 7 + 5 = 12", "correct"),  # only a closing sentence without a digit can deny
     ("\\infty", "\\boxed{\\infty}", "correct"), ("10^{400}", "\\boxed{1.0\\times10^{400}}", "correct"),
     # rewarded: units, wrappers, fraction spellings, unicode minus
     ("42", "\\boxed{42 \\text{ cm}^2}", "correct"), ("42", "\\boxed{42\\text{ km/h}}", "correct"), ("42", "\\boxed{42\u00b0}", "correct"),
