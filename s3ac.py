@@ -1706,7 +1706,7 @@ _NOT_AN_ANSWER = re.compile(r"\b(?:or|nor)\s*\(?\s*(?:[-+]\s*)?$", re.IGNORECASE
 _HEDGED_EQUATION = re.compile(r"\d[^=]*\b(?:or|nor)\s+\w*\s*$", re.IGNORECASE)  # '13, or x = -2': no answer
 
 # ≈ ≃ ≅ ≊ ≒ ∼ ～ (Unicode's almost / asymptotically / approximately equal signs, the tilde operator, the full-width
-# tilde), their LaTeX; an ASCII "~" after a space and before a number ('42 + 1 ~ 43') becomes ≈ in _normalise
+# tilde), their LaTeX; in a plain statement an ASCII "~" after a space and before a number ('42 + 1 ~ 43') is ≈
 _APPROX_SIGN = r"(?:[\u2248\u2243\u2245\u224a\u2252\u223c\uff5e]|\\(?:approx|simeq|sim|cong)(?![A-Za-z]))"
 
 _APPROXIMATE = re.compile(  # an approximation just before the number read: '1 + 63 ≈ 64', 'about 42'
@@ -1717,9 +1717,16 @@ _NOT_A_VALUE = re.compile(r"[<>]|!=|\\(?:[lg]eq?|neq?|[lg]t)\b|" + _APPROX_SIGN)
 
 _RETRACTION = re.compile(r"\b(?:wrong|incorrect|not correct|mistake|redo|recalculate)\b", re.IGNORECASE)
 
+_ASCII_APPROX = re.compile(r"(?<=\s)~(?=\s*[-+]?\s*\d)")  # '42 + 1 ~ 43' (raw text: 'is~43', '}~43' are spacing)
+
 _DENIAL = re.compile(  # a closing sentence without a digit that denies the answer: 'The equation has no solution.'
-    r"\bno\s+(?:real\s+|valid\s+|integer\s+)?(?:solutions?|answers?)\b|\bimpossible\b|\bundefined\b"
-    r"|\bdoes\s*(?:not|n['\u2019]?t)\s+exist\b", re.IGNORECASE)
+    r"(?:^|\b(?:has|have|there\s+is|there\s+are)\s+)no\s+(?:real\s+|valid\s+|integer\s+)?(?:solutions?|answers?)"
+    r"(?:\s+exists?)?\W*$"  # 'There are no real solutions.', 'No solution exists.'; not 'No answer choices were given.'
+    r"|\b(?:answer|result|solution|equation|problem|it|this|that)\s+(?:is|was)\s+(?:impossible|undefined)\W*$"
+    r"|\b(?:answer|solution|result|limit)\s+(?:does\s*(?:not|n['\u2019]?t)|cannot)\s+exist\b", re.IGNORECASE)
+
+_CONDITIONAL = re.compile(r"^\W*(?:otherwise|unless|if|when|except)\b", re.IGNORECASE)  # 'Otherwise it is undefined.'
+
 
 _NOT_EQUAL = re.compile(  # an inequality just before the number read: '1 is not equal to 10', '9 \neq 10'
     r"(?:(?:\bnot|\bcannot|n['\u2019]?t)\s+(?:equal(?:s|led)?|the\s+same|equivalent|identical)(?:\s+(?:to|as|with))?"
@@ -1749,7 +1756,6 @@ def _normalise(s: str) -> str:
     s = s.replace("\u2212", "-").replace("\u2013", "-").replace("\u2217", "*").replace("\u22c5", "*")
     s = s.replace("\u00b7", "*").replace("\u00d7", "*").replace("\u00f7", "/").replace("\\ast", "*")
     s = re.sub(r"\\(?:text|textbf|mbox|mathrm|mathbf)\{([^{}]*)\}", r" \1 ", s)
-    s = re.sub(r"(?<=\s)~(?=\s*[-+]?\s*\d)", "\u2248", s)  # '1 + 2 ~ 3': ASCII for ≈; 'is~3' is LaTeX's space
     s = re.sub(r"\\[dtc]frac", r"\\frac", s)
     s = re.sub(r"\\frac\s*(\d)\s*(\d)", r"\\frac{\1}{\2}", s)  # \frac12
     s = re.sub(r"\^\s*\{?\\circ\}?|\\degree|\u00b0|\\%|%|\\\$|\$|\\left|\\right|\\displaystyle|\\\(|\\\)|\\\[|\\\]"
@@ -1784,16 +1790,17 @@ def parse_number(text: str):
 
 
 def final_statement_number(text: str):
-    """(answer, ok) of a response without a box: the last number of its final statement, the last
-    sentence that holds a digit (closing sentences without one are passed over unless they retract or deny an answer:
-'The equation has no solution.'), after its last
-    '='. ok is False when that number is an operand, part of an expression or an approximation ('multiply 6 * 7.',
-    '42 +', '\\sqrt{42}', '1,2,3', '≈ 64', 'about 42'); (None, True) when there is no final answer (a question, a
-    retraction, 'not 42', '41 or 42', an inequality: '1 is not equal to 10')."""
+    """(answer, ok) of a response without a box: the last number of its final statement, the last sentence that
+    holds a digit (closing sentences without one are passed over unless they retract, or deny that there is an answer:
+    'The equation has no solution.'), after its last '='. ok is False when that number is an operand, part of an
+    expression or an approximation ('multiply 6 * 7.', '42 +', '\\sqrt{42}', '1,2,3', '≈ 64', '~ 64', 'about 42');
+    (None, True) when there is no final answer (a question, a retraction or denial, 'not 42', '41 or 42', an
+    inequality: '1 is not equal to 10')."""
+    text = _ASCII_APPROX.sub("\u2248", text)  # before _normalise turns LaTeX's '~' (and \quad, \text{}) into spaces
     sentences = [s for s in re.split(r"\n+|(?<=[.!?])\s+", _normalise(text)) if s.strip()]
     while sentences and not re.search(r"\d", sentences[-1]):
         closing = sentences.pop()
-        if _RETRACTION.search(closing) or _DENIAL.search(closing):
+        if _RETRACTION.search(closing) or (_DENIAL.search(closing) and not _CONDITIONAL.search(closing)):
             return None, True
     if not sentences or _RETRACTION.search(sentences[-1]) or sentences[-1].rstrip().endswith("?"):
         return None, True

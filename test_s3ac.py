@@ -399,6 +399,7 @@ ANSWER_POLICY_TRAPS = [
     ("43", "42 + 1 ~ 43", "not_a_number"), ("43", "42 + 1 ~43", "not_a_number"), ("-2", "x ~ -2", "not_a_number"),
     ("43", "42 + 1 \uff5e 43", "not_a_number"), ("42", "The answer is~42.", "correct"),
     ("42", "By Table~2, 6 * 7 = 42.", "correct"), ("42", "$6 \\times 7 = 42$~", "correct"),
+    ("42", "\\textbf{Answer:}~42", "correct"), ("42", "6 * 7 =\\quad~42", "correct"), ("5", "\\boxed{ ~5}", "correct"),
     ("3", "I am almost done: 1 + 2 = 3", "correct"), ("42", "Pi is about 3.14; 6 * 7 = 42", "correct"),
     # an inequality elsewhere in the sentence, or a factorial, leaves the answer alone
     ("120", "So 5!=120.", "correct"), ("10", "Since x \\neq 0, we get x = 10.", "correct"),
@@ -422,11 +423,18 @@ ANSWER_POLICY_TRAPS = [
     ("7", "The difference between 14 and 7.", "not_a_number"), ("0", "The product of 9 and 0.", "not_a_number"),
     ("42", "The answer is 42.\n\nWait, that is wrong. Let me redo it.", "no_answer"),
     # a closing sentence without a digit that denies the answer; one that does not leaves it alone
-    ("12", "7 + 5 = 12.\nThe equation has no solution.", "no_answer"),
+    ("12", "7 + 5 = 12.\nThe equation has no solution.", "no_answer"),  # a real rollout
     ("12", "7 + 5 = 12. No real solutions exist.", "no_answer"), ("12", "7 + 5 = 12\nThis is impossible.", "no_answer"),
-    ("12", "x = 12. Otherwise it is undefined.", "no_answer"), ("12", "7 + 5 = 12. The limit doesn't exist.", "no_answer"),
-    ("12", "7 + 5 = 12.\nThere is no other answer.", "correct"), ("12", "7 + 5 = 12.\nThe solution is complete.", "correct"),
+    ("12", "x = 12. The answer is undefined.", "no_answer"), ("12", "x = 12\nThere are no valid answers!", "no_answer"),
+    ("12", "7 + 5 = 12. The limit doesn't exist.", "no_answer"),
+    ("12", "7 + 5 = 12.\nThere is no other answer.", "correct"),
+    ("12", "7 + 5 = 12.\nThe solution is complete.", "correct"),
     ("12", "No solution is needed: 7 + 5 = 12", "correct"),  # only a closing sentence without a digit can deny
+    ("12", "x = 12. Otherwise it is undefined.", "correct"), ("12", "x = 12. No answer choices were given.", "correct"),
+    ("12", "x = 12. Division by zero is undefined.", "correct"),
+    ("12", "x = 12. I have no answers left to check.", "correct"),
+    ("12", "x = 12. It is impossible to get another result.", "correct"),
+    ("12", "x = 12. A larger one does not exist.", "correct"),
     ("\\infty", "\\boxed{\\infty}", "correct"), ("10^{400}", "\\boxed{1.0\\times10^{400}}", "correct"),
     # rewarded: units, wrappers, fraction spellings, unicode minus
     ("42", "\\boxed{42 \\text{ cm}^2}", "correct"), ("42", "\\boxed{42\\text{ km/h}}", "correct"), ("42", "\\boxed{42\u00b0}", "correct"),
