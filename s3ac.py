@@ -1645,8 +1645,8 @@ def generate_responses(args: Args, state: TrainState, prompts: list, index: list
 #      of the final statement, after its last "=" (final_statement_number); a question, a hedge ('41 or -42',
 #      'x = 2 or x = -2'), a negation ('not 42', '1 is not equal to 10'), a list ('1,2,3'), an operand ('6 * 7',
 #      '42 +'), an approximation ('1 + 63 ≈ 64', '42 + 1 ≅ 43', '42 + 1 ~ 43', 'about 42', as \approx in a box), a
-#      number in LaTeX, or one followed by a closing sentence that retracts or denies it ('The equation has no
-#      solution.') is no answer.
+#      number in LaTeX, or one followed by a closing sentence without a digit that retracts it or denies there is an
+#      answer ('The equation has no solution.') is no answer.
 #   4. A plain-number gold needs a plain-number answer (integer, decimal or reduced fraction, with a sign,
 #      thousands separators, LaTeX spacing or a unit): "23 + 19", "6 \times 7" or "5!" are "not_a_number".
 #      A mixed number is one value: 3 1/4 and 3\frac{1}{4} are 13/4 (and -3 1/4 is -13/4), in a box, in the
@@ -1726,7 +1726,6 @@ _DENIAL = re.compile(  # a closing sentence without a digit that denies the answ
     r"|\b(?:answer|solution|result|limit)\s+(?:does\s*(?:not|n['\u2019]?t)|cannot)\s+exist\b", re.IGNORECASE)
 
 _CONDITIONAL = re.compile(r"^\W*(?:otherwise|unless|if|when|except)\b", re.IGNORECASE)  # 'Otherwise it is undefined.'
-
 
 _NOT_EQUAL = re.compile(  # an inequality just before the number read: '1 is not equal to 10', '9 \neq 10'
     r"(?:(?:\bnot|\bcannot|n['\u2019]?t)\s+(?:equal(?:s|led)?|the\s+same|equivalent|identical)(?:\s+(?:to|as|with))?"
