@@ -25,8 +25,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import kernels as K
 import s3ac
+
+K = s3ac.kernels  # kernels.py (imported by s3ac.py as module s3ac_kernels: the name `kernels` is Hugging Face's)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -3824,6 +3825,36 @@ def test_kernels_py_imports_no_s3ac():
                                                                                             "line 2: s3ac"]
     assert _s3ac_imports("import s3ac_data\nfrom kernels import gae\n") == []
     assert _s3ac_imports(Path(HERE, "kernels.py").read_text()) == []
+
+
+def test_transformers_gets_hugging_faces_kernels_package_and_s3ac_gets_kernels_py():
+    """transformers >= 5.25 imports Hugging Face's kernel-hub package by the name `kernels`, which kernels.py would
+    shadow (Python puts this directory first on sys.path). In a fresh process started here, as `python -c` and
+    `python s3ac.py` start: a script imports kernels.py as `kernels` first (as .ci/bench.py does), then s3ac, then
+    transformers' hub-kernels integration and a model class: s3ac.kernels is that same module (one backend switch), and
+    the name `kernels` is the hub package where it is installed, else that same module (never a second copy)."""
+    probe = (
+        "import importlib.metadata, os, sys\n"
+        "import kernels as first\n"
+        "ours = os.path.realpath('kernels.py')\n"
+        "assert os.path.realpath(first.__file__) == ours, first.__file__\n"
+        "import s3ac\n"
+        "assert s3ac.kernels is first and s3ac.kernels.use_triton\n"
+        "import transformers.integrations.hub_kernels\n"
+        "from transformers import LlamaForCausalLM\n"
+        "named = sys.modules.get('kernels')\n"
+        "try:\n"
+        "    hub = importlib.metadata.version('kernels')\n"
+        "except importlib.metadata.PackageNotFoundError:\n"
+        "    hub = None\n"
+        "if hub is None:  # ours under both names, imported once\n"
+        "    assert named is first, named\n"
+        "else:\n"
+        "    assert os.path.realpath(named.__file__) != ours and hasattr(named, 'CUDAProperties'), named\n"
+        "print('hub kernels', hub)\n")
+    r = subprocess.run([sys.executable, "-c", probe], cwd=HERE, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "hub kernels" in r.stdout
 
 
 def test_bench_gae_verl_loop_hand_case_and_s3ac_gae():
