@@ -31,9 +31,9 @@ Loss normaliser (as in s3ac.py): every loss is  sum over valid tokens / num_toke
 to the number of valid tokens in the call (at least 1). With gradient accumulation, pass the token count of the
 whole batch so that the micro-batch losses add up to the token mean over the batch.
 
-s3ac.py imports this file as module `s3ac_kernels` (`from s3ac import kernels` gets it): the name `kernels` is
-Hugging Face's kernel-hub package, which transformers >= 5.25 imports. This file never imports s3ac. Tests: pytest test_s3ac.py -k kernels (on the CPU under
-TRITON_INTERPRET=1). Benchmarks: python .ci/bench.py --help.
+s3ac.py imports this file as module `s3ac_kernels`; elsewhere, `from s3ac import kernels` (the name `kernels` is
+Hugging Face's kernel-hub package, which transformers >= 5.25 imports). This file never imports s3ac.
+Tests: pytest test_s3ac.py -k kernels (on the CPU under TRITON_INTERPRET=1). Benchmarks: python .ci/bench.py --help.
 """
 
 from __future__ import annotations

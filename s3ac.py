@@ -86,31 +86,36 @@ import torch.nn as nn
 
 
 def _import_kernels_py():
-    """kernels.py beside this file, as module `s3ac_kernels`. transformers >= 5.25 imports Hugging Face's kernel-hub
-    package by the name `kernels`, and Python puts this directory first on sys.path, where kernels.py would shadow it
-    (ImportError: cannot import name 'CUDAProperties'); so the hub package, where installed, is imported first with
-    the directory hidden. One module object throughout: a script that imported kernels.py as `kernels` first keeps
-    it, and without the hub package it holds both names."""
+    """kernels.py beside this file, as module `s3ac_kernels` (`from s3ac import kernels` elsewhere). transformers
+    >= 5.25 imports Hugging Face's kernel-hub package by the name `kernels`, and Python puts this directory first on
+    sys.path, where kernels.py would shadow it (ImportError: cannot import name 'CUDAProperties'); so the hub package,
+    where installed, is imported first with every directory holding a kernels.py hidden. Without it, ours holds both
+    names. Raises ImportError if kernels.py was imported as `kernels` already, or if the hub package is broken."""
     import importlib.util
-    here = os.path.dirname(os.path.realpath(__file__))
-    path = os.path.join(here, "kernels.py")
+    path = os.path.join(os.path.dirname(os.path.realpath(__file__)), "kernels.py")
     earlier = sys.modules.get("kernels")
     if earlier is not None and os.path.realpath(getattr(earlier, "__file__", None) or "") == path:
-        sys.modules["s3ac_kernels"] = sys.modules.pop("kernels")   # imported by name before s3ac (.ci/bench.py)
+        raise ImportError(f"{path} was imported as module `kernels` before s3ac, a name that belongs to Hugging Face's "
+                          f"kernel-hub package (transformers >= 5.25 imports it): use `from s3ac import kernels`")
     if "kernels" not in sys.modules:
         saved = sys.path[:]
-        sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != here]
+        sys.path[:] = [p for p in sys.path if not os.path.isfile(os.path.join(p or os.curdir, "kernels.py"))]
         try:
             import kernels  # noqa: F401  Hugging Face's, where installed
-        except ImportError:
-            pass
+        except ModuleNotFoundError as e:
+            if e.name != "kernels":
+                raise
         finally:
             sys.path[:] = saved
     if "s3ac_kernels" not in sys.modules:
         spec = importlib.util.spec_from_file_location("s3ac_kernels", path)
         module = importlib.util.module_from_spec(spec)
         sys.modules["s3ac_kernels"] = module
-        spec.loader.exec_module(module)
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules["s3ac_kernels"]
+            raise
     sys.modules.setdefault("kernels", sys.modules["s3ac_kernels"])  # no hub package: one module under both names
     return sys.modules["s3ac_kernels"]
 

@@ -3827,34 +3827,41 @@ def test_kernels_py_imports_no_s3ac():
     assert _s3ac_imports(Path(HERE, "kernels.py").read_text()) == []
 
 
-def test_transformers_gets_hugging_faces_kernels_package_and_s3ac_gets_kernels_py():
+def test_transformers_gets_the_hub_package_and_s3ac_its_own_file():
     """transformers >= 5.25 imports Hugging Face's kernel-hub package by the name `kernels`, which kernels.py would
-    shadow (Python puts this directory first on sys.path). In a fresh process started here, as `python -c` and
-    `python s3ac.py` start: a script imports kernels.py as `kernels` first (as .ci/bench.py does), then s3ac, then
-    transformers' hub-kernels integration and a model class: s3ac.kernels is that same module (one backend switch), and
-    the name `kernels` is the hub package where it is installed, else that same module (never a second copy)."""
+    shadow (Python puts this directory first on sys.path). In a fresh process started here: s3ac.kernels is kernels.py;
+    transformers' hub-kernels integration and a model class import; the name `kernels` is the hub package where it is
+    installed, else s3ac's module (never a second copy); .ci/bench.py, loaded after s3ac, uses s3ac's module. Importing
+    kernels.py as `kernels` before s3ac is refused in one line that says what to write instead."""
     probe = (
-        "import importlib.metadata, os, sys\n"
-        "import kernels as first\n"
+        "import importlib.metadata, importlib.util, os, sys\n"
         "ours = os.path.realpath('kernels.py')\n"
-        "assert os.path.realpath(first.__file__) == ours, first.__file__\n"
         "import s3ac\n"
-        "assert s3ac.kernels is first and s3ac.kernels.use_triton\n"
+        "assert os.path.realpath(s3ac.kernels.__file__) == ours, s3ac.kernels\n"
         "import transformers.integrations.hub_kernels\n"
         "from transformers import LlamaForCausalLM\n"
-        "named = sys.modules.get('kernels')\n"
+        "named = sys.modules['kernels']\n"
         "try:\n"
         "    hub = importlib.metadata.version('kernels')\n"
         "except importlib.metadata.PackageNotFoundError:\n"
         "    hub = None\n"
-        "if hub is None:  # ours under both names, imported once\n"
-        "    assert named is first, named\n"
+        "if hub is None:\n"
+        "    assert named is s3ac.kernels, named\n"
         "else:\n"
         "    assert os.path.realpath(named.__file__) != ours and hasattr(named, 'CUDAProperties'), named\n"
-        "print('hub kernels', hub)\n")
+        "spec = importlib.util.spec_from_file_location('ci_bench', os.path.join('.ci', 'bench.py'))\n"
+        "bench = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(bench)\n"
+        "assert bench.kernels is s3ac.kernels, bench.kernels\n"
+        "print('hub package', hub)\n")
     r = subprocess.run([sys.executable, "-c", probe], cwd=HERE, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "hub kernels" in r.stdout
+    assert "hub package" in r.stdout
+    r = subprocess.run([sys.executable, "-c", "import kernels\nimport s3ac"], cwd=HERE, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 1 and "ImportError" in r.stderr, r.stderr[-3000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert "kernels.py was imported as module `kernels` before s3ac" in last and "from s3ac import kernels" in last
 
 
 def test_bench_gae_verl_loop_hand_case_and_s3ac_gae():

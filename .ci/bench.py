@@ -32,7 +32,7 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the reposi
 if HERE not in sys.path:
     sys.path.insert(0, HERE)  # kernels.py and s3ac.py
 
-import kernels  # noqa: E402
+from s3ac import kernels  # noqa: E402  kernels.py (the name `kernels` is Hugging Face's kernel-hub package)
 
 # Targets, as % of the copy bandwidth measured in the same run: GAE moves each byte once in the best case, so a copy
 # of its bytes is its floor; the fused losses read more inputs per byte written.
