@@ -84,43 +84,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-
-def _import_kernels_py():
-    """kernels.py beside this file, as module `s3ac_kernels` (`from s3ac import kernels` elsewhere). transformers
-    >= 5.25 imports Hugging Face's kernel-hub package by the name `kernels`, and Python puts this directory first on
-    sys.path, where kernels.py would shadow it (ImportError: cannot import name 'CUDAProperties'); so the hub package,
-    where installed, is imported first with every directory holding a kernels.py hidden. Without it, ours holds both
-    names. Raises ImportError if kernels.py was imported as `kernels` already, or if the hub package is broken."""
-    import importlib.util
-    path = os.path.join(os.path.dirname(os.path.realpath(__file__)), "kernels.py")
-    earlier = sys.modules.get("kernels")
-    if earlier is not None and os.path.realpath(getattr(earlier, "__file__", None) or "") == path:
-        raise ImportError(f"{path} was imported as module `kernels` before s3ac, a name that belongs to Hugging Face's "
-                          f"kernel-hub package (transformers >= 5.25 imports it): use `from s3ac import kernels`")
-    if "kernels" not in sys.modules:
-        saved = sys.path[:]
-        sys.path[:] = [p for p in sys.path if not os.path.isfile(os.path.join(p or os.curdir, "kernels.py"))]
-        try:
-            import kernels  # noqa: F401  Hugging Face's, where installed
-        except ModuleNotFoundError as e:
-            if e.name != "kernels":
-                raise
-        finally:
-            sys.path[:] = saved
-    if "s3ac_kernels" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("s3ac_kernels", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["s3ac_kernels"] = module
-        try:
-            spec.loader.exec_module(module)
-        except BaseException:
-            del sys.modules["s3ac_kernels"]
-            raise
-    sys.modules.setdefault("kernels", sys.modules["s3ac_kernels"])  # no hub package: one module under both names
-    return sys.modules["s3ac_kernels"]
-
-
-kernels = _import_kernels_py()
+# `kernels`, kernels.py (the Triton twins of section 1's math), is imported in section 4 (_import_kernels_py): Hugging
+# Face's kernel-hub package, which transformers imports, has the same name.
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -1668,9 +1633,48 @@ def generate_responses(args: Args, state: TrainState, prompts: list, index: list
 
 
 # -----------------------------------------------------------------------------------------------------------------
-# 4. Plumbing. A reader may stop here: the math verifier, flags, data, model loading, vLLM, torchrun/FSDP2,
-#    checkpoints, logging, evaluation I/O, plots, main. Nothing below changes the algorithm.
+# 4. Plumbing. A reader may stop here: kernels.py's import, the math verifier, flags, data, model loading, vLLM,
+#    torchrun/FSDP2, checkpoints, logging, evaluation I/O, plots, main. Nothing below changes the algorithm.
 # -----------------------------------------------------------------------------------------------------------------
+# === kernels.py, under its own module name ===
+def _import_kernels_py():
+    """kernels.py beside this file, as module `s3ac_kernels` (`from s3ac import kernels` elsewhere). transformers
+    >= 5.25 imports Hugging Face's kernel-hub package by the name `kernels`, and Python puts this directory first on
+    sys.path, where kernels.py would shadow it (ImportError: cannot import name 'CUDAProperties'); so the hub package,
+    where installed, is imported first with every directory holding a kernels.py hidden. Without it, ours holds both
+    names. Raises ImportError if kernels.py was imported as `kernels` already, or if the hub package is broken."""
+    import importlib.util
+    path = os.path.join(os.path.dirname(os.path.realpath(__file__)), "kernels.py")
+    earlier = sys.modules.get("kernels")
+    if earlier is not None and os.path.realpath(getattr(earlier, "__file__", None) or "") == path:
+        raise ImportError(f"{path} was imported as module `kernels` before s3ac, a name that belongs to Hugging Face's "
+                          f"kernel-hub package (transformers >= 5.25 imports it): use `from s3ac import kernels`")
+    if "kernels" not in sys.modules:
+        saved = sys.path[:]
+        sys.path[:] = [p for p in sys.path if not os.path.isfile(os.path.join(p or os.curdir, "kernels.py"))]
+        try:
+            import kernels  # noqa: F401  Hugging Face's, where installed
+        except ModuleNotFoundError as e:
+            if e.name != "kernels":
+                raise
+        finally:
+            sys.path[:] = saved
+    if "s3ac_kernels" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("s3ac_kernels", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["s3ac_kernels"] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules["s3ac_kernels"]
+            raise
+    sys.modules.setdefault("kernels", sys.modules["s3ac_kernels"])  # no hub package: one module under both names
+    return sys.modules["s3ac_kernels"]
+
+
+kernels = _import_kernels_py()
+
+
 # === The math verifier, the default reward (section 3a's contract): the answer policy, its symbolic rules, grade and
 #     the Verifier. The rest of the plumbing follows it. ===
 # Answer policy (what counts as the answer), applied before any comparison:
