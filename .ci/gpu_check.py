@@ -34,6 +34,7 @@ The same JSON lines go to stdout. The exit status is 0 when no part failed or ra
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -43,10 +44,10 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
-PARTS = ("kernels", "bench", "step", "train")
+PARTS = ("kernels", "bench", "step", "memory", "train")
 NEEDS_CUDA = ("kernels", "bench")
-TIMEOUT_S = {"kernels": 120, "bench": 90, "step": 240, "train": 180}  # seconds, 10.5 minutes in all
-TIMEOUT_TINY_S = {"kernels": 300, "bench": 75, "step": 120, "train": 240}  # --tiny on 2 CPU cores
+TIMEOUT_S = {"kernels": 120, "bench": 90, "step": 240, "memory": 150, "train": 180}  # seconds, 13 minutes in all
+TIMEOUT_TINY_S = {"kernels": 300, "bench": 75, "step": 120, "memory": 120, "train": 240}  # --tiny on 2 CPU cores
 
 
 def default_out_dir() -> str:
@@ -137,9 +138,11 @@ def part_command(name: str, opts, python: str) -> list:
     if name == "bench":
         return [python, os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench.py"), "--gpu"]
     if name == "step":
-        size = ["--size", "tiny", "--prompts", "8", "--tokens", "16", "--micro-batch-size", "4"] if opts.tiny else []
+        size = ["--size", "tiny", "--prompts", "8", "--tokens", "16", "--micro-batch-tokens", "96"] if opts.tiny else []
         return [python, os.path.abspath(__file__), "step-check", "--rollout", opts.rollout, *size,
                 *shlex.split(opts.step_args)]
+    if name == "memory":
+        return [python, os.path.abspath(__file__), "memory-check"] + (["--tiny"] if opts.tiny else [])
     return [python, os.path.abspath(__file__), "train-check", "--out", opts.out] + (["--tiny"] if opts.tiny else [])
 
 
@@ -151,6 +154,8 @@ def main(argv=None) -> int:
         return step_check(argv[1:])
     if argv[:1] == ["train-check"]:
         return train_check(argv[1:])
+    if argv[:1] == ["memory-check"]:
+        return memory_check(argv[1:])
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     parser.add_argument("--tiny", action="store_true", help="tiny models and batches (the CPU path the tests run)")
@@ -241,7 +246,7 @@ def step_check(argv) -> int:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--rollout", default="auto", choices=("auto", "vllm", "hf"))
-    parser.add_argument("--micro-batch-size", type=int, default=16)
+    parser.add_argument("--micro-batch-tokens", type=int, default=16 * 640)
     parser.add_argument("--critic-layers", default="0,3,6",
                         help="the S3AC critics to time, comma-separated: 0 the full separate critic, k >= 1 the "
                              "partial-trunk critic on the actor's last k blocks (at most all of them)")
@@ -255,8 +260,9 @@ def step_check(argv) -> int:
     from transformers import AutoModel, Qwen2Config, Qwen2ForCausalLM
     sys.path.insert(0, HERE)  # s3ac.py, at the repository root
     from s3ac import (Args, Critic, Policy, VLLMRollout, adaptive_lambda, autocast, compute_dtype, decoupled_gae,
-                      generate_hf, grpo_advantages, load_critic, policy_logprobs, resolve_args, synced_time,
-                      tis_weights, trunk_features, update_actor, update_critic, value_pass, vllm_available)
+                      generate_hf, grpo_advantages, load_critic, policy_logprobs, resolve_args,
+                      store_critic_features, synced_time, tis_weights, trunk_features, update_actor, update_critic,
+                      value_pass, vllm_available)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     def report(row: dict):
@@ -266,7 +272,7 @@ def step_check(argv) -> int:
         return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
 
     config = Qwen2Config(**MODEL_SIZES[opts.size], tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
-    args = resolve_args(Args(model="random", micro_batch_size=opts.micro_batch_size, max_new_tokens=opts.tokens,
+    args = resolve_args(Args(model="random", micro_batch_tokens=opts.micro_batch_tokens, max_new_tokens=opts.tokens,
                              k=4, lr=1e-6, minibatches=1))  # one optimizer step per update, as measured before
     amp = compute_dtype(args.dtype, device)
     use_vllm = opts.rollout == "vllm" or (opts.rollout == "auto" and device.type == "cuda" and vllm_available())
@@ -328,7 +334,7 @@ def step_check(argv) -> int:
         model.eval()
         with autocast(device, amp):
             sampled = generate_hf(model, *sub, eos_ids, pad_id, min(opts.tokens, 128), 1.0, len(sub[0]))
-            trainer = policy_logprobs(policy, sampled, 1.0, args.micro_batch_size)  # [b, T] log pi_old
+            trainer = policy_logprobs(policy, sampled, 1.0, args.micro_batch_tokens)  # [b, T] log pi_old
         mask = sampled.response_mask.to(device)  # [b, T]
         mu = sampled.sampler_logprobs.to(device)  # [b, T] the sampler's log mu
         gap = (trainer - mu).abs()[mask.bool()]  # [N]
@@ -351,10 +357,10 @@ def step_check(argv) -> int:
                 seconds[record is not None].append(synced_time(device) - t)
             seconds = {key: sorted(times[1:])[1] for key, times in seconds.items()}  # median of 3
             with autocast(device, amp):
-                want = trunk_features(critics[k], small, args.micro_batch_size)  # [b, P + T, H] a second pass
+                want = trunk_features(critics[k], small, args.micro_batch_tokens)  # [b, P + T, H] a second pass
                 read = torch.cat([small.prompt_mask, small.response_mask[:, 1:],  # what the critic reads
                                   torch.zeros(len(sub[0]), 1)], 1).bool().to(device)  # [b, P + T]
-                got, ref = (value_pass(critics[k], small, "mse", args.micro_batch_size, f)[0] for f in
+                got, ref = (value_pass(critics[k], small, "mse", args.micro_batch_tokens, f)[0] for f in
                             (small.features, want))  # [b, T] each
             report({"check": "recorded_features", "critic_layers": k, "prompts": len(sub[0]), "repeats": 3,
                     "tokens": int(small.response_mask.sum()), "generate_s": seconds[False],
@@ -370,14 +376,15 @@ def step_check(argv) -> int:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             batch, rewards = (full, all_rewards) if rows is None else (full.rows(rows), all_rewards[rows])
+            batch = dataclasses.replace(batch, features=None)  # each critic's own trunk features
             times, t, mask = {}, synced_time(device), batch.response_mask.to(device)  # mask [B, T]
             if algo == "s3ac":
                 critic = critics[k]
                 with autocast(device, amp):
-                    features = trunk_features(critic, batch, args.micro_batch_size)  # None for k = 0
+                    features = store_critic_features(critic, batch, args.micro_batch_tokens)  # None for k = 0
                     if k:  # the extra trunk pass (after vLLM rollouts; HF rollouts record it, see above)
                         times["trunk"], t = synced_time(device) - t, synced_time(device)
-                    values, _ = value_pass(critic, batch, "mse", args.micro_batch_size, features)  # [B, T]
+                    values, _ = value_pass(critic, batch, "mse", args.micro_batch_tokens, features)  # [B, T]
                 times["values"], t = synced_time(device) - t, synced_time(device)
                 advantages, returns, _ = decoupled_gae(rewards, values, mask, args.gamma, args.critic_lam,
                                                        adaptive_lambda(mask, args.alpha))  # s3ac.gae: Triton on CUDA
@@ -390,7 +397,7 @@ def step_check(argv) -> int:
             if algo == "s3ac":
                 critic.train()
                 update_critic(critic, critic_opts[k], batch, values, returns, mask, args,
-                              torch.Generator().manual_seed(0), features)
+                              torch.Generator().manual_seed(0))  # reads batch.features
                 times["critic"] = synced_time(device) - t
             return times
 
@@ -464,6 +471,98 @@ def step_check(argv) -> int:
         report({"check": "optimizer_compare", "change": "torch.optim.AdamW(fused=True) for the actor",
                 "before_s": actor_s["foreach"], "after_s": actor_s["fused"],
                 "ratio_before_over_after": actor_s["foreach"] / actor_s["fused"]})
+    return 0
+
+
+def memory_check(argv) -> int:
+    """Part memory (python .ci/gpu_check.py memory-check [--tiny]): the paper setting's memory at its default flags on
+    a Qwen2.5-1.5B-shaped random model (--tiny: a tiny one, on the CPU too): s3ac.memory_plan for this device,
+    then log pi_old, the critic's values, and the first actor and critic updates on a paper-shaped batch (--rows rows,
+    mini-batches of 32), each phase's measured peak GPU memory beside the plan's estimate for the largest
+    micro-batch it ran, perf/padding of each pass, and seconds. JSON lines; returns 0."""
+    parser = argparse.ArgumentParser(prog=".ci/gpu_check.py memory-check")
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--rows", type=int, default=64, help="rows of the batch (--tiny: 16)")
+    opts = parser.parse_args(argv)
+    opts.rows = 16 if opts.tiny and "--rows" not in argv else opts.rows
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    sys.path.insert(0, HERE)
+    import s3ac
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    size = "tiny" if opts.tiny else "1.5b"
+    config = Qwen2Config(**MODEL_SIZES[size], tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
+    config.architectures = ["Qwen2ForCausalLM"]
+    flags = dict(max_new_tokens=24, max_prompt_tokens=8, micro_batch_tokens=64) if opts.tiny else {}
+    args = s3ac.resolve_args(s3ac.Args(model="random", rollout="hf", minibatches=max(1, opts.rows // 32), **flags))
+    gib = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else 24.0
+    plan = s3ac.memory_plan(config, args, gib, cuda=device.type == "cuda")
+    args = dataclasses.replace(args, micro_batch_tokens=plan["micro_batch_tokens"] if not opts.tiny else 64,
+                               gradient_checkpointing=str(plan["gradient_checkpointing"]).lower())
+    print(json.dumps({"check": "memory_plan", **plan}), flush=True)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config).float()
+        backbone = Qwen2ForCausalLM(config).float().model
+    if args.gradient_checkpointing == "true":
+        model.gradient_checkpointing_enable()
+        backbone.gradient_checkpointing_enable()
+    policy, critic = s3ac.Policy(model), s3ac.Critic(backbone, args.critic_seed).to(device)
+    actor_opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
+    critic_opt = torch.optim.AdamW(critic.parameters(), lr=args.lr * args.critic_lr_ratio, weight_decay=0.0)
+    from bench import paper_shaped_lengths  # .ci/bench.py, beside this file
+    p_len, t_len = paper_shaped_lengths(opts.rows, min(900, args.max_prompt_tokens), args.max_new_tokens)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, config.vocab_size - 1, (p,), generator=g).tolist() for p in p_len]
+    responses = [torch.randint(1, config.vocab_size - 1, (t,), generator=g).tolist() for t in t_len]
+    batch = s3ac.Batch(*s3ac._pad_prompts(prompts, 0), s3ac._pad(responses, 0, left=False),
+                       s3ac._pad([[1.0] * t for t in t_len], 0.0, left=False, dtype=torch.float32),
+                       torch.tensor([t == args.max_new_tokens for t in t_len]), torch.arange(opts.rows))
+    mask = batch.response_mask.to(device)
+    rewards = torch.where(torch.rand(opts.rows, generator=g) < 0.5, 1.0, -1.0).to(device)
+    amp = s3ac.compute_dtype(args.dtype, device)
+    micro = s3ac.micro_batches(batch, args.micro_batch_tokens)
+    largest = max(len(mb) * int(batch.prompt_mask[mb].sum(1).max() + batch.response_mask[mb].sum(1).max())
+                  for mb in micro)
+    estimate = s3ac.memory_plan(config, dataclasses.replace(args, micro_batch_tokens=largest), gib,
+                                cuda=device.type == "cuda")["phases_gib"]
+
+    def phase(name, fn, plan_phase=None):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(device)
+        t = s3ac.synced_time(device)
+        out = fn()
+        row = {"check": "memory_phase", "phase": name, "seconds": s3ac.synced_time(device) - t,
+               "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+               "plan_gib": estimate.get(plan_phase), "largest_micro_batch_slots": largest}
+        if row["peak_gib"] is not None and row["plan_gib"]:
+            row["measured_over_plan"] = row["peak_gib"] / row["plan_gib"]
+        if isinstance(out, dict):
+            row.update({k: v for k, v in out.items() if k.endswith(("pad_slots", "slots"))})
+        print(json.dumps(row), flush=True)
+        return out
+
+    with s3ac.autocast(device, amp):
+        old = phase("old_logprobs", lambda: s3ac.policy_logprobs(policy, batch, args.temperature,
+                                                                 args.micro_batch_tokens))
+        values, _ = phase("values", lambda: s3ac.value_pass(critic, batch, args.critic_loss, args.micro_batch_tokens))
+    advantages, returns, _ = s3ac.decoupled_gae(rewards, values, mask, args.gamma, args.critic_lam,
+                                                s3ac.adaptive_lambda(mask, args.alpha))
+    policy.train()
+    m_actor = phase("actor_update", lambda: s3ac.update_actor(policy, actor_opt, batch, advantages, old, args,
+                                                               torch.Generator().manual_seed(0)), "actor_update")
+    critic.train()
+    m_critic = phase("critic_update", lambda: s3ac.update_critic(critic, critic_opt, batch, values, returns, mask, args,
+                                                                  torch.Generator().manual_seed(0)), "critic_update")
+    pad, slots = s3ac.padding_counts(batch, micro)
+    pad, slots = 2 * pad + m_actor["actor/pad_slots"] + m_critic["critic/pad_slots"], 2 * slots + m_actor[
+        "actor/slots"] + m_critic["critic/slots"]
+    whole = batch.prompt_mask.shape[1] + batch.response_mask.shape[1]
+    real = int(batch.prompt_mask.sum() + batch.response_mask.sum())
+    print(json.dumps({"check": "padding", "perf/padding": pad / slots, "rows": opts.rows,
+                      "full_width_padding": 1 - real / (opts.rows * whole), "micro_batches": len(micro),
+                      "micro_batch_tokens": args.micro_batch_tokens, "target": "<= 0.10"}), flush=True)
     return 0
 
 

@@ -28,6 +28,7 @@ min-max. The magnitudes differ from the papers' (135M model, arithmetic): the di
 """
 
 import argparse
+import dataclasses
 import copy
 import json
 import math
@@ -222,16 +223,17 @@ def init_value_head(critic, kind: str, seed: int):
 
 
 def critic_step(critic, optimizer, batch, returns, response_mask, critic_loss: str, eps_v: float, clip: float,
-                micro_batch_size: int) -> dict:
+                micro_batch_tokens: int) -> dict:
     """One critic optimizer step as s3ac.optimize takes it (micro-batches, token mean over the whole batch, global
     clip), reading the squared gradient norms of the value head and of the backbone before clipping. The clip anchor
     old_values is the values of this same forward (update_critic's anchor, before any step has moved the critic)."""
     critic.train()
     num_tokens = response_mask.sum().clamp(min=1)
     v_loss = 0.0
-    for rows in s3ac.micro_batches(returns.shape[0], micro_batch_size):
-        raw = s3ac.critic_values(critic, batch.rows(rows))  # [b, T] V (mse) or z (bce)
-        loss, _ = s3ac.critic_loss_fn(raw, raw.detach(), returns[rows], response_mask[rows], critic_loss, eps_v,
+    for rows in s3ac.micro_batches(batch, micro_batch_tokens):
+        raw = s3ac.critic_values(critic, batch.rows(rows))  # [b, t] V (mse) or z (bce)
+        t = raw.shape[1]
+        loss, _ = s3ac.critic_loss_fn(raw, raw.detach(), returns[rows, :t], response_mask[rows, :t], critic_loss, eps_v,
                                       num_tokens)
         loss.backward()
         v_loss += loss.item()
@@ -248,7 +250,7 @@ def critic_step(critic, optimizer, batch, returns, response_mask, critic_loss: s
 def held_out_fit(lab: Lab, critic, critic_loss: str) -> dict:
     """The critic on the held-out rollouts: its own loss (unclipped) and EV (s3ac.critic_fit), the outcome BCE and
     MSE (outcome_losses) and Delta+- (s3ac.value_separation)."""
-    values, raw = s3ac.value_pass(critic, lab.held_batch, critic_loss, lab.args.micro_batch_size)  # [B, T]
+    values, raw = s3ac.value_pass(critic, lab.held_batch, critic_loss, lab.args.micro_batch_tokens)  # [B, T]
     mask = lab.held_batch.response_mask
     fit = s3ac.critic_fit(values, raw, s3ac.mc_returns(lab.held_rewards, mask, lab.args.gamma), mask, critic_loss)
     return {"v_loss": fit["pretrain/v_loss"], "ev": fit["pretrain/explained_var"],
@@ -270,7 +272,7 @@ def fit_run(lab: Lab, init: str, clip: float, critic_loss: str, seed: int) -> di
         for batch, rewards in lab.batches(seed):
             returns = s3ac.mc_returns(rewards, batch.response_mask, args.gamma)  # [B, T]
             steps.append(critic_step(critic, optimizer, batch, returns, batch.response_mask, critic_loss,
-                                     args.eps_v, clip, args.micro_batch_size))
+                                     args.eps_v, clip, args.micro_batch_tokens))
         kept = key[:3] == ("inv_h_plus_1", args.critic_grad_clip, "mse")  # daps and pact start from it
         lab.runs[key] = {"steps": steps, "before": before, "after": held_out_fit(lab, critic, critic_loss),
                          "critic": critic if kept else None}  # the others freed: 135M fp32 weights each
@@ -460,17 +462,17 @@ def exp_pact(lab: Lab, seeds: list) -> list:
         batch, rewards = s3ac.rows_to_batch([lab.train_rows[i] for i in order[: args.batch_prompts * args.k]],
                                             lab.pad_id)
         mask = batch.response_mask  # [B, T]
-        values, _ = s3ac.value_pass(base, batch, "mse", args.micro_batch_size)  # [B, T]
+        values, _ = s3ac.value_pass(base, batch, "mse", args.micro_batch_tokens)  # [B, T]
         lam = s3ac.adaptive_lambda(mask, args.alpha) if args.actor_lam == "adaptive" else args.actor_lam
         advantages, _, _ = s3ac.decoupled_gae(rewards, values, mask, args.gamma, args.critic_lam, lam)  # [B, T]
         policy = s3ac.Policy(copy.deepcopy(lab.actor))
         policy.train()
         actor_opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
         gen = torch.Generator().manual_seed(seed)
-        behaviour = s3ac.policy_logprobs(policy, batch, args.temperature, args.micro_batch_size)  # [B, T] log mu
+        behaviour = s3ac.policy_logprobs(policy, batch, args.temperature, args.micro_batch_tokens)  # [B, T] log mu
         policy.train()
         s3ac.update_actor(policy, actor_opt, batch, advantages, behaviour, args, gen)
-        new_logprobs = s3ac.policy_logprobs(policy, batch, args.temperature, args.micro_batch_size)  # [B, T]
+        new_logprobs = s3ac.policy_logprobs(policy, batch, args.temperature, args.micro_batch_tokens)  # [B, T]
         returns = s3ac.mc_returns(rewards, mask, args.gamma)  # [B, T]
         targets, critic_mask, m = s3ac.pact_targets(returns, new_logprobs, behaviour, mask, args.rho_min,
                                                     args.rho_max)
@@ -485,7 +487,7 @@ def exp_pact(lab: Lab, seeds: list) -> list:
             opt = torch.optim.AdamW(critic.parameters(), lr=args.lr * args.critic_lr_ratio, weight_decay=0.0)
             critic.train()
             s3ac.update_critic(critic, opt, batch, values, t, cm, args, torch.Generator().manual_seed(seed))
-            v, _ = s3ac.value_pass(critic, fresh, "mse", args.micro_batch_size)  # [B', T']
+            v, _ = s3ac.value_pass(critic, fresh, "mse", args.micro_batch_tokens)  # [B', T']
             evs[name].append(s3ac.explained_variance(v, fresh_returns, fresh.response_mask))
         del policy, actor_opt
     ev = {name: spread(v) for name, v in evs.items()}
@@ -546,7 +548,7 @@ def main(argv=None):
     if opts.tiny:
         tmp = tempfile.TemporaryDirectory()
         base += ["--model", tiny_model(tmp.name), "--data", "builtin:arithmetic:200", "--eval-size", "2",
-                 "--max-new-tokens", "8", "--micro-batch-size", "4", "--batch-prompts", "4", "--coverage-prompts", "4",
+                 "--max-new-tokens", "8", "--micro-batch-tokens", "64", "--batch-prompts", "4", "--coverage-prompts", "4",
                  "--coverage-epochs", "1", "--lr", "1e-3", "--daps-start", "2", "--gen-batch-size", "16"]
         opts.rollout_prompts, opts.rollouts_per_prompt, opts.held_out_prompts = 6, 4, 2
         opts.updates, opts.update_size, opts.online_steps, opts.replay_steps, opts.fresh_rollouts_per_prompt = 2, 4, 1, 6, 2
@@ -555,6 +557,8 @@ def main(argv=None):
         reward_fn = tiny_reward
     opts.s3ac_argv = base + rest
     args = s3ac.resolve_args(s3ac.parse_args(opts.s3ac_argv))  # "auto" flags resolved
+    if args.micro_batch_tokens == "auto":  # small models: the CPU's budget, no plan
+        args = dataclasses.replace(args, micro_batch_tokens=s3ac.CPU_MICRO_BATCH_TOKENS)
     seeds = list(range(opts.seeds if opts.seeds is not None else 2 if opts.tiny else 3))
     os.makedirs(opts.out, exist_ok=True)
     if args.threads:

@@ -210,7 +210,7 @@ def tiny_setup(tmp: str) -> list:
                 "    r = [1.0 if sum(map(ord, c + g)) % 2 else -1.0 for g, c in zip(golds, completions)]\n"
                 "    return r, ['correct' if x > 0 else 'wrong' for x in r]\n")
     return ["--reward-fn", os.path.join(tmp, "parity.py") + ":reward", "--max-new-tokens", "8",
-            "--micro-batch-size", "4", "--gen-batch-size", "16", "--lr", "1e-3", "--threads", "1"]
+            "--micro-batch-tokens", "64", "--gen-batch-size", "16", "--lr", "1e-3", "--threads", "1"]
 
 
 def main(argv=None):
