@@ -3,13 +3,13 @@
     ./run.sh compare [--seeds 6] [--grpo-seeds 3] [--minutes 20]     # the CPU demo's model, task and critic
     python .ci/compare.py --help                                       # its own flags; the others go to every run
 
-S3AC K=1 (with --s3ac-flags, the demo's critic), REINFORCE++ K=1 and GRPO K=4 on a quarter of the prompts (equal
-samples per step). One run of s3ac.py per seed, one after another, seed s of every config before seed s + 1; each with
-the same --max-minutes, the same training data and the same held-out problems (--eval-data heldout is one fixed
-sample for every seed), and seed s of every config draws the same prompt order (S3AC's critic warm-up takes its first
-batches). Then one table (compare_table) with
-pass@1 at equal minutes, each run's best pass@1, the step it came at and its final minus best, and the paired
-differences by seed (paired_table): S3AC - REINFORCE++ and S3AC - GRPO, with their standard errors. Printed and
+S3AC K=1 (with --s3ac-flags, the demo's critic), REINFORCE++ K=1, FlashREINFORCE K=1 and GRPO K=4 on a quarter of
+the prompts (equal samples per step); --only s3ac-k1,flash_reinforce-k1 runs one pair. One run of s3ac.py per seed,
+one after another, seed s of every config before seed s + 1; each with the same --max-minutes, the same training
+data and the same held-out problems (--eval-data heldout is one fixed sample for every seed), and seed s of every
+config draws the same prompt order (S3AC's critic warm-up takes its first batches). Then one table (compare_table)
+with pass@1 at equal minutes, each run's best pass@1, the step it came at and its final minus best, and the paired
+differences by seed (paired_table): S3AC less each other setting, with their standard errors. Printed and
 written to <out-dir>/table.md; the curves of every run (s3ac.plot_runs) to <out-dir>/compare.png.
 """
 
@@ -123,7 +123,7 @@ def compare(argv=None):
     parser = argparse.ArgumentParser(prog=".ci/compare.py", description=compare.__doc__.split("\n")[0],
                                      epilog="Other flags (python s3ac.py --help) go to every run.")
     for flag, default, text in (
-            ("--seeds", 6, "seeds of S3AC and REINFORCE++ (K = 1)"), ("--grpo-seeds", 3, "seeds of GRPO K = 4"),
+            ("--seeds", 6, "seeds of S3AC, REINFORCE++ and FlashREINFORCE (K = 1)"), ("--grpo-seeds", 3, "seeds of GRPO K = 4"),
             ("--first-seed", 0, "the first seed of every config: runs and tables cover seeds --first-seed .. --seeds "
                                 "- 1 (to go on where earlier runs' files are gone; their figures are then pooled by "
                                 "hand)"),
@@ -131,14 +131,15 @@ def compare(argv=None):
             ("--s3ac-flags", "", "flags of the S3AC run alone, one string (./run.sh passes the demo's critic)"),
             ("--eval-every", 20, "steps between evaluations of every run (and one at its end)"),
             ("--batch-prompts", 16, "prompts per step at K = 1; GRPO answers a quarter of them 4 times"),
-            ("--only", "", "run only these settings now, comma-separated (s3ac-k1, reinforce_pp-k1, grpo-k4; '' = "
-                           "all), to split a comparison over sessions; the tables cover every finished run"),
+            ("--only", "", "run only these settings now, comma-separated (s3ac-k1, reinforce_pp-k1, "
+                           "flash_reinforce-k1, grpo-k4; '' = all), to split a comparison over sessions; the tables cover every finished run"),
             ("--out-dir", "runs/compare", "one directory per run, table.md, compare.png")):
         parser.add_argument(flag, type=type(default), default=default, help=text)
     opts, rest = parser.parse_known_args(argv)
     b = opts.batch_prompts
     configs = {"s3ac-k1": (opts.seeds, ["--k", "1", "--batch-prompts", str(b), *shlex.split(opts.s3ac_flags)]),
                "reinforce_pp-k1": (opts.seeds, ["--algo", "reinforce_pp", "--k", "1", "--batch-prompts", str(b)]),
+               "flash_reinforce-k1": (opts.seeds, ["--algo", "flash_reinforce", "--k", "1", "--batch-prompts", str(b)]),
                "grpo-k4": (opts.grpo_seeds, ["--algo", "grpo", "--k", "4", "--batch-prompts", str(b // 4)])}
     only = [name for name in opts.only.split(",") if name] or list(configs)
     if set(only) - set(configs):
