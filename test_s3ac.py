@@ -2549,6 +2549,19 @@ def test_s3ac_py_points_to_the_harnesses(word, command):
     assert proc.returncode == 1 and command in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
 
 
+def test_compare_summary_response_length_and_trust_region_drop(tmp_path):
+    """run_summary's response length at the end (the last 5 steps by the equal minute) and FlashREINFORCE's drop
+    share (every step). By hand: one minute a step, so at minute 6 steps 2-6 count, lengths 20..60, mean 40; the
+    drop shares 0.5, 0.25, 0.25 over 7 steps, 1/7."""
+    compare = load_ci("compare")
+    lengths, drops = [10, 20, 30, 40, 50, 60, 70], [0.0, 0.5, 0.0, 0.25, 0.0, 0.0, 0.25]
+    write_run(str(tmp_path / "f"), {0: 0.1, 7: 0.2},
+              [{"rollout/response_len": n, "actor/trust_region_drop": d} for n, d in zip(lengths, drops)])
+    summary = compare.run_summary(s3ac.read_records(str(tmp_path / "f")), 6.0)
+    assert summary["response length at the end"] == pytest.approx(40.0)
+    assert summary["trust-region drop"] == pytest.approx(1 / 7)
+
+
 def test_compare_table_arithmetic(tmp_path):
     """Means and standard errors over seeds, pass@1 at the least training time any run reached (a step that runs
     across it counts), the best of those evaluations, its step and final - best, the second half of the steps for EV,
@@ -2566,7 +2579,8 @@ def test_compare_table_arithmetic(tmp_path):
             "grpo": [s3ac.read_records(str(tmp_path / "g"))], "late": [s3ac.read_records(str(tmp_path / "late"))]}
     table = compare.compare_table(runs).splitlines()
     assert table[0] == ("| run | seeds | minutes | pass@1 at step 0 | pass@1 at 3.0 min | best pass@1 | best at step | "
-                        "final - best | token EV | V(s_0) EV | c | efficiency, token EV | efficiency, V(s_0) EV |")
+                        "final - best | token EV | V(s_0) EV | c | efficiency, token EV | efficiency, V(s_0) EV | "
+                        "response length at the end | trust-region drop |")
     # by hand: at 3 min the step-2 evaluations (2 min) 0.3, 0.2; best 0.3 (step 2) and 0.3 (step 1), so final - best
     # 0 and -0.1; token EV over steps 3-4: 0.3 and 0.6 (null skipped); V(s_0) EV 0.2 and 0.5; c 0.4 and 0.35;
     # efficiency 1 / ((1 - EV)(1 + c))
@@ -2575,14 +2589,18 @@ def test_compare_table_arithmetic(tmp_path):
     want = [(4.0, 0.0), (0.1, 0.0), (0.25, se(0.3, 0.2)), (0.3, 0.0), (1.5, se(2, 1)), (-0.05, se(0.0, -0.1)),
             (0.45, se(0.3, 0.6)), (0.35, se(0.2, 0.5)), (0.375, se(0.4, 0.35)), (sum(eff_token) / 2, se(*eff_token)),
             (sum(eff_v0) / 2, se(*eff_v0))]
-    assert table[2] == "| s3ac | 2 | " + " | ".join(f"{m:.3f} ± {s:.3f}" for m, s in want) + " |"
-    assert table[3] == "| grpo | 1 | 3.000 | 0.100 | 0.250 | 0.250 | 3.000 | 0.000 | - | - | - | - | - |"
+    assert table[2] == "| s3ac | 2 | " + " | ".join(f"{m:.3f} ± {s:.3f}" for m, s in want) + " | - | - |"
+    assert table[3] == "| grpo | 1 | 3.000 | 0.100 | 0.250 | 0.250 | 3.000 | 0.000 | - | - | - | - | - | - | - |"
     # its step 3 began before minute 3, so its evaluation counts
-    assert table[4] == "| late | 1 | 3.500 | 0.100 | 0.350 | 0.350 | 3.000 | 0.000 | - | - | - | - | - |"
+    assert table[4] == "| late | 1 | 3.500 | 0.100 | 0.350 | 0.350 | 3.000 | 0.000 | - | - | - | - | - | - | - |"
     paired = compare.paired_table({"s3ac": runs["s3ac"], "late": [runs["late"][0]] * 2}, "s3ac", ["late"])
     # equal minutes 3.5 here (late's): step 4 of s0 and s1 began at minute 3, so 0.5 - 0.35 and 0.4 - 0.35; from
-    # minute 1.75 on: s0 mean(0.3, 0.5), s1 mean(0.2, 0.4), late 0.35 (step 3), so +0.05 and -0.05
-    assert paired.splitlines()[2] == "| s3ac - late | 2 | +0.100 ± 0.050 | +0.150, +0.050 | +0.000 ± 0.050 |"
+    # minute 1.75 on: s0 mean(0.3, 0.5), s1 mean(0.2, 0.4), late 0.35 (step 3), so +0.05 and -0.05; at equal samples
+    # (late's 48, 16 a step): s0 and s1 at step 2 (32 samples; step 3 has no evaluation), 0.3 and 0.2, against late's
+    # 0.35 at step 3: -0.05 and -0.15
+    assert paired.splitlines()[0].endswith("| at equal samples (48) |")
+    assert paired.splitlines()[2] == ("| s3ac - late | 2 | +0.100 ± 0.050 | +0.150, +0.050 | +0.000 ± 0.050 | "
+                                      "-0.100 ± 0.050 |")
 
 
 def test_compare_runs_seed_major_with_each_configs_flags(tmp_path, monkeypatch):

@@ -8,8 +8,9 @@ the prompts (equal samples per step); --only s3ac-k1,flash_reinforce-k1 runs one
 one after another, seed s of every config before seed s + 1; each with the same --max-minutes, the same training
 data and the same held-out problems (--eval-data heldout is one fixed sample for every seed), and seed s of every
 config draws the same prompt order (S3AC's critic warm-up takes its first batches). Then one table (compare_table)
-with pass@1 at equal minutes, each run's best pass@1, the step it came at and its final minus best, and the paired
-differences by seed (paired_table): S3AC less each other setting, with their standard errors. Printed and
+with pass@1 at equal minutes, each run's best pass@1, the step it came at and its final minus best, its response
+length at the end and FlashREINFORCE's trust-region drop share, and the paired differences by seed (paired_table):
+S3AC less each other setting at equal minutes and at equal samples, with their standard errors. Printed and
 written to <out-dir>/table.md; the curves of every run (s3ac.plot_runs) to <out-dir>/compare.png.
 """
 
@@ -43,7 +44,9 @@ def run_summary(records: list, at_minutes: float) -> dict:
     the step that crosses the budget, so its final evaluation counts at it); the best pass@1 of those evaluations, the
     step it came at, and final minus best (0 for a curve that ends at its best); token EV and V(s_0) EV averaged over
     the second half of its steps; c over all steps; and efficiency 1 / ((1 - EV)(1 + c)) of those means, once with the
-    token EV and once with V(s_0) EV (as critic/efficiency). NaN where the run logged no such key (critic-free)."""
+    token EV and once with V(s_0) EV (as critic/efficiency); the mean response length of its last 5 steps by
+    at_minutes; the trust region's drop share over all steps (FlashREINFORCE). NaN where the run logged no such key
+    (critic-free, or no trust region)."""
     steps, evals = [r for r in records if "perf/step_s" in r], [r for r in records if r.get("eval/pass@1") is not None]
     half = steps[len(steps) // 2:]
     on_time = evaluations_by(records, at_minutes)
@@ -51,11 +54,13 @@ def run_summary(records: list, at_minutes: float) -> dict:
     token_ev = mean_se([r.get("critic/explained_var") for r in half])[0]
     v0_ev = mean_se([r.get("critic/adv_explained_var") for r in half])[0]
     c = mean_se([r.get("critic/compute_ratio") for r in steps])[0]
+    length = mean_se([r.get("rollout/response_len") for r in steps if r["minutes"] <= at_minutes][-5:])[0]
     return {"minutes": records[-1]["minutes"], "pass@1 at step 0": evals[0]["eval/pass@1"],
             "pass@1 at equal minutes": on_time[-1]["eval/pass@1"], "best pass@1": best["eval/pass@1"],
             "best at step": best["step"], "final - best": on_time[-1]["eval/pass@1"] - best["eval/pass@1"],
             "token EV": token_ev, "V(s_0) EV": v0_ev, "c": c, "efficiency, token EV": critic_efficiency(token_ev, c),
-            "efficiency, V(s_0) EV": critic_efficiency(v0_ev, c)}
+            "efficiency, V(s_0) EV": critic_efficiency(v0_ev, c), "response length at the end": length,
+            "trust-region drop": mean_se([r.get("actor/trust_region_drop") for r in steps])[0]}
 
 
 def evaluations_by(records: list, at_minutes: float) -> list:
@@ -65,6 +70,11 @@ def evaluations_by(records: list, at_minutes: float) -> list:
              for prev, r in zip([{"minutes": 0.0}] + records, records)]
     return [r for r, t in zip(records, begun)
             if r.get("eval/pass@1") is not None and (r["minutes"] <= at_minutes or t < at_minutes)]
+
+
+def pass_at_samples(records: list, samples: int) -> float:
+    """pass@1 of a run's last evaluation by `samples` generated rollouts (read_records' "samples", warm-up's too)."""
+    return [r for r in records if r.get("eval/pass@1") is not None and r["samples"] <= samples][-1]["eval/pass@1"]
 
 
 def equal_minutes(runs: dict) -> float:
@@ -93,23 +103,26 @@ def paired_table(runs: dict, first: str, others: list) -> str:
     """Markdown rows of paired differences by seed at equal_minutes(runs): for each name in others, first's pass@1
     minus that run's, over the seeds both have (seed i of one against seed i of the other), with the mean, its
     standard error and every seed's difference; the same for the mean of every evaluation from the middle of the
-    budget on (a smoother figure: several evaluations, the same problems)."""
+    budget on (a smoother figure: several evaluations, the same problems); and the difference at equal samples (the
+    fewest rollouts any run generated, pass_at_samples)."""
     at = equal_minutes(runs)
+    n = min(seed[-1]["samples"] for seeds in runs.values() for seed in seeds)
 
     def late_mean(records):  # the mean pass@1 of the evaluations that count at `at`, from at / 2 on
         late = [r["eval/pass@1"] for r in evaluations_by(records, at) if r["minutes"] >= at / 2]
         return sum(late) / len(late) if late else math.nan
 
-    lines = ["| difference | seeds | at equal minutes | per seed | mean of the evaluations from the middle on |",
-             "|---|---|---|---|---|"]
+    lines = ["| difference | seeds | at equal minutes | per seed | mean of the evaluations from the middle on | "
+             f"at equal samples ({n}) |", "|---|---|---|---|---|---|"]
     for other in others:
         pairs = list(zip(runs[first], runs[other]))
         diffs = [run_summary(a, at)["pass@1 at equal minutes"] - run_summary(b, at)["pass@1 at equal minutes"]
                  for a, b in pairs]
         late = [late_mean(a) - late_mean(b) for a, b in pairs]
         (m, se), (lm, lse) = mean_se(diffs), mean_se(late)
+        sm, sse = mean_se([pass_at_samples(a, n) - pass_at_samples(b, n) for a, b in pairs])
         lines.append(f"| {first} - {other} | {len(pairs)} | {m:+.3f} ± {se:.3f} | "
-                     f"{', '.join(f'{d:+.3f}' for d in diffs)} | {lm:+.3f} ± {lse:.3f} |")
+                     f"{', '.join(f'{d:+.3f}' for d in diffs)} | {lm:+.3f} ± {lse:.3f} | {sm:+.3f} ± {sse:.3f} |")
     return "\n".join(lines)
 
 
