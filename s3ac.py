@@ -2220,8 +2220,7 @@ class Args:
     prompt_template: str = flag("", "overrides the chat template: a string with {question}")
     instruction: str = flag(INSTRUCTION, "appended to the question in the chat (or plain) template")
     # algorithm (the flags left at "auto" are resolved once by resolve_args and printed)
-    algo: str = flag("s3ac", "advantages: s3ac | ppo (critic, GAE) | grpo | rloo | reinforce_pp | flash_reinforce "
-                     "(critic-free)")
+    algo: str = flag("s3ac", "advantages: s3ac | ppo (critic, GAE) | grpo | rloo | reinforce_pp | flash_reinforce")
     actor_loss: str = flag("auto", "cispo | ppo (clipped surrogate) | flash_reinforce (sg(pi / mu) A log pi, sample "
                            "mean, sequence trust region) | auto: the --algo's own (ppo, flash_reinforce), else cispo")
     grpo_std: bool = flag(True, "grpo: divide by the group's population std (false: mean-centring only)")
@@ -2411,9 +2410,8 @@ def resolve_args(args: Args) -> Args:
     if pact and args.critic_lam not in ("auto", 1.0):
         raise ValueError(f"--critic-lam {args.critic_lam}: --critic-sync pact weights Monte-Carlo returns, so the "
                          f"critic's lambda must be 1 (or auto)")
-    flash = args.algo == "flash_reinforce"  # FlashREINFORCE's own loss, one optimizer step per fresh batch
-    actor_loss = {"ppo": "ppo", "flash_reinforce": "flash_reinforce"}.get(args.algo, "cispo") \
-        if args.actor_loss == "auto" else args.actor_loss
+    own = {"ppo": "ppo", "flash_reinforce": "flash_reinforce"}.get(args.algo, "cispo")  # the --algo's actor loss
+    actor_loss = own if args.actor_loss == "auto" else args.actor_loss
     auto = lambda value, resolved: resolved if value == "auto" else value
     return dataclasses.replace(
         args, actor_loss=actor_loss, actor_lam=auto(args.actor_lam, 0.95 if ppo else 1.0 if pact else "adaptive"),
@@ -2422,7 +2420,7 @@ def resolve_args(args: Args) -> Args:
         eval_max_new_tokens=auto(args.eval_max_new_tokens, args.max_new_tokens),
         critic_warmup_steps=auto(args.critic_warmup_steps, "plateau" if args.algo in CRITIC_ALGOS and
                                  not uses_coverage(args) else 0),
-        minibatches=auto(args.minibatches, 1 if flash else max(1, args.batch_prompts // 32)))
+        minibatches=auto(args.minibatches, 1 if args.algo == "flash_reinforce" else max(1, args.batch_prompts // 32)))
 
 
 def _named_or_number(name: str, value, words: tuple, number_type=float):

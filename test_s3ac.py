@@ -1276,6 +1276,35 @@ def test_update_actor_with_pi_old_of_a_separate_pass_has_ratio_one(tiny):
     assert (after - before).abs().max() > 1e-3  # the actor moved, so PACT's rho differs from 1
 
 
+def test_update_actor_flash_reinforce_micro_batches_take_the_whole_batch_sample_mean(tiny):
+    """update_actor with the flash_reinforce loss in micro-batches of one row (optimize's normaliser "sequences")
+    takes the same SGD step as flash_reinforce_loss on the whole batch at once; the region drops row 0 (mu far
+    from pi), so actor/trust_region_drop is 1/3."""
+    import copy
+    _, base, tok = tiny
+    prompts = [tok(q)["input_ids"] for q in ("1+1=", "What is 3 * 4?", "7-2")]
+    torch.manual_seed(0)
+    batch = s3ac.generate_hf(base, prompts, [0, 1, 2], {10**6}, tok.pad_token_id, 5, 1.0, 4)
+    batch.response_mask[2, 3:] = 0.0  # rows of unequal lengths
+    mask = batch.response_mask
+    before = s3ac.policy_logprobs(base, batch, 1.0, 8)  # [B, T]
+    mu = before + torch.tensor([[2.0], [0.01], [-0.01]])  # [B, T] log mu: row 0 far off (p about 0.01 here)
+    adv = torch.tensor([[1.0], [-2.0], [1.0]]) * mask  # [B, T]
+    args = s3ac.resolve_args(s3ac.Args(algo="flash_reinforce", micro_batch_size=1, actor_grad_clip=1e9))
+    one, whole = copy.deepcopy(base).train(), copy.deepcopy(base).train()
+    m = s3ac.update_actor(one, torch.optim.SGD(one.parameters(), lr=1.0), batch, adv, mu, args,
+                          torch.Generator().manual_seed(0))
+    assert m["actor/trust_region_drop"] == pytest.approx(1 / 3) and m["actor/skipped_steps"] == 0
+    logp, _ = s3ac.actor_logprobs(whole, batch, 1.0)  # [B, T]
+    loss, _ = s3ac.flash_reinforce_loss(logp, mu, adv, mask, args.trust_delta)
+    loss.backward()
+    torch.optim.SGD(whole.parameters(), lr=1.0).step()
+    moved = [(a - b).abs().max().item() for a, b in zip(one.parameters(), base.parameters())]
+    assert max(moved) > 1e-6
+    for a, b in zip(one.parameters(), whole.parameters()):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
+
+
 def test_dropout_is_off_so_lr_0_gives_ratio_1(tmp_path):
     """A checkpoint whose config sets dropout 0.1: with lr 0 and two actor epochs the training passes (train mode)
     must reproduce the behaviour log-probs (eval mode) exactly: approx_kl 0, no clipped token. Loaded as the
