@@ -6,7 +6,7 @@ a verifier gives the reward R in [-1, 1] (the math verifier: +1 right, -1 otherw
 and the value after the last token is 0. The critic V(s_t) gives every token its own credit (decoupled GAE), and
 V(s_0), read from the prompt alone, is a per-prompt baseline that works with one rollout per prompt (K = 1). The
 actor minimises CISPO's loss; PACT's critic sync, DAPS's prompt selection and coverage pretraining are options,
-and GRPO, RLOO, REINFORCE++ and PPO are baselines (--algo).
+and GRPO, RLOO, REINFORCE++, FlashREINFORCE and PPO are baselines (--algo).
 
 The file reads top-down: 1. the math (pure functions, to copy), 2. the algorithm box (train_step and train),
 3. the parts a step calls (reward, log-probs, critic, rollout), 4. plumbing (a reader may stop at its banner).
@@ -46,7 +46,7 @@ Run:
     ./run.sh                                               # CPU demo: SmolLM2-135M on builtin arithmetic
     python s3ac.py --data openai/gsm8k:main --eval-data openai/gsm8k:main           # GSM8K (train / test split)
     python s3ac.py --reward-fn my_reward.py:reward --data my_tasks.jsonl --eval-data heldout   # your own reward
-    python s3ac.py --algo grpo --k 8 --dynamic-sampling                # baselines: --algo ppo|grpo|rloo|reinforce_pp
+    python s3ac.py --algo grpo --k 8 --dynamic-sampling    # baselines: ppo|grpo|rloo|reinforce_pp|flash_reinforce
     python s3ac.py --critic-sync pact --critic-loss bce                # PACT's critic (actor lambda 1)
     python s3ac.py --prompt-selection daps --coverage-temperatures 0.6,1.0,1.3 --critic-warmup-steps 5
     python s3ac.py --critic-layers 4 --max-minutes 20 --plot           # partial-trunk critic, a time budget, curves
@@ -173,7 +173,9 @@ def mc_returns(rewards, response_mask, gamma: float):
 # mask's tokens in the whole optimizer step's mini-batch, all ranks included (optimize counts them once and passes
 # them to every micro-batch's call; the mask is the actor's loss mask (actor_loss_mask), or the critic's; FSDP2 sums
 # the ranks' gradients, shard), so a step's gradient is that of the global token mean; called alone, the mask's
-# tokens of the call. Truncated IS (tis_weights) is not inside a loss: train_step scales the advantages by it.
+# tokens of the call. FlashREINFORCE's loss alone takes the SAMPLE mean: each response's token mean, summed over the
+# responses / num_sequences (optimize's normaliser "sequences": the mini-batch's responses). Truncated IS
+# (tis_weights) is not inside a loss: train_step scales the advantages by it.
 @triton_on_cuda
 def cispo_loss(logprobs, old_logprobs, advantages, response_mask, eps_low: float, eps_high: float,
                num_tokens=None):
@@ -216,6 +218,40 @@ def ppo_clip_loss(logprobs, old_logprobs, advantages, response_mask, eps_low: fl
 
 
 ACTOR_LOSSES = {"cispo": cispo_loss, "ppo": ppo_clip_loss}  # same signature, chosen by --actor-loss
+
+
+def sequence_trust_region(logprobs, sampler_logprobs, response_mask, delta: float):
+    """FlashREINFORCE's sequence trust region (Hu, Zhang et al. 2026): keep a response iff the token mean of the
+    Bernoulli KL between mu(a_t) and pi(a_t), the sampled token's probability under sampler and learner (both
+    clamped to [1e-6, 1 - 1e-6] as its reference code), is <= delta. logprobs, sampler_logprobs, response_mask [B, T]
+    (garbage padding). Returns (keep [B] bool, D [B] fp64; a row without tokens: kept, D = 0). No gradient."""
+    valid = response_mask != 0  # [B, T]
+    p = torch.where(valid, sampler_logprobs.detach().double(), 0.0).exp().clamp(1e-6, 1 - 1e-6)  # [B, T] mu(a_t)
+    q = torch.where(valid, logprobs.detach().double(), 0.0).exp().clamp(1e-6, 1 - 1e-6)  # [B, T] pi(a_t)
+    d = p * (p.log() - q.log()) + (1 - p) * (torch.log1p(-p) - torch.log1p(-q))  # [B, T] p log p/q + (1-p) log ..
+    seq_kl = torch.where(valid, d, 0.0).sum(1) / valid.sum(1).clamp(min=1)  # [B]  D_i = (1/T_i) sum_t d_it
+    return seq_kl <= delta, seq_kl  # m_i = 1[D_i <= delta]
+
+
+def flash_reinforce_loss(logprobs, sampler_logprobs, advantages, response_mask, delta: float, num_sequences=None):
+    """FlashREINFORCE's loss (Hu, Zhang et al. 2026): log pi times A and the detached, unclipped rho_t = pi / mu (mu
+    the sampler's), averaged in each response, then over responses; one outside sequence_trust_region adds 0 but
+    counts. logprobs [B, T] (requires grad), sampler_logprobs, advantages, response_mask [B, T]; num_sequences: the
+    sample-mean normaliser of section 1 (alone: the call's responses). Returns (pg_loss, metrics per num_sequences:
+    trust_region_drop, the share outside the region, seq_kl, the mean D_i; pg_clipfrac 0, nothing is clipped).
+    Needs: sequence_trust_region."""
+    valid = response_mask != 0  # [B, T]
+    has_tokens = valid.any(1)  # [B]
+    n = has_tokens.sum().clamp(min=1).float() if num_sequences is None else num_sequences
+    keep, seq_kl = sequence_trust_region(logprobs, sampler_logprobs, response_mask, delta)  # [B] each
+    active = valid & keep[:, None]  # [B, T]  a rejected response's ratios are never exponentiated
+    logp = torch.where(valid, logprobs.float(), 0.0)  # [B, T]  padding garbage dropped, gradient kept on valid
+    rho = torch.where(active, logp.detach() - sampler_logprobs.float(), 0.0).exp()  # [B, T]  sg(pi / mu)
+    weight = torch.where(active, rho * advantages.float(), 0.0)  # [B, T]  m_i rho_it A_it
+    per_seq = (weight * logp).sum(1) / valid.sum(1).clamp(min=1)  # [B]  (m_i / T_i) sum_t rho_it A_it log pi_it
+    pg_loss = -per_seq.sum() / n  # J = (1/B) sum_i (m_i A_i / T_i) sum_t rho_it log pi_it;  loss = -J
+    return pg_loss, {"trust_region_drop": (has_tokens & ~keep).sum() / n, "pg_clipfrac": torch.zeros(()),
+                     "seq_kl": torch.where(has_tokens, seq_kl, 0.0).sum() / n}
 
 
 def tis_weights(old_logprobs, sampler_logprobs, response_mask, cap: float):
@@ -386,6 +422,15 @@ def reinforce_pp_advantages(rewards, prompt_index, response_mask):
     return masked_whiten(rewards[:, None] * response_mask, response_mask), {}  # [B, T]
 
 
+def flash_reinforce_advantages(rewards, prompt_index, response_mask):
+    """FlashREINFORCE (Hu, Zhang et al. 2026, sec. "One-Batch REINFORCE"): each reward less the mean reward of the
+    whole batch, all ranks included (independent prompts, no group: prompt_index unused), broadcast over the tokens.
+    rewards [B]; response_mask [B, T]. Returns (advantages [B, T] fp32, {}). Needs: all_reduce."""
+    r = rewards.double()  # [B]
+    mean = all_reduce(torch.stack([r.sum(), torch.tensor(float(r.numel()), dtype=r.dtype, device=r.device)]))  # [2]
+    return (r - mean[0] / mean[1]).float()[:, None] * response_mask, {}  # [B, T]  A_i = R_i - (1/B) sum_j R_j
+
+
 def mixed_groups(rewards, prompt_index):
     """Dynamic sampling (DAPO): True [B] for the sequences of groups whose values in rewards [B] (the caller passes
     successes: raw correctness) are not all equal. Needs: group_stats."""
@@ -545,11 +590,15 @@ def impact_score(signal, h):
 #    [0, 1]-scale return (R + 1) / 2 for both critic losses, as in PACT: weighting the +-1 return instead
 #    would hand a BCE critic negative targets (1 - rho) / 2 on wrong answers, where soft BCE has no minimum;
 #    for the same reason the BCE critic's soft targets are clamped at 1 (rho_t > 1 on a right answer).
-# 8. REINFORCE++ is used without its per-token KL penalty (no reference model is kept).
+# 8. REINFORCE++ is used without its per-token KL penalty (no reference model is kept). FlashREINFORCE runs
+#    synchronously (no policy lag: its trust region screens only the sampler/trainer gap); mu is behaviour_logprobs'
+#    (--is-correction none: pi_old, rho = 1); a response cut by --overlong-filter leaves its B; AdamW as departure 3;
+#    --k > 1 runs (its recipes fix one rollout per prompt, its loss refuses none), the mean over every rollout.
 # 9. The DAPS constants (--daps-n-c 4, --daps-a-min 0.1, --daps-decay 0.99, --daps-start 10) are this code's
 #    choices; the paper's are not used.
 # 10. Coverage pretraining uses the online critic update (clipped value loss or BCE, critic_epochs per batch)
-#    toward Monte-Carlo returns, and holds out 10% of the prompts to report its fit.
+#    toward Monte-Carlo returns, and holds out 10% of the prompts to report its fit; the on-policy warm-up's stop
+#    rule (warmup_plateaued) is ours, scored on one batch of rollouts it never trains on.
 # 11. Under torchrun, metrics are averaged over ranks, counts and throughput summed (critic/explained_var and
 #    critic/adv_explained_var come from global sums; the other critic diagnostics are rank means), and
 #    --dynamic-sampling and coverage pretraining run in a single process only.
@@ -616,7 +665,9 @@ def train_step(args: Args, state: TrainState, reward_fn):
     loss_mask = actor_loss_mask(args, batch, mask)  # [B, T] the tokens the actor loss averages over
     is_weights, m = importance_weights(args, batch, old_logprobs, loss_mask)  # [B, T] TIS: min(pi_old / mu, C)
     metrics.update(m)
-    metrics.update(train_actor(args, state, batch, is_weights * advantages, old_logprobs, loss_mask))  # w_t A_t
+    flash = args.actor_loss == "flash_reinforce"  # its ratio pi / mu is in its loss: log mu for log pi_old, w = 1
+    base = behaviour_logprobs(args, batch, old_logprobs) if flash else old_logprobs  # [B, T] the ratio's denominator
+    metrics.update(train_actor(args, state, batch, is_weights * advantages, base, loss_mask))  # w_t A_t
     metrics["time/actor"] = synced_time(state.device) - t0
     if state.critic is not None:
         mu_logprobs = behaviour_logprobs(args, batch, old_logprobs)  # [B, T] log mu, the policy that sampled (PACT)
@@ -751,7 +802,7 @@ def compute_advantages(args: Args, batch: Batch, rewards, values, mask):
     values [B, T], or the outcome baseline of a critic-free --algo when values is None. rewards [B], mask [B, T]."""
     if values is None:
         baseline = {"grpo": functools.partial(grpo_advantages, use_std=args.grpo_std), "rloo": rloo_advantages,
-                    "reinforce_pp": reinforce_pp_advantages}[args.algo]
+                    "reinforce_pp": reinforce_pp_advantages, "flash_reinforce": flash_reinforce_advantages}[args.algo]
         advantages, metrics = baseline(rewards, batch.prompt_index.to(mask.device), mask)  # [B, T]
         return advantages, None, metrics
     lam = adaptive_lambda(mask, args.alpha) if args.actor_lam == "adaptive" else args.actor_lam  # [B] or float
@@ -784,8 +835,9 @@ def behaviour_logprobs(args: Args, batch: Batch, old_logprobs):
 
 def importance_weights(args: Args, batch: Batch, old_logprobs, loss_mask):
     """(w [B, T], metrics): with --is-correction tis and the engine's log-probs, TIS's weights min(pi_old / mu, C)
-    (tis_weights), else 1. Whenever the engine gave log-probs, the metrics hold the trainer/sampler gap
-    |log pi_old - log mu| and the TIS weights' statistics over loss_mask [B, T] (logged under either setting)."""
+    (tis_weights), else 1 (so for the flash_reinforce loss, whose own ratio is pi / mu). Whenever the engine gave
+    log-probs, the metrics hold the trainer/sampler gap |log pi_old - log mu| and the TIS weights' statistics over
+    loss_mask [B, T] (logged under either setting)."""
     ones = torch.ones_like(old_logprobs)  # [B, T]
     if batch.sampler_logprobs is None:
         return ones, {}
@@ -795,7 +847,7 @@ def importance_weights(args: Args, batch: Batch, old_logprobs, loss_mask):
     metrics = {"rollout/logprob_gap_mean": gap.mean().item() if gap.numel() else 0.0,
                "rollout/logprob_gap_max": gap.max().item() if gap.numel() else 0.0,
                **{key: float(value) for key, value in m.items()}}
-    return (w if args.is_correction == "tis" else ones), metrics
+    return (w if args.is_correction == "tis" and args.actor_loss != "flash_reinforce" else ones), metrics
 
 
 def train_actor(args: Args, state: TrainState, batch: Batch, advantages, old_logprobs, loss_mask):
@@ -829,22 +881,25 @@ def train_critic(args: Args, state: TrainState, batch: Batch, values, returns, m
 
 
 def optimize(module, optimizer, batch: Batch, loss_fn, token_mask, epochs: int, minibatches: int,
-             micro_batch_tokens: int, grad_clip: float, generator, amp_dtype) -> dict:
+             micro_batch_tokens: int, grad_clip: float, generator, amp_dtype, normaliser: str = "tokens") -> dict:
     """The update loop shared by actor and critic: `epochs` passes over the batch, each of `minibatches`
     optimizer steps, each in micro-batches of at most micro_batch_tokens slots (micro_batches) whose gradients
     accumulate. loss_fn(rows, mbatch, num_tokens) -> (loss, metrics): rows [b] index the batch, mbatch =
     batch.rows(rows, features=True) (trimmed: its t response columns are the batch's first t), num_tokens = the
-    tokens of token_mask [B, T] in the whole mini-batch, summed over ranks (the normaliser of section 1), so the
-    micro-batching changes no sum and no gradient. A step whose gradient norm is not finite (NaN or inf: clip_grad_norm_ cannot rescale it) is skipped:
-    gradients dropped, weights and optimizer state untouched, counted in skipped_steps; the norm is global under
-    FSDP2 (a DTensor made whole), so every rank skips the same steps. Returns metrics averaged over steps, with
+    tokens of token_mask [B, T] in the whole mini-batch, summed over ranks (the normaliser of section 1), or with
+    normaliser "sequences" its rows with a token (FlashREINFORCE's sample mean): the micro-batching changes no sum
+    and no gradient. A step whose gradient norm is not finite (NaN or inf: clip_grad_norm_ cannot rescale it) is
+    skipped: gradients dropped, weights and optimizer state untouched, counted in skipped_steps; the norm is global
+    under FSDP2 (a DTensor made whole), so every rank skips the same steps. Returns metrics averaged over steps, with
     grad_norm before clipping and the share of clipped steps over the steps taken (NaN when none was)."""
     device = next(module.parameters()).device
     sums, steps, skipped, pads = {"grad_norm": 0.0, "clipped": 0.0}, 0, 0, [0, 0]
     for _ in range(epochs):
         perm = torch.randperm(token_mask.shape[0], generator=generator)  # [B]
         for mb in perm.chunk(minibatches):
-            num_tokens = all_reduce(token_mask[mb.to(token_mask.device)].sum().to(device)).clamp(min=1)
+            rows_mask = token_mask[mb.to(token_mask.device)]  # [b, T]
+            count = rows_mask.sum() if normaliser == "tokens" else (rows_mask.sum(1) > 0).sum().float()  # or rows
+            num_tokens = all_reduce(count.to(device)).clamp(min=1)
             micro = micro_batches(batch, micro_batch_tokens, mb)
             pads = [a + b for a, b in zip(pads, padding_counts(batch, micro))]  # pad slots, computed slots
             for rows in micro:
@@ -875,25 +930,31 @@ def optimize(module, optimizer, batch: Batch, loss_fn, token_mask, epochs: int, 
 
 def update_actor(model, optimizer, batch: Batch, advantages, old_logprobs, args: Args, generator, loss_mask=None):
     """ACTOR_LOSSES[args.actor_loss] on the batch: args.actor_epochs passes of args.minibatches steps, the
-    token mean over loss_mask [B, T] (default batch.response_mask). advantages [B, T], any importance weight already
-    applied (train_step scales them by TIS's w > 0, detached: for PPO too, min(r wA, clip(r) wA) = w min(rA,
-    clip(r) A)); old_logprobs [B, T]: log pi_old, or None for one optimizer step in all (pi_old is then the current
-    policy: the detached log-probs of the same forward pass, so r = 1). Returns metrics."""
+    token mean over loss_mask [B, T] (default batch.response_mask), or flash_reinforce_loss, the sample mean.
+    advantages [B, T], any importance weight already applied (train_step scales them by TIS's w > 0, detached: for
+    PPO too, min(r wA, clip(r) wA) = w min(rA, clip(r) A)); old_logprobs [B, T]: log pi_old (flash_reinforce: log
+    mu), or None for one optimizer step in all (pi_old is then the current policy: the detached log-probs of the same
+    forward pass, so r = 1). Returns metrics."""
     device = advantages.device
     loss_mask = batch.response_mask.to(device) if loss_mask is None else loss_mask  # [B, T]
+    flash = args.actor_loss == "flash_reinforce"  # old_logprobs is log mu then, and num_tokens counts responses
 
     def loss_fn(rows, mbatch, num_tokens):
         logprobs, entropy = actor_logprobs(model, mbatch, args.temperature)  # [b, t]
         t = logprobs.shape[1]  # the micro-batch's longest response
-        mask = loss_mask[rows, :t]  # [b, t]
+        mask, adv = loss_mask[rows, :t], advantages[rows, :t]  # [b, t] each
         pi_old = logprobs.detach() if old_logprobs is None else old_logprobs[rows, :t]  # [b, t] log pi_old
-        # CISPO: J = sg(clip(r)) * A * log pi, or PPO: J = min(r A, clip(r) A); loss = -(sum of J) / num_tokens
-        pg_loss, m = ACTOR_LOSSES[args.actor_loss](logprobs, pi_old, advantages[rows, :t], mask, args.eps_low,
-                                                   args.eps_high, num_tokens=num_tokens)
+        if flash:  # FlashREINFORCE: J = (1/B) sum_i (m_i / T_i) sum_t sg(pi / mu) A log pi; loss = -J
+            pg_loss, m = flash_reinforce_loss(logprobs, pi_old, adv, mask, args.trust_delta, num_tokens)
+            entropy = entropy * mask / mask.sum(1, keepdim=True).clamp(min=1)  # [b, t] a response's mean, summed
+        else:  # CISPO: J = sg(clip(r)) * A * log pi, or PPO: J = min(r A, clip(r) A); loss = -(sum of J) / num_tokens
+            pg_loss, m = ACTOR_LOSSES[args.actor_loss](logprobs, pi_old, adv, mask, args.eps_low, args.eps_high,
+                                                       num_tokens=num_tokens)
         return pg_loss, dict(m, pg_loss=pg_loss.detach(), entropy=(entropy * mask).sum() / num_tokens)
 
     metrics = optimize(model, optimizer, batch, loss_fn, loss_mask, args.actor_epochs, args.minibatches,
-                       args.micro_batch_tokens, args.actor_grad_clip, generator, compute_dtype(args.dtype, device))
+                       args.micro_batch_tokens, args.actor_grad_clip, generator, compute_dtype(args.dtype, device),
+                       "sequences" if flash else "tokens")
     return {f"actor/{k}": v for k, v in metrics.items()}
 
 
@@ -1014,30 +1075,43 @@ def pretrain_critic(critic, optimizer, rows: list, args: Args, pad_id: int, gene
 
 
 WARMUP_MAX_BATCHES = 8  # --critic-warmup-steps plateau: at most this many warm-up batches
-WARMUP_MIN_GAIN = 0.1  # ... and it stops at the first batch whose held-out loss is not 10% below the best before
+WARMUP_MIN_GAIN = 0.1  # ... and it stops at the first update whose held-out loss is not 10% below the best before
 
 
 def warmup_plateaued(held_out_losses: list) -> bool:
-    """Whether on-policy warm-up stops (--critic-warmup-steps plateau): the value loss of the newest fresh batch,
-    measured before its update (held out), is not WARMUP_MIN_GAIN below the lowest of the batches before it."""
+    """Whether on-policy warm-up stops (--critic-warmup-steps plateau): the value loss on the FIXED held-out
+    rollouts after the newest update is not WARMUP_MIN_GAIN below the lowest before it (the first entry: the fit
+    before any update). One set of rollouts for every entry: the rule compares fits, not draws."""
     *before, last = held_out_losses
     return bool(before) and last > (1.0 - WARMUP_MIN_GAIN) * min(before)
 
 
-def critic_warmup_step(args: Args, state: TrainState, reward_fn) -> dict:
-    """One critic update toward the Monte-Carlo returns of fresh rollouts (counted in state), actor frozen, with
-    the fit before it (fresh data: held out). Returns this rank's metrics."""
-    t0 = time.time()
+def warmup_rollouts(args: Args, state: TrainState, reward_fn):
+    """Fresh rollouts (counted in state): (batch, rewards [B], Monte-Carlo returns [B, T], mask [B, T], metrics)."""
     prompts = state.sampler.draw(args.batch_prompts)[state.rank::state.world]
     batch, rewards, _, _, metrics = collect_rollouts(args, state, prompts, reward_fn)
-    values, raw = critic_pass(args, state, batch)  # [B, T] each
     mask = batch.response_mask.to(state.device)  # [B, T]
-    returns = mc_returns(rewards.to(state.device), mask, args.gamma)  # [B, T]
-    metrics.update(critic_fit(values, raw, returns, mask, args.critic_loss))
+    return batch, rewards, mc_returns(rewards.to(state.device), mask, args.gamma), mask, metrics  # returns [B, T]
+
+
+def held_out_fit(args: Args, state: TrainState, held_out) -> dict:
+    """critic_fit of the critic now on held_out, warmup_rollouts' output kept out of training."""
+    batch, _, returns, mask, _ = held_out
+    values, raw = critic_pass(args, state, batch)  # [B, T] each
+    return critic_fit(values, raw, returns, mask, args.critic_loss)
+
+
+def critic_warmup_step(args: Args, state: TrainState, reward_fn, held_out) -> dict:
+    """One critic update toward the Monte-Carlo returns of fresh rollouts, then its fit on the fixed held-out
+    rollouts held_out (held_out_fit). Returns this rank's metrics."""
+    t0 = time.time()
+    batch, rewards, returns, mask, metrics = warmup_rollouts(args, state, reward_fn)
+    values, _ = critic_pass(args, state, batch)  # [B, T]
     metrics.update({"rollout/reward": rewards.mean().item(), "rollout/acc": succeeded(rewards).float().mean().item(),
                     "critic/v0_mean": values[:, 0].mean().item()})  # what the critic is fitting, and V(s_0) before
     state.critic.train()
     metrics.update(update_critic(state.critic, state.critic_opt, batch, values, returns, mask, args, state.update_gen))
+    metrics.update(held_out_fit(args, state, held_out))
     metrics["time/pretrain"] = time.time() - t0
     return metrics
 
@@ -1045,9 +1119,10 @@ def critic_warmup_step(args: Args, state: TrainState, reward_fn) -> dict:
 def critic_pretraining(args: Args, state: TrainState, reward_fn, log, say):
     """Before step 1, the actor frozen: coverage pretraining when asked for, then on-policy warm-up
     (--critic-warmup-steps N batches, or plateau: until warmup_plateaued, at most WARMUP_MAX_BATCHES; either way it
-    stops after the first batch that reaches --max-minutes). Each epoch and batch is logged (log) and said (say);
-    their time goes into state.train_s. Returns None; errors of the rollouts or the reward propagate. Source: S3AC,
-    critic pretraining before the online phase (coverage or on-policy); the plateau rule (warmup_plateaued) is ours."""
+    stops after the first batch that reaches --max-minutes), every update scored on one batch drawn first and never
+    trained on. Each epoch and batch is logged (log) and said (say); their time goes into state.train_s. Returns
+    None; errors of the rollouts or the reward propagate. Source: S3AC, critic pretraining before the online phase
+    (coverage or on-policy); the plateau rule (warmup_plateaued) and its held-out batch are ours."""
     if uses_coverage(args):
         epochs = coverage_pretraining(args, state, reward_fn)
         state.train_s += epochs[-1]["time/pretrain"]  # generation (unless --coverage-data) and every epoch
@@ -1055,14 +1130,24 @@ def critic_pretraining(args: Args, state: TrainState, reward_fn, log, say):
             log({"step": 0, **m})
             say(f"coverage epoch {m['pretrain/epoch']} | held-out EV {m['pretrain/explained_var']:+.3f} "
                 f"v_loss {m['pretrain/v_loss']:.4f}")
-    plateau, held_out_losses = args.critic_warmup_steps == "plateau", []
+    plateau = args.critic_warmup_steps == "plateau"
+    if not (plateau or args.critic_warmup_steps):
+        return
+    t0 = time.time()
+    held_out = warmup_rollouts(args, state, reward_fn)  # the first batch: never trained on, scores every update
+    first = mean_over_ranks({"rollout/samples": held_out[4]["rollout/samples"],
+                             **{f"{k}_before": v for k, v in held_out_fit(args, state, held_out).items()}})
+    held_out_losses, spent = [first["pretrain/v_loss_before"]], time.time() - t0  # the same on every rank
     for i in range(WARMUP_MAX_BATCHES if plateau else args.critic_warmup_steps):
-        m = mean_over_ranks(critic_warmup_step(args, state, reward_fn))  # its rollouts count toward the counts
+        m = mean_over_ranks(critic_warmup_step(args, state, reward_fn, held_out))  # its rollouts count in state
+        if i == 0:  # the held-out batch's samples and time count in the first record
+            m = {**m, **first, "rollout/samples": m["rollout/samples"] + first["rollout/samples"],
+                 "time/pretrain": m["time/pretrain"] + spent}
         state.train_s += m["time/pretrain"]
         log({"step": 0, "pretrain/warmup_step": i + 1, **m})
         say(f"critic warm-up {i + 1} | held-out EV {m['pretrain/explained_var']:+.3f} v_loss "
-            f"{m['pretrain/v_loss']:.4f} (before its update)")
-        held_out_losses.append(m["pretrain/v_loss"])  # the same on every rank (a mean over ranks)
+            f"{m['pretrain/v_loss']:.4f} (the fixed held-out rollouts, after its update)")
+        held_out_losses.append(m["pretrain/v_loss"])
         if plateau and warmup_plateaued(held_out_losses):
             say(f"critic warm-up: the fit stopped improving after {i + 1} batches")
             return
@@ -2191,8 +2276,9 @@ class Args:
     prompt_template: str = flag("", "overrides the chat template: a string with {question}")
     instruction: str = flag(INSTRUCTION, "appended to the question in the chat (or plain) template")
     # algorithm (the flags left at "auto" are resolved once by resolve_args and printed)
-    algo: str = flag("s3ac", "advantages: s3ac | ppo (critic, GAE) | grpo | rloo | reinforce_pp (critic-free)")
-    actor_loss: str = flag("auto", "cispo | ppo (clipped surrogate) | auto: ppo for --algo ppo, else cispo")
+    algo: str = flag("s3ac", "advantages: s3ac | ppo (critic, GAE) | grpo | rloo | reinforce_pp | flash_reinforce")
+    actor_loss: str = flag("auto", "cispo | ppo (clipped surrogate) | flash_reinforce (sg(pi / mu) A log pi, sample "
+                           "mean, sequence trust region) | auto: the --algo's own (ppo, flash_reinforce), else cispo")
     grpo_std: bool = flag(True, "grpo: divide by the group's population std (false: mean-centring only)")
     dynamic_sampling: bool = flag(False, "drop groups whose rewards are all equal, refill with new prompts (K >= 2)")
     max_refills: int = flag(3, "dynamic sampling: extra generation rounds per step, at most")
@@ -2228,6 +2314,8 @@ class Args:
     actor_epochs: int = flag(1, "passes over each rollout batch")
     is_correction: str = flag("tis", "tis: each token's actor loss times min(pi_old / mu_sampler, is_cap) | none")
     is_cap: float = flag(2.0, "tis: the cap C of the weight")
+    trust_delta: float = flag(3e-3, "flash_reinforce loss: a response whose mean Bernoulli KL(mu(a_t) || pi(a_t)) "
+                              "exceeds this leaves the loss (FlashREINFORCE's Qwen2.5-Math recipe; inf: no region)")
     # critic (s3ac and ppo only; the critic-free algorithms load no critic)
     critic_loss: str = flag("mse", "mse: clipped value loss | bce: sigmoid critic, soft BCE toward (target + 1) / 2")
     critic_sync: str = flag("s3ac", "s3ac: fit the returns | pact: fit rho_t-weighted ones after the actor update")
@@ -2257,7 +2345,7 @@ class Args:
     daps_decay: float = flag(0.99, "per-step decay of the success and attempt counts")
     # updates (actor and critic)
     minibatches: str = flag("auto", "optimizer steps per pass over the rollout batch; auto: batch_prompts // 32 (DAPO's "
-                            "mini-batches of 32 prompts), at least 1")
+                            "mini-batches of 32 prompts), at least 1; 1 for flash_reinforce (its paper)")
     micro_batch_tokens: str = flag("auto", "slots per forward/backward, rows x (longest prompt + response), longest "
                                    "rows first; gradients accumulate over a mini-batch | auto: the memory plan's")
     max_skipped_steps: int = flag(3, "stop after this many training steps in a row that skipped an optimizer step "
@@ -2308,7 +2396,7 @@ def parse_args(argv=None) -> Args:
     return args
 
 
-CRITIC_ALGOS = ("s3ac", "ppo")  # the algorithms that train a critic; grpo, rloo and reinforce_pp do not
+CRITIC_ALGOS = ("s3ac", "ppo")  # the algorithms that train a critic; grpo, rloo, reinforce_pp, flash_reinforce do not
 
 NAMED_OR_NUMBER = {  # the fields that take a number or a named value: (named values, number type)
     "actor_lam": (("auto", "adaptive"), float), "critic_lam": (("auto",), float), "eps_low": (("auto",), float),
@@ -2321,7 +2409,8 @@ def resolve_args(args: Args) -> Args:
     prints the algorithm's), after checking the combination. --critic-model, --prompt-key and --answer-key keep "auto"
     (it is resolved where they are used). Raises ValueError for an unknown choice, a number outside its domain or a
     combination that cannot run (a critic feature without a critic, groups with K < 2). Idempotent."""
-    choices = {"algo": ("s3ac", "ppo", "grpo", "rloo", "reinforce_pp"), "actor_loss": ("auto", "cispo", "ppo"),
+    choices = {"algo": ("s3ac", "ppo", "grpo", "rloo", "reinforce_pp", "flash_reinforce"),
+               "actor_loss": ("auto", "cispo", "ppo", "flash_reinforce"),
                "rollout": ("auto", "vllm", "hf"), "report_to": ("none", "tensorboard", "wandb"),
                "critic_loss": ("mse", "bce"), "critic_sync": ("s3ac", "pact"), "prompt_selection": ("uniform", "daps"),
                "answer_fallback": ANSWER_FALLBACKS, "is_correction": ("tis", "none"),
@@ -2342,7 +2431,7 @@ def resolve_args(args: Args) -> Args:
             "max_refills", "top_k", "vllm_max_model_len", "eps_high", "rho_min", "credit_eps",
             "daps_start", "daps_n_c", "steps", "threads", "eval_every", "save_every",
             "log_samples", "critic_layers", "max_minutes", "max_skipped_steps", "alpha_headroom",
-            "headroom_prompts")},
+            "headroom_prompts", "trust_delta")},
         **{name: (getattr(args, name) > 0, "> 0") for name in (
             "temperature", "verify_timeout", "alpha", "lr", "is_cap", "actor_grad_clip", "critic_lr_ratio",
             "critic_grad_clip",
@@ -2380,7 +2469,8 @@ def resolve_args(args: Args) -> Args:
     if pact and args.critic_lam not in ("auto", 1.0):
         raise ValueError(f"--critic-lam {args.critic_lam}: --critic-sync pact weights Monte-Carlo returns, so the "
                          f"critic's lambda must be 1 (or auto)")
-    actor_loss = ("ppo" if ppo else "cispo") if args.actor_loss == "auto" else args.actor_loss
+    own = {"ppo": "ppo", "flash_reinforce": "flash_reinforce"}.get(args.algo, "cispo")  # the --algo's actor loss
+    actor_loss = own if args.actor_loss == "auto" else args.actor_loss
     auto = lambda value, resolved: resolved if value == "auto" else value
     return dataclasses.replace(
         args, actor_loss=actor_loss, actor_lam=auto(args.actor_lam, 0.95 if ppo else 1.0 if pact else "adaptive"),
@@ -2389,7 +2479,7 @@ def resolve_args(args: Args) -> Args:
         eval_max_new_tokens=auto(args.eval_max_new_tokens, args.max_new_tokens),
         critic_warmup_steps=auto(args.critic_warmup_steps, "plateau" if args.algo in CRITIC_ALGOS and
                                  not uses_coverage(args) else 0),
-        minibatches=auto(args.minibatches, max(1, args.batch_prompts // 32)))
+        minibatches=auto(args.minibatches, 1 if args.algo == "flash_reinforce" else max(1, args.batch_prompts // 32)))
 
 
 def _named_or_number(name: str, value, words: tuple, number_type=float):
@@ -2751,6 +2841,7 @@ def setup_run(args: Args, reward_fn=None, eval_reward_fn=None) -> Run:
                f"--critic-sync {args.critic_sync} --critic-warmup-steps {args.critic_warmup_steps}"
                if args.algo in CRITIC_ALGOS else " (no critic)") +
               f" --is-correction {args.is_correction} --minibatches {args.minibatches}" +
+              (f" --trust-delta {args.trust_delta}" if args.actor_loss == "flash_reinforce" else "") +
               (f" on {world} ranks" if world > 1 else ""), file=sys.stderr)
         os.makedirs(args.out_dir, exist_ok=True)
     kernels.set_backend(args.kernels)
@@ -2823,7 +2914,8 @@ def step_line(metrics: dict, has_critic: bool) -> str:
                    f"V0 {metrics['critic/v0_mean']:+.3f} | " if has_critic else "")
     return (f"step {metrics['step']:4d} | reward {metrics['rollout/reward']:+.3f} acc {metrics['rollout/acc']:.3f} "
             f"len {metrics['rollout/response_len']:.0f} | pg_loss {metrics['actor/pg_loss']:+.4f} "
-            f"clipfrac {metrics['actor/pg_clipfrac']:.3f} entropy {metrics['actor/entropy']:.3f} | "
+            + (f"drop {metrics['actor/trust_region_drop']:.3f} " if "actor/trust_region_drop" in metrics else
+               f"clipfrac {metrics['actor/pg_clipfrac']:.3f} ") + f"entropy {metrics['actor/entropy']:.3f} | "
             f"{critic_part}{metrics['perf/step_s']:.0f}s")
 
 

@@ -1226,6 +1226,124 @@ def test_rloo_worked_case_and_padding():
         s3ac.rloo_advantages(torch.tensor([1.0]), torch.tensor([0]), torch.ones(1, 1))
 
 
+def _flash_batch():
+    """3 rows of lengths 3, 2, 1 (T = 3), rewards +1, -1, +1; row 1 far from its sampler (rejected); garbage padding."""
+    nan = float("nan")
+    mask = torch.tensor([[1.0, 1, 1], [1, 1, 0], [1, 0, 0]])
+    mu = torch.tensor([[0.5, 0.5, 0.5], [0.9, 0.5, 0.3], [0.5, 0.7, 0.2]]).log()  # [B, T] sampler probabilities
+    logp = torch.tensor([[0.5, 0.5, 0.5], [0.5, 0.5, 0.3], [0.505, 0.7, 0.2]]).log()
+    mu[1, 2], mu[2, 1:], logp[1, 2], logp[2, 1:] = nan, 5.0, nan, 9.0  # padding holds garbage
+    return mask, mu, logp, torch.tensor([1.0, -1.0, 1.0])
+
+
+def _flash_loop(logp, mu, rewards, mask, delta):
+    """FlashREINFORCE's loss, drop share and mean D by a plain loop over rows and tokens (math module, floats)."""
+    B = len(rewards)
+    mean_r = sum(rewards.tolist()) / B
+    total, dropped, kl_sum = 0.0, 0, 0.0
+    for i in range(B):
+        tokens = [t for t in range(mask.shape[1]) if mask[i, t] > 0]
+        d = []
+        for t in tokens:
+            p = min(max(math.exp(mu[i, t].item()), 1e-6), 1 - 1e-6)
+            q = min(max(math.exp(logp[i, t].item()), 1e-6), 1 - 1e-6)
+            d.append(p * math.log(p / q) + (1 - p) * math.log((1 - p) / (1 - q)))
+        D = sum(d) / len(tokens)
+        kl_sum += D
+        if D > delta:
+            dropped += 1
+            continue
+        A = rewards[i].item() - mean_r
+        total += A / len(tokens) * sum(math.exp(logp[i, t].item() - mu[i, t].item()) * logp[i, t].item()
+                                       for t in tokens)
+    return -total / B, dropped / B, kl_sum / B
+
+
+def test_flash_reinforce_hand_worked_batch_and_loop():
+    """FlashREINFORCE on 3 rows (lengths 3, 2, 1): A_i = R_i - 1/3 = +2/3, -4/3, +2/3; row 1's Bernoulli KL
+    d = 0.9 ln(0.9/0.5) + 0.1 ln(0.1/0.5) = 0.368064 on its first token, 0 on its second: D = 0.184032 > 3e-3, so
+    it drops; row 2: D = 0.5 ln(0.5/0.505) + 0.5 ln(0.5/0.495) = 5.0e-5, kept with rho = 1.01; row 0: D = 0, rho 1.
+    loss = -(1/3) [(2/3)/3 * 3 ln 0.5 + (2/3) * 1.01 * ln 0.505] = 0.307372."""
+    mask, mu, logp, rewards = _flash_batch()
+    adv, _ = s3ac.flash_reinforce_advantages(rewards, torch.tensor([7, 7, 3]), mask)  # prompt_index unused
+    assert torch.allclose(adv, torch.tensor([[2 / 3] * 3, [-4 / 3, -4 / 3, 0], [2 / 3, 0, 0]]), atol=1e-6)
+    keep, D = s3ac.sequence_trust_region(logp, mu, mask, 3e-3)
+    assert keep.tolist() == [True, False, True]
+    assert torch.allclose(D, torch.tensor([0.0, 0.368064 / 2, 5.0e-5], dtype=torch.float64), atol=2e-6)
+    loss, m = s3ac.flash_reinforce_loss(logp, mu, adv, mask, 3e-3)
+    assert loss.item() == pytest.approx(0.307372, abs=2e-6)
+    ref_loss, ref_drop, ref_kl = _flash_loop(logp, mu, rewards, mask, 3e-3)
+    assert loss.item() == pytest.approx(ref_loss, rel=1e-6) and m["trust_region_drop"].item() == pytest.approx(1 / 3)
+    assert m["seq_kl"].item() == pytest.approx(ref_kl, rel=1e-5) and ref_drop == pytest.approx(1 / 3)
+    loose, m = s3ac.flash_reinforce_loss(logp, mu, adv, mask, float("inf"))  # no region: row 1 counts
+    assert loose.item() == pytest.approx(_flash_loop(logp, mu, rewards, mask, float("inf"))[0], rel=1e-6)
+    assert m["trust_region_drop"] == 0 and loose.item() != pytest.approx(loss.item())
+    # the sample mean: a given normaliser replaces the count of responses (optimize's, over a whole mini-batch)
+    assert s3ac.flash_reinforce_loss(logp, mu, adv, mask, 3e-3, num_sequences=6)[0].item() == \
+        pytest.approx(ref_loss / 2, rel=1e-6)
+
+
+def test_flash_reinforce_gradient_is_the_objectives_in_fp64():
+    """The gradient of flash_reinforce_loss (detached ratio) equals minus autograd's gradient of the written
+    objective J = (1/B) sum_i (m_i A_i / T_i) sum_t pi / mu (ratio NOT detached), on random fp64 rows of unequal
+    lengths with one response far off its sampler."""
+    g = torch.Generator().manual_seed(3)
+    B, T = 5, 7
+    lengths = torch.tensor([7, 1, 4, 6, 3])
+    mask = (torch.arange(T)[None] < lengths[:, None]).double()  # [B, T]
+    mu = -torch.rand(B, T, generator=g, dtype=torch.float64) * 2  # [B, T] log mu
+    logp = (mu + 0.02 * torch.randn(B, T, generator=g, dtype=torch.float64)).clamp(max=-1e-3)
+    logp[3] = mu[3] - 1.5  # row 3 leaves the region
+    rewards = torch.tensor([1.0, -1.0, 1.0, 1.0, -1.0], dtype=torch.float64)
+    adv, _ = s3ac.flash_reinforce_advantages(rewards, torch.arange(B), mask)
+    keep, _ = s3ac.sequence_trust_region(logp, mu, mask, 3e-3)
+    assert keep.tolist() == [True, True, True, False, True]
+    x = logp.clone().requires_grad_(True)
+    loss, _ = s3ac.flash_reinforce_loss(x, mu, adv, mask, 3e-3)
+    loss.backward()
+    y = logp.clone().requires_grad_(True)
+    A = rewards - rewards.mean()  # [B]
+    J = ((keep.double() * A / lengths) * ((y - mu).exp() * mask).sum(1)).sum() / B  # the written objective
+    J.backward()
+    assert torch.allclose(x.grad, -y.grad, atol=1e-7, rtol=1e-5) and x.grad[3].abs().max() == 0
+    assert (x.grad * (1 - mask)).abs().max() == 0  # no gradient on padding
+
+
+def test_flash_reinforce_defaults_and_k():
+    """--algo flash_reinforce resolves its paper's defaults: its own loss, one optimizer step per batch (minibatches
+    1 where the others take batch_prompts // 32), delta 3e-3; and K > 1 runs (its loss refuses none)."""
+    args = s3ac.resolve_args(s3ac.Args(algo="flash_reinforce", k=4))
+    assert (args.actor_loss, args.minibatches, args.trust_delta) == ("flash_reinforce", 1, 3e-3)
+    assert s3ac.resolve_args(args) == args  # idempotent
+    assert s3ac.resolve_args(s3ac.Args(algo="flash_reinforce", actor_loss="cispo")).actor_loss == "cispo"
+    assert s3ac.resolve_args(s3ac.Args(algo="reinforce_pp")).minibatches == 512 // 32
+    with pytest.raises(ValueError, match="trust-delta"):
+        s3ac.resolve_args(s3ac.Args(algo="flash_reinforce", trust_delta=-1.0))
+
+
+def test_smoke_flash_reinforce_logs_its_metrics_and_trains(tiny, tmp_path):
+    """python s3ac.py --algo flash_reinforce --k 1 with a reward that varies (even length): two steps log the trust
+    region's drop share and mean KL, take one optimizer step each, and move the weights."""
+    reward = tmp_path / "even.py"
+    reward.write_text("def reward(golds, completions, truncated):\n"
+                      "    r = [1.0 if len(c) % 2 == 0 else -1.0 for c in completions]\n"
+                      "    return r, ['even' if x > 0 else 'odd' for x in r]\n")
+    out = str(tmp_path / "flash")
+    proc = run_s3ac(*smoke_flags(tiny[0], out, "--steps", "2", "--algo", "flash_reinforce", "--k", "1",
+                                 "--batch-prompts", "8", "--reward-fn", f"{reward}:reward"))
+    assert "--actor-loss flash_reinforce" in proc.stderr and "--minibatches 1 --trust-delta 0.003" in proc.stderr
+    records = read_jsonl(os.path.join(out, "metrics.jsonl"))
+    assert [r["step"] for r in records] == [0, 1, 2]
+    for r in records[1:]:
+        assert 0 <= r["actor/trust_region_drop"] <= 1 and r["actor/seq_kl"] >= 0 and r["actor/skipped_steps"] == 0
+        assert not [k for k in r if k.startswith("critic/")]
+    assert any(r["actor/grad_norm"] > 0 for r in records[1:]), records  # the rewards differed in some step
+    from transformers import AutoModelForCausalLM
+    trained = AutoModelForCausalLM.from_pretrained(os.path.join(s3ac.latest_checkpoint(out), "actor"))
+    before = tiny[1].state_dict()
+    assert any(not torch.equal(v, before[k]) for k, v in trained.state_dict().items())
+
+
 def test_masked_whiten_and_reinforce_pp():
     x = torch.tensor([[1.0, 2, 0, 0], [3, 0, 0, 0]])
     mask = torch.tensor([[1.0, 1, 0, 0], [1, 0, 0, 0]])
@@ -1326,6 +1444,35 @@ def test_update_actor_with_pi_old_of_a_separate_pass_has_ratio_one(tiny):
     assert m["actor/approx_kl"] == pytest.approx(0.0, abs=1e-6) and m["actor/pg_clipfrac"] == 0.0
     after = s3ac.policy_logprobs(model, batch, 1.0, 8)
     assert (after - before).abs().max() > 1e-3  # the actor moved, so PACT's rho differs from 1
+
+
+def test_update_actor_flash_reinforce_micro_batches_take_the_whole_batch_sample_mean(tiny):
+    """update_actor with the flash_reinforce loss in micro-batches of one row (optimize's normaliser "sequences")
+    takes the same SGD step as flash_reinforce_loss on the whole batch at once; the region drops row 0 (mu far
+    from pi), so actor/trust_region_drop is 1/3."""
+    import copy
+    _, base, tok = tiny
+    prompts = [tok(q)["input_ids"] for q in ("1+1=", "What is 3 * 4?", "7-2")]
+    torch.manual_seed(0)
+    batch = s3ac.generate_hf(base, prompts, [0, 1, 2], {10**6}, tok.pad_token_id, 5, 1.0, 4)
+    batch.response_mask[2, 3:] = 0.0  # rows of unequal lengths
+    mask = batch.response_mask
+    before = s3ac.policy_logprobs(base, batch, 1.0, 8)  # [B, T]
+    mu = before + torch.tensor([[2.0], [0.01], [-0.01]])  # [B, T] log mu: row 0 far off (p about 0.01 here)
+    adv = torch.tensor([[1.0], [-2.0], [1.0]]) * mask  # [B, T]
+    args = s3ac.resolve_args(s3ac.Args(algo="flash_reinforce", micro_batch_tokens=1, actor_grad_clip=1e9))
+    one, whole = copy.deepcopy(base).train(), copy.deepcopy(base).train()
+    m = s3ac.update_actor(one, torch.optim.SGD(one.parameters(), lr=1.0), batch, adv, mu, args,
+                          torch.Generator().manual_seed(0))
+    assert m["actor/trust_region_drop"] == pytest.approx(1 / 3) and m["actor/skipped_steps"] == 0
+    logp, _ = s3ac.actor_logprobs(whole, batch, 1.0)  # [B, T]
+    loss, _ = s3ac.flash_reinforce_loss(logp, mu, adv, mask, args.trust_delta)
+    loss.backward()
+    torch.optim.SGD(whole.parameters(), lr=1.0).step()
+    moved = [(a - b).abs().max().item() for a, b in zip(one.parameters(), base.parameters())]
+    assert max(moved) > 1e-6
+    for a, b in zip(one.parameters(), whole.parameters()):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
 
 
 def test_dropout_is_off_so_lr_0_gives_ratio_1(tmp_path):
@@ -1938,7 +2085,7 @@ def test_help_text_comes_from_field_help(capsys):
         s3ac.parse_args(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "auto: 0.95 ppo, 1 pact, else adaptive (default: auto)" in text  # each field's help, with its default
-    assert "ppo for --algo ppo, else cispo" in text and "rollouts per prompt" in text
+    assert "auto: the --algo's own (ppo, flash_reinforce), else cispo" in text and "rollouts per prompt" in text
     assert "--no-grpo-std" in text  # a True bool can be switched off
 
 
@@ -2651,6 +2798,19 @@ def test_s3ac_py_points_to_the_harnesses(word, command):
     assert proc.returncode == 1 and command in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
 
 
+def test_compare_summary_response_length_and_trust_region_drop(tmp_path):
+    """run_summary's response length at the end (the last 5 steps by the equal minute) and FlashREINFORCE's drop
+    share (every step). By hand: one minute a step, so at minute 6 steps 2-6 count, lengths 20..60, mean 40; the
+    drop shares 0.5, 0.25, 0.25 over 7 steps, 1/7."""
+    compare = load_ci("compare")
+    lengths, drops = [10, 20, 30, 40, 50, 60, 70], [0.0, 0.5, 0.0, 0.25, 0.0, 0.0, 0.25]
+    write_run(str(tmp_path / "f"), {0: 0.1, 7: 0.2},
+              [{"rollout/response_len": n, "actor/trust_region_drop": d} for n, d in zip(lengths, drops)])
+    summary = compare.run_summary(s3ac.read_records(str(tmp_path / "f")), 6.0)
+    assert summary["response length at the end"] == pytest.approx(40.0)
+    assert summary["trust-region drop"] == pytest.approx(1 / 7)
+
+
 def test_compare_table_arithmetic(tmp_path):
     """Means and standard errors over seeds, pass@1 at the least training time any run reached (a step that runs
     across it counts), the best of those evaluations, its step and final - best, the second half of the steps for EV,
@@ -2668,7 +2828,8 @@ def test_compare_table_arithmetic(tmp_path):
             "grpo": [s3ac.read_records(str(tmp_path / "g"))], "late": [s3ac.read_records(str(tmp_path / "late"))]}
     table = compare.compare_table(runs).splitlines()
     assert table[0] == ("| run | seeds | minutes | pass@1 at step 0 | pass@1 at 3.0 min | best pass@1 | best at step | "
-                        "final - best | token EV | V(s_0) EV | c | efficiency, token EV | efficiency, V(s_0) EV |")
+                        "final - best | token EV | V(s_0) EV | c | efficiency, token EV | efficiency, V(s_0) EV | "
+                        "response length at the end | trust-region drop |")
     # by hand: at 3 min the step-2 evaluations (2 min) 0.3, 0.2; best 0.3 (step 2) and 0.3 (step 1), so final - best
     # 0 and -0.1; token EV over steps 3-4: 0.3 and 0.6 (null skipped); V(s_0) EV 0.2 and 0.5; c 0.4 and 0.35;
     # efficiency 1 / ((1 - EV)(1 + c))
@@ -2677,14 +2838,18 @@ def test_compare_table_arithmetic(tmp_path):
     want = [(4.0, 0.0), (0.1, 0.0), (0.25, se(0.3, 0.2)), (0.3, 0.0), (1.5, se(2, 1)), (-0.05, se(0.0, -0.1)),
             (0.45, se(0.3, 0.6)), (0.35, se(0.2, 0.5)), (0.375, se(0.4, 0.35)), (sum(eff_token) / 2, se(*eff_token)),
             (sum(eff_v0) / 2, se(*eff_v0))]
-    assert table[2] == "| s3ac | 2 | " + " | ".join(f"{m:.3f} ± {s:.3f}" for m, s in want) + " |"
-    assert table[3] == "| grpo | 1 | 3.000 | 0.100 | 0.250 | 0.250 | 3.000 | 0.000 | - | - | - | - | - |"
+    assert table[2] == "| s3ac | 2 | " + " | ".join(f"{m:.3f} ± {s:.3f}" for m, s in want) + " | - | - |"
+    assert table[3] == "| grpo | 1 | 3.000 | 0.100 | 0.250 | 0.250 | 3.000 | 0.000 | - | - | - | - | - | - | - |"
     # its step 3 began before minute 3, so its evaluation counts
-    assert table[4] == "| late | 1 | 3.500 | 0.100 | 0.350 | 0.350 | 3.000 | 0.000 | - | - | - | - | - |"
+    assert table[4] == "| late | 1 | 3.500 | 0.100 | 0.350 | 0.350 | 3.000 | 0.000 | - | - | - | - | - | - | - |"
     paired = compare.paired_table({"s3ac": runs["s3ac"], "late": [runs["late"][0]] * 2}, "s3ac", ["late"])
     # equal minutes 3.5 here (late's): step 4 of s0 and s1 began at minute 3, so 0.5 - 0.35 and 0.4 - 0.35; from
-    # minute 1.75 on: s0 mean(0.3, 0.5), s1 mean(0.2, 0.4), late 0.35 (step 3), so +0.05 and -0.05
-    assert paired.splitlines()[2] == "| s3ac - late | 2 | +0.100 ± 0.050 | +0.150, +0.050 | +0.000 ± 0.050 |"
+    # minute 1.75 on: s0 mean(0.3, 0.5), s1 mean(0.2, 0.4), late 0.35 (step 3), so +0.05 and -0.05; at equal samples
+    # (late's 48, 16 a step): s0 and s1 at step 2 (32 samples; step 3 has no evaluation), 0.3 and 0.2, against late's
+    # 0.35 at step 3: -0.05 and -0.15
+    assert paired.splitlines()[0].endswith("| at equal samples (48) |")
+    assert paired.splitlines()[2] == ("| s3ac - late | 2 | +0.100 ± 0.050 | +0.150, +0.050 | +0.000 ± 0.050 | "
+                                      "-0.100 ± 0.050 |")
 
 
 def test_compare_runs_seed_major_with_each_configs_flags(tmp_path, monkeypatch):
@@ -2706,14 +2871,17 @@ def test_compare_runs_seed_major_with_each_configs_flags(tmp_path, monkeypatch):
             "--minutes", "3", "--out-dir", str(tmp_path), "--lr", "1e-5",
             "--s3ac-flags", "--critic-layers 4 --critic-epochs 1"]
     compare.compare(argv)
-    assert [name for name, _ in calls] == ["s3ac-k1-seed0", "reinforce_pp-k1-seed0", "grpo-k4-seed0",
-                                           "s3ac-k1-seed1", "reinforce_pp-k1-seed1"]
+    assert [name for name, _ in calls] == ["s3ac-k1-seed0", "reinforce_pp-k1-seed0", "flash_reinforce-k1-seed0",
+                                           "grpo-k4-seed0", "s3ac-k1-seed1", "reinforce_pp-k1-seed1",
+                                           "flash_reinforce-k1-seed1"]
     value = lambda flags, flag: flags[flags.index(flag) + 1] if flag in flags else None
     runs = dict(calls)
     critic_flags = ("--critic-layers", "--critic-epochs")
     assert [value(runs["s3ac-k1-seed1"], f) for f in critic_flags] == ["4", "1"]
-    for name in ("reinforce_pp-k1-seed0", "grpo-k4-seed0"):
+    for name in ("reinforce_pp-k1-seed0", "flash_reinforce-k1-seed0", "grpo-k4-seed0"):
         assert [value(runs[name], f) for f in critic_flags] == [None] * 2
+    assert value(runs["flash_reinforce-k1-seed1"], "--algo") == "flash_reinforce"
+    assert value(runs["flash_reinforce-k1-seed1"], "--k") == "1"
     assert value(runs["grpo-k4-seed0"], "--k") == "4" and value(runs["grpo-k4-seed0"], "--batch-prompts") == "4"
     for name, flags in runs.items():
         assert [value(flags, f) for f in ("--eval-every", "--max-minutes", "--lr", "--eval-size", "--data")] == \
@@ -2727,6 +2895,7 @@ def test_compare_runs_seed_major_with_each_configs_flags(tmp_path, monkeypatch):
     assert calls == []
     table = open(os.path.join(tmp_path, "table.md")).read()
     assert "| s3ac-k1 - reinforce_pp-k1 | 2 |" in table and "| s3ac-k1 - grpo-k4 | 1 |" in table
+    assert "| flash_reinforce-k1 | 2 |" in table and "| s3ac-k1 - flash_reinforce-k1 | 2 |" in table
 
 
 def test_compare_first_seed_runs_and_tables_only_later_seeds(tmp_path, monkeypatch):
@@ -2735,7 +2904,8 @@ def test_compare_first_seed_runs_and_tables_only_later_seeds(tmp_path, monkeypat
     nothing."""
     compare = load_ci("compare")
     calls = []
-    evals = {"s3ac-k1-seed2": 0.5, "s3ac-k1-seed3": 0.4, "reinforce_pp-k1-seed2": 0.2, "reinforce_pp-k1-seed3": 0.3}
+    evals = {"s3ac-k1-seed2": 0.5, "s3ac-k1-seed3": 0.4, "reinforce_pp-k1-seed2": 0.2, "reinforce_pp-k1-seed3": 0.3,
+             "flash_reinforce-k1-seed2": 0.3, "flash_reinforce-k1-seed3": 0.4}
 
     def fake_run(command, check):
         flags = command[2:]
@@ -2747,8 +2917,8 @@ def test_compare_first_seed_runs_and_tables_only_later_seeds(tmp_path, monkeypat
     monkeypatch.setattr(compare, "plot_runs", lambda dirs, out: out)
     argv = ["--seeds", "4", "--grpo-seeds", "2", "--first-seed", "2", "--minutes", "3", "--out-dir", str(tmp_path)]
     compare.compare(argv)
-    assert calls == [("s3ac-k1-seed2", "2"), ("reinforce_pp-k1-seed2", "2"), ("s3ac-k1-seed3", "3"),
-                     ("reinforce_pp-k1-seed3", "3")]
+    assert calls == [("s3ac-k1-seed2", "2"), ("reinforce_pp-k1-seed2", "2"), ("flash_reinforce-k1-seed2", "2"),
+                     ("s3ac-k1-seed3", "3"), ("reinforce_pp-k1-seed3", "3"), ("flash_reinforce-k1-seed3", "3")]
     assert sorted(os.listdir(tmp_path)) == sorted(list(evals) + ["table.md"])
     # by hand: seed 2 0.5 - 0.2 = +0.3, seed 3 0.4 - 0.3 = +0.1; mean +0.2, se |0.3 - 0.1| / 2 = 0.1
     table = open(os.path.join(tmp_path, "table.md")).read()
@@ -2787,6 +2957,14 @@ def _pasted(name):
         exec(re.sub(r"^@triton_on_cuda\n", "", inspect.getsource(obj)), namespace)
     assert set(namespace) - {"torch", "__builtins__"} == set(helpers + [name])
     return namespace[name]
+
+
+def test_pasted_flash_reinforce_hand_case():
+    """FlashREINFORCE's advantages and loss pasted alone give _flash_batch's hand-worked figures."""
+    mask, mu, logp, rewards = _flash_batch()
+    adv, _ = _pasted("flash_reinforce_advantages")(rewards, torch.arange(3), mask)
+    loss, m = _pasted("flash_reinforce_loss")(logp, mu, adv, mask, 3e-3)
+    assert loss.item() == pytest.approx(0.307372, abs=2e-6) and m["trust_region_drop"].item() == pytest.approx(1 / 3)
 
 
 def test_pasted_gae_and_decoupled_gae_hand_cases():
@@ -4231,6 +4409,31 @@ def test_warmup_plateaued_hand_cases():
     assert s3ac.warmup_plateaued([0.5, 0.2, 0.4])  # worse than the best
 
 
+def test_warmup_stops_where_the_hand_count_says_on_one_held_out_set(monkeypatch):
+    """critic_pretraining with scripted held-out losses: 1.0 before any update, then 0.6 (< 0.9), 0.5 (< 0.54),
+    0.3 (< 0.45), 0.28 (> 0.27: stop). By hand: 4 updates, one held-out draw, and every update scored on it."""
+    draws, seen = [], []
+    scripted = iter([0.6, 0.5, 0.3, 0.28, 0.1, 0.05])
+    monkeypatch.setattr(s3ac, "warmup_rollouts", lambda args, state, fn: draws.append(object()) or
+                        (draws[-1], None, None, None, {"rollout/samples": 4}))
+    monkeypatch.setattr(s3ac, "held_out_fit", lambda args, state, held: {"pretrain/v_loss": 1.0,
+                                                                          "pretrain/explained_var": 0.0})
+
+    def step(args, state, fn, held_out):
+        seen.append(held_out[0])
+        return {"pretrain/v_loss": next(scripted), "pretrain/explained_var": 0.0, "time/pretrain": 1.0,
+                "rollout/samples": 4}
+
+    monkeypatch.setattr(s3ac, "critic_warmup_step", step)
+    logged = []
+    args = s3ac.resolve_args(s3ac.Args(critic_warmup_steps="plateau"))
+    s3ac.critic_pretraining(args, types.SimpleNamespace(train_s=0.0), None, logged.append, lambda text: None)
+    assert len(draws) == 1 and len(seen) == 4 and all(h is draws[0] for h in seen)
+    assert [r["pretrain/v_loss"] for r in logged] == [0.6, 0.5, 0.3, 0.28]
+    assert logged[0]["pretrain/v_loss_before"] == 1.0 and logged[0]["rollout/samples"] == 8  # the held-out 4 too
+    assert all("pretrain/v_loss_before" not in r for r in logged[1:])
+
+
 def _pretrain_records(out):
     return [r for r in read_jsonl(os.path.join(out, "metrics.jsonl")) if "pretrain/warmup_step" in r]
 
@@ -4248,9 +4451,9 @@ def test_critic_algorithms_warm_up_the_critic_by_default(tiny, tmp_path):
     first_step = next(i for i, r in enumerate(records) if r["step"] == 1)
     assert 2 <= len(warm) <= s3ac.WARMUP_MAX_BATCHES and max(warm) < first_step
     assert [records[i]["pretrain/warmup_step"] for i in warm] == list(range(1, len(warm) + 1))
-    losses = [records[i]["pretrain/v_loss"] for i in warm]
+    losses = [records[warm[0]]["pretrain/v_loss_before"]] + [records[i]["pretrain/v_loss"] for i in warm]
     assert len(warm) == s3ac.WARMUP_MAX_BATCHES or s3ac.warmup_plateaued(losses)  # it stopped by the rule
-    assert not any(s3ac.warmup_plateaued(losses[:j]) for j in range(1, len(losses)))  # and not before
+    assert not any(s3ac.warmup_plateaued(losses[:j]) for j in range(2, len(losses)))  # and not before
     assert records[warm[0]]["time/pretrain"] > 0
     proc = run_s3ac(*smoke_flags(path, out, "--steps", "2", "--critic-warmup-steps", "auto", "--resume"))
     resumed = read_jsonl(os.path.join(out, "metrics.jsonl"))  # a resume past step 0 warms up nothing again
@@ -4779,6 +4982,11 @@ def test_compare_only_runs_the_named_settings_and_tables_the_finished(tmp_path, 
     table = open(os.path.join(tmp_path, "table.md")).read()
     assert "| s3ac-k1 | 2 |" in table and "| reinforce_pp-k1 | 2 |" in table and "grpo" not in table
     assert "| s3ac-k1 - reinforce_pp-k1 | 2 | +0.100 ± 0.000 | +0.100, +0.100 |" in table
+    calls.clear()
+    compare.compare(argv + ["--only", "s3ac-k1,flash_reinforce-k1"])  # S3AC's are finished: FlashREINFORCE's run
+    assert calls == ["flash_reinforce-k1-seed0", "flash_reinforce-k1-seed1"]
+    table = open(os.path.join(tmp_path, "table.md")).read()
+    assert "| s3ac-k1 - flash_reinforce-k1 | 2 | +0.100 ± 0.000 | +0.100, +0.100 |" in table
     calls.clear()
     with pytest.raises(SystemExit):
         compare.compare(argv + ["--only", "s3ac,grpo-k4"])

@@ -3,13 +3,14 @@
     ./run.sh compare [--seeds 6] [--grpo-seeds 3] [--minutes 20]     # the CPU demo's model, task and critic
     python .ci/compare.py --help                                       # its own flags; the others go to every run
 
-S3AC K=1 (with --s3ac-flags, the demo's critic), REINFORCE++ K=1 and GRPO K=4 on a quarter of the prompts (equal
-samples per step). One run of s3ac.py per seed, one after another, seed s of every config before seed s + 1; each with
-the same --max-minutes, the same training data and the same held-out problems (--eval-data heldout is one fixed
-sample for every seed), and seed s of every config draws the same prompt order (S3AC's critic warm-up takes its first
-batches). Then one table (compare_table) with
-pass@1 at equal minutes, each run's best pass@1, the step it came at and its final minus best, and the paired
-differences by seed (paired_table): S3AC - REINFORCE++ and S3AC - GRPO, with their standard errors. Printed and
+S3AC K=1 (with --s3ac-flags, the demo's critic), REINFORCE++ K=1, FlashREINFORCE K=1 and GRPO K=4 on a quarter of
+the prompts (equal samples per step); --only s3ac-k1,flash_reinforce-k1 runs one pair. One run of s3ac.py per seed,
+one after another, seed s of every config before seed s + 1; each with the same --max-minutes, the same training
+data and the same held-out problems (--eval-data heldout is one fixed sample for every seed), and seed s of every
+config draws the same prompt order (S3AC's critic warm-up takes its first batches). Then one table (compare_table)
+with pass@1 at equal minutes, each run's best pass@1, the step it came at and its final minus best, its response
+length at the end and FlashREINFORCE's trust-region drop share, and the paired differences by seed (paired_table):
+S3AC less each other setting at equal minutes and at equal samples, with their standard errors. Printed and
 written to <out-dir>/table.md; the curves of every run (s3ac.plot_runs) to <out-dir>/compare.png.
 """
 
@@ -43,7 +44,9 @@ def run_summary(records: list, at_minutes: float) -> dict:
     the step that crosses the budget, so its final evaluation counts at it); the best pass@1 of those evaluations, the
     step it came at, and final minus best (0 for a curve that ends at its best); token EV and V(s_0) EV averaged over
     the second half of its steps; c over all steps; and efficiency 1 / ((1 - EV)(1 + c)) of those means, once with the
-    token EV and once with V(s_0) EV (as critic/efficiency). NaN where the run logged no such key (critic-free)."""
+    token EV and once with V(s_0) EV (as critic/efficiency); the mean response length of its last 5 steps by
+    at_minutes; the trust region's drop share over all steps (FlashREINFORCE). NaN where the run logged no such key
+    (critic-free, or no trust region)."""
     steps, evals = [r for r in records if "perf/step_s" in r], [r for r in records if r.get("eval/pass@1") is not None]
     half = steps[len(steps) // 2:]
     on_time = evaluations_by(records, at_minutes)
@@ -51,11 +54,13 @@ def run_summary(records: list, at_minutes: float) -> dict:
     token_ev = mean_se([r.get("critic/explained_var") for r in half])[0]
     v0_ev = mean_se([r.get("critic/adv_explained_var") for r in half])[0]
     c = mean_se([r.get("critic/compute_ratio") for r in steps])[0]
+    length = mean_se([r.get("rollout/response_len") for r in steps if r["minutes"] <= at_minutes][-5:])[0]
     return {"minutes": records[-1]["minutes"], "pass@1 at step 0": evals[0]["eval/pass@1"],
             "pass@1 at equal minutes": on_time[-1]["eval/pass@1"], "best pass@1": best["eval/pass@1"],
             "best at step": best["step"], "final - best": on_time[-1]["eval/pass@1"] - best["eval/pass@1"],
             "token EV": token_ev, "V(s_0) EV": v0_ev, "c": c, "efficiency, token EV": critic_efficiency(token_ev, c),
-            "efficiency, V(s_0) EV": critic_efficiency(v0_ev, c)}
+            "efficiency, V(s_0) EV": critic_efficiency(v0_ev, c), "response length at the end": length,
+            "trust-region drop": mean_se([r.get("actor/trust_region_drop") for r in steps])[0]}
 
 
 def evaluations_by(records: list, at_minutes: float) -> list:
@@ -65,6 +70,11 @@ def evaluations_by(records: list, at_minutes: float) -> list:
              for prev, r in zip([{"minutes": 0.0}] + records, records)]
     return [r for r, t in zip(records, begun)
             if r.get("eval/pass@1") is not None and (r["minutes"] <= at_minutes or t < at_minutes)]
+
+
+def pass_at_samples(records: list, samples: int) -> float:
+    """pass@1 of a run's last evaluation by `samples` generated rollouts (read_records' "samples", warm-up's too)."""
+    return [r for r in records if r.get("eval/pass@1") is not None and r["samples"] <= samples][-1]["eval/pass@1"]
 
 
 def equal_minutes(runs: dict) -> float:
@@ -93,23 +103,26 @@ def paired_table(runs: dict, first: str, others: list) -> str:
     """Markdown rows of paired differences by seed at equal_minutes(runs): for each name in others, first's pass@1
     minus that run's, over the seeds both have (seed i of one against seed i of the other), with the mean, its
     standard error and every seed's difference; the same for the mean of every evaluation from the middle of the
-    budget on (a smoother figure: several evaluations, the same problems)."""
+    budget on (a smoother figure: several evaluations, the same problems); and the difference at equal samples (the
+    fewest rollouts any run generated, pass_at_samples)."""
     at = equal_minutes(runs)
+    n = min(seed[-1]["samples"] for seeds in runs.values() for seed in seeds)
 
     def late_mean(records):  # the mean pass@1 of the evaluations that count at `at`, from at / 2 on
         late = [r["eval/pass@1"] for r in evaluations_by(records, at) if r["minutes"] >= at / 2]
         return sum(late) / len(late) if late else math.nan
 
-    lines = ["| difference | seeds | at equal minutes | per seed | mean of the evaluations from the middle on |",
-             "|---|---|---|---|---|"]
+    lines = ["| difference | seeds | at equal minutes | per seed | mean of the evaluations from the middle on | "
+             f"at equal samples ({n}) |", "|---|---|---|---|---|---|"]
     for other in others:
         pairs = list(zip(runs[first], runs[other]))
         diffs = [run_summary(a, at)["pass@1 at equal minutes"] - run_summary(b, at)["pass@1 at equal minutes"]
                  for a, b in pairs]
         late = [late_mean(a) - late_mean(b) for a, b in pairs]
         (m, se), (lm, lse) = mean_se(diffs), mean_se(late)
+        sm, sse = mean_se([pass_at_samples(a, n) - pass_at_samples(b, n) for a, b in pairs])
         lines.append(f"| {first} - {other} | {len(pairs)} | {m:+.3f} ± {se:.3f} | "
-                     f"{', '.join(f'{d:+.3f}' for d in diffs)} | {lm:+.3f} ± {lse:.3f} |")
+                     f"{', '.join(f'{d:+.3f}' for d in diffs)} | {lm:+.3f} ± {lse:.3f} | {sm:+.3f} ± {sse:.3f} |")
     return "\n".join(lines)
 
 
@@ -123,7 +136,7 @@ def compare(argv=None):
     parser = argparse.ArgumentParser(prog=".ci/compare.py", description=compare.__doc__.split("\n")[0],
                                      epilog="Other flags (python s3ac.py --help) go to every run.")
     for flag, default, text in (
-            ("--seeds", 6, "seeds of S3AC and REINFORCE++ (K = 1)"), ("--grpo-seeds", 3, "seeds of GRPO K = 4"),
+            ("--seeds", 6, "seeds of S3AC, REINFORCE++ and FlashREINFORCE (K = 1)"), ("--grpo-seeds", 3, "seeds of GRPO K = 4"),
             ("--first-seed", 0, "the first seed of every config: runs and tables cover seeds --first-seed .. --seeds "
                                 "- 1 (to go on where earlier runs' files are gone; their figures are then pooled by "
                                 "hand)"),
@@ -131,14 +144,15 @@ def compare(argv=None):
             ("--s3ac-flags", "", "flags of the S3AC run alone, one string (./run.sh passes the demo's critic)"),
             ("--eval-every", 20, "steps between evaluations of every run (and one at its end)"),
             ("--batch-prompts", 16, "prompts per step at K = 1; GRPO answers a quarter of them 4 times"),
-            ("--only", "", "run only these settings now, comma-separated (s3ac-k1, reinforce_pp-k1, grpo-k4; '' = "
-                           "all), to split a comparison over sessions; the tables cover every finished run"),
+            ("--only", "", "run only these settings now, comma-separated (s3ac-k1, reinforce_pp-k1, "
+                           "flash_reinforce-k1, grpo-k4; '' = all), to split a comparison over sessions; the tables cover every finished run"),
             ("--out-dir", "runs/compare", "one directory per run, table.md, compare.png")):
         parser.add_argument(flag, type=type(default), default=default, help=text)
     opts, rest = parser.parse_known_args(argv)
     b = opts.batch_prompts
     configs = {"s3ac-k1": (opts.seeds, ["--k", "1", "--batch-prompts", str(b), *shlex.split(opts.s3ac_flags)]),
                "reinforce_pp-k1": (opts.seeds, ["--algo", "reinforce_pp", "--k", "1", "--batch-prompts", str(b)]),
+               "flash_reinforce-k1": (opts.seeds, ["--algo", "flash_reinforce", "--k", "1", "--batch-prompts", str(b)]),
                "grpo-k4": (opts.grpo_seeds, ["--algo", "grpo", "--k", "4", "--batch-prompts", str(b // 4)])}
     only = [name for name in opts.only.split(",") if name] or list(configs)
     if set(only) - set(configs):
