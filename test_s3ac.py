@@ -10,6 +10,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anyw
 import collections
 import copy
 import dataclasses
+import functools
 import inspect
 import json
 import math
@@ -186,6 +187,58 @@ def test_checkpoint_generation_config_does_not_change_sampling(tiny, tmp_path):
                             greedy=True).response_ids[0].tolist() == greedy_reference(model, prompt, 8)
     own = raw.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
     assert own != greedy_reference(model, prompt, 8)  # the penalty really would change the tokens
+
+
+def test_generate_hf_progress_counts_prompts(tiny, capsys, monkeypatch):
+    """progress: a bar named so counts the prompts done, chunk by chunk (5 prompts in chunks of 2; a clock that
+    moves a second per reading shows every chunk), and clears itself at the end; no bar without it."""
+    import itertools
+    import tqdm.std
+    monkeypatch.setattr(tqdm.std, "time", functools.partial(next, itertools.count(0.0, 1.0)))
+    _, model, tok = tiny
+    prompts = [tok(f"{i}+1=")["input_ids"] for i in range(5)]
+    s3ac.generate_hf(model, prompts, list(range(5)), {10**6}, tok.pad_token_id, 2, 1.0, 2, greedy=True,
+                     progress="step 0 eval")
+    err = capsys.readouterr().err
+    seen = [int(re.search(r"step 0 eval: .*?(\d)/5 \[", part)[1]) for part in err.split("\r") if "/5 [" in part]
+    assert seen == [0, 2, 4, 5] and not err.split("\r")[-1].strip(), err
+    s3ac.generate_hf(model, prompts, list(range(5)), {10**6}, tok.pad_token_id, 2, 1.0, 2, greedy=True)
+    assert capsys.readouterr().err == ""
+
+
+def test_progress_bar_counts_training_minutes_on_a_fake_clock(monkeypatch):
+    """The training bar (Run.steps) on a fake clock, no terminal: under --max-minutes 20 its position is the
+    training minutes and its estimate the wall time left (here 1.5 wall minutes per training minute, evaluations in
+    them: after 4 minutes, 16 * 1.5 = 24 left), the steps done beside them, and after a break it ends where the run
+    stopped; under --steps alone it counts steps. progress_position caps the minutes at the budget."""
+    import io
+    import tqdm.std
+    assert s3ac.progress_position(5, 300.0, 10**6, 20.0) == (5.0, 20.0, "min")
+    assert s3ac.progress_position(50, 1300.0, 10**6, 20.0) == (20.0, 20.0, "min")
+    assert s3ac.progress_position(3, 999.0, 8, 0.0) == (3, 8, "step")
+    clock = [1000.0]
+    monkeypatch.setattr(tqdm.std, "time", lambda: clock[0])
+    seconds = lambda text: sum(int(x) * 60 ** i for i, x in enumerate(reversed(text.split(":"))))
+    line = re.compile(r"s3ac: .*\| (?P<n>[\d.]+)/(?P<total>\d+)(?: min)? \[(?P<elapsed>[\d:]+)<(?P<left>[\d:?]+)"
+                      r"(?:, (?:step (?P<step>\d+)|[^\]]*))?\]")
+    for max_minutes, steps, stop, total, per_step in [(20.0, 10**6, 12, 20, 1.0), (0.0, 8, None, 8, 1)]:
+        err = io.StringIO()
+        monkeypatch.setattr(sys, "stderr", err)
+        args = types.SimpleNamespace(steps=steps, max_minutes=max_minutes, algo="s3ac")
+        state = types.SimpleNamespace(step=0, train_s=0.0)
+        run = s3ac.Run(args, state, [], None, None, "m", "s", main=True, log=None, say=None, tracker=None, owned=[])
+        for step in run.steps():
+            state.step, state.train_s, clock[0] = step, state.train_s + 60.0, clock[0] + 90.0  # 60 s train, 30 eval
+            if step == stop:
+                break  # as --max-minutes breaks train()'s loop, before the bar hears of the step
+        shown = [m for m in map(line.search, err.getvalue().split("\r")) if m]
+        last = stop or steps
+        assert [float(m["n"]) for m in shown][1:] == [per_step * k for k in range(1, last + 1)] + [per_step * last]
+        for m in shown[1:]:
+            n = float(m["n"])
+            assert int(m["total"]) == total and seconds(m["elapsed"]) == 90 * n / per_step
+            assert abs(seconds(m["left"]) - 90 * (total - n) / per_step) <= 1  # tqdm's estimate: the time left
+            assert m["step"] == (str(int(n)) if max_minutes else None)
 
 
 def test_left_padding_generate_matches_unpadded(tiny):
