@@ -1046,13 +1046,13 @@ def critic_pretraining(args: Args, state: TrainState, reward_fn, log, say):
             say(f"coverage epoch {m['pretrain/epoch']} | held-out EV {m['pretrain/explained_var']:+.3f} "
                 f"v_loss {m['pretrain/v_loss']:.4f}")
     plateau, held_out_losses = args.critic_warmup_steps == "plateau", []
-    for i in range(WARMUP_MAX_BATCHES if plateau else args.critic_warmup_steps):
+    batches = WARMUP_MAX_BATCHES if plateau else args.critic_warmup_steps
+    for i in range(batches):
         m = mean_over_ranks(critic_warmup_step(args, state, reward_fn))  # its rollouts count toward the counts
         state.train_s += m["time/pretrain"]
         log({"step": 0, "pretrain/warmup_step": i + 1, **m})
-        say(f"critic warm-up batch {i + 1}/{f'at most {WARMUP_MAX_BATCHES}' if plateau else args.critic_warmup_steps}"
-            f" | held-out EV {m['pretrain/explained_var']:+.3f} v_loss "
-            f"{m['pretrain/v_loss']:.4f} (before its update)")
+        say(f"critic warm-up batch {i + 1} of {'at most ' if plateau else ''}{batches} | held-out EV "
+            f"{m['pretrain/explained_var']:+.3f} v_loss {m['pretrain/v_loss']:.4f} (before its update)")
         held_out_losses.append(m["pretrain/v_loss"])  # the same on every rank (a mean over ranks)
         if plateau and warmup_plateaued(held_out_losses):
             say(f"critic warm-up: the fit stopped improving after {i + 1} batches")
@@ -2668,20 +2668,15 @@ class Run:
         from tqdm import tqdm
         a, s = self.args, self.state
         n, total, unit = progress_position(s.step, s.train_s, a.steps, a.max_minutes)
-        bar = tqdm(initial=n, total=total, unit=unit, desc=a.algo, file=sys.stderr, disable=not self.main,
-                   bar_format="{l_bar}{bar}| {n:.1f}/{total:g} min [{elapsed}<{remaining}{postfix}]" if unit == "min"
-                   else None)
-
-        def move():  # the bar to where the run is: after each step, and after train() breaks its loop
-            bar.set_postfix_str(f"step {s.step}" if unit == "min" else "", refresh=False)
-            bar.update(progress_position(s.step, s.train_s, a.steps, a.max_minutes)[0] - bar.n)
-        try:
+        with tqdm(initial=n, total=total, unit=unit, desc=a.algo, file=sys.stderr, disable=not self.main,
+                  bar_format="{l_bar}{bar}| {n:.1f}/{total:g} min [{elapsed}<{remaining}{postfix}]" if unit == "min"
+                  else None) as bar:
             for step in range(s.step + 1, a.steps + 1):
-                yield step  # train() runs the step
-                move()
-        finally:
-            move()
-            bar.close()
+                try:
+                    yield step  # train() runs the step, and may break its loop after it
+                finally:  # either way the bar moves to where the run is
+                    bar.set_postfix_str(f"step {s.step}" if unit == "min" else "", refresh=False)
+                    bar.update(progress_position(s.step, s.train_s, a.steps, a.max_minutes)[0] - bar.n)
 
     def __enter__(self):
         return self
