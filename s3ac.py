@@ -3407,8 +3407,8 @@ def run_evaluation(args: Args, state: TrainState, eval_sets: list, reward_fn, sa
     first --headroom-prompts problems of the first source, drawn with their own seed (with HF generate, the run's
     own draws are those it makes without them). Returns the eval/* metrics (and that one)."""
     t0 = time.time()
-    generate = functools.partial(generate_responses, args, state, max_new_tokens=args.eval_max_new_tokens,
-                                 progress=f"step {state.step} eval" if state.rank == 0 else None)  # prompts done
+    bar = f"step {state.step} eval" if state.rank == 0 else None  # the name of a progress bar of the prompts done
+    generate = functools.partial(generate_responses, args, state, max_new_tokens=args.eval_max_new_tokens, progress=bar)
     m, samples = evaluate_sources(generate, state.tokenizer, eval_sets, reward_fn, args.eval_k, state.rank,
                                   state.world)
     _, problems, prompts = eval_sets[0]
@@ -3416,7 +3416,8 @@ def run_evaluation(args: Args, state: TrainState, eval_sets: list, reward_fn, sa
     if args.k == 1 and index:  # readiness/headroom of sampled answers (at K >= 2 train_step reads its own groups)
         with torch.random.fork_rng(devices=[state.device] if state.device.type == "cuda" else []):
             torch.manual_seed(args.seed * 1_000_003 + 1_009 * state.step + state.rank)  # training's draws untouched
-            batch = generate([prompts[i] for i in index], index, greedy=False)  # every rank the same prompts
+            batch = generate([prompts[i] for i in index], index, greedy=False,  # every rank the same prompts
+                             progress=bar and f"{bar}: headroom")
         texts = state.tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
         rewards, _ = call_reward(reward_fn, [problems[i].answer for i in index], texts, batch.truncated.tolist())
         m.update(headroom(rewards, batch.prompt_index, args.alpha_headroom)[1])

@@ -16,7 +16,6 @@ the mean and band of each method over its seeds, so it is drawn here.
 
 import argparse
 import json
-import math
 import os
 import re
 import sys
@@ -99,13 +98,6 @@ def write_runs(runs: dict, folder: str) -> list:
     return dirs
 
 
-def mean_se(values: list) -> tuple:
-    """(mean, standard error: sample std / sqrt(n)) of values; se 0 for one value."""
-    mean = sum(values) / len(values)
-    n = len(values)
-    return mean, math.sqrt(sum((x - mean) ** 2 for x in values) / (n - 1) / n) if n > 1 else 0.0
-
-
 def band_figure(run_dirs: list, points: int = 81):
     """A two-panel matplotlib figure of runs grouped by name (<method>-seed<s>): left, greedy pass@1 against
     training minutes (s3ac.read_records), each run's evaluations joined linearly, on a grid from 0 to the earliest
@@ -134,7 +126,7 @@ def band_figure(run_dirs: list, points: int = 81):
                 if half:
                     evs.append(sum(half) / len(half))
             if evs:
-                m, e = mean_se(evs)
+                m, e = np.mean(evs), np.std(evs, ddof=1) / np.sqrt(len(evs)) if len(evs) > 1 else 0.0
                 right.scatter(np.full(len(evs), j) + np.linspace(-0.15, 0.15, len(evs)), evs, s=12, color=colour,
                               alpha=0.6)
                 right.errorbar([j + 0.3], [m], yerr=[e], fmt="o", color="black", capsize=3)
