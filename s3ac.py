@@ -1138,15 +1138,17 @@ def critic_pretraining(args: Args, state: TrainState, reward_fn, log, say):
     first = mean_over_ranks({"rollout/samples": held_out[4]["rollout/samples"],
                              **{f"{k}_before": v for k, v in held_out_fit(args, state, held_out).items()}})
     held_out_losses, spent = [first["pretrain/v_loss_before"]], time.time() - t0  # the same on every rank
-    for i in range(WARMUP_MAX_BATCHES if plateau else args.critic_warmup_steps):
+    batches = WARMUP_MAX_BATCHES if plateau else args.critic_warmup_steps
+    for i in range(batches):
         m = mean_over_ranks(critic_warmup_step(args, state, reward_fn, held_out))  # its rollouts count in state
         if i == 0:  # the held-out batch's samples and time count in the first record
             m = {**m, **first, "rollout/samples": m["rollout/samples"] + first["rollout/samples"],
                  "time/pretrain": m["time/pretrain"] + spent}
         state.train_s += m["time/pretrain"]
         log({"step": 0, "pretrain/warmup_step": i + 1, **m})
-        say(f"critic warm-up {i + 1} | held-out EV {m['pretrain/explained_var']:+.3f} v_loss "
-            f"{m['pretrain/v_loss']:.4f} (the fixed held-out rollouts, after its update)")
+        say(f"critic warm-up batch {i + 1} of {'at most ' if plateau else ''}{batches} | held-out EV "
+            f"{m['pretrain/explained_var']:+.3f} v_loss {m['pretrain/v_loss']:.4f} (the fixed held-out rollouts, "
+            f"after its update)")
         held_out_losses.append(m["pretrain/v_loss"])
         if plateau and warmup_plateaued(held_out_losses):
             say(f"critic warm-up: the fit stopped improving after {i + 1} batches")
@@ -1705,7 +1707,7 @@ def neutral_generation_config(model):
 @torch.no_grad()
 def generate_hf(model, prompts: list, prompt_index: list, eos_ids, pad_id: int, max_new_tokens: int,
                 temperature: float, batch_size: int, greedy: bool = False, top_p: float = 1.0, top_k: int = 0,
-                record_block: int = None) -> Batch:
+                record_block: int = None, progress: str = None) -> Batch:
     """Sample one response per prompt (token-id lists; repeat one K times for K rollouts) with transformers'
     generate: left padding, stop on any eos id, plain temperature sampling (over the full vocabulary unless top_p < 1
     or top_k > 0) or greedy; the model's generation_config is neutralised for the call (neutral_generation_config), so
@@ -1714,7 +1716,9 @@ def generate_hf(model, prompts: list, prompt_index: list, eos_ids, pad_id: int, 
     renormalised over what top-k / top-p keep, the distribution it was drawn from. Under torchrun every rank passes
     the same number of prompts. record_block = L - k also keeps what the partial-trunk critic reads, the hidden
     states after block L - k, from generation's own forward passes, in Batch.features [B, P + T, H] fp32 (trunk_features
-    up to float rounding; 0 on padding and at each row's last token, which the critic never reads)."""
+    up to float rounding; 0 on padding and at each row's last token, which the critic never reads). progress: a
+    tqdm bar of that name counts the prompts done (None: no bar)."""
+    from tqdm import tqdm
     from transformers import GenerationConfig, LogitsProcessorList
     from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
     # the sampling distribution mu is built here, not by generate, so that the last processor sees exactly it; every
@@ -1723,6 +1727,7 @@ def generate_hf(model, prompts: list, prompt_index: list, eos_ids, pad_id: int, 
                               max_new_tokens=max_new_tokens, eos_token_id=sorted(eos_ids), pad_token_id=pad_id)
     device = next(model.parameters()).device
     responses, features, sampler_logprobs = [], [], []
+    bar = tqdm(total=len(prompts), desc=progress, unit="prompt", leave=False, file=sys.stderr, disable=not progress)
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start: start + batch_size]
         ids, attn = (x.to(device) for x in _pad_prompts(chunk, pad_id))  # [b, p] each
@@ -1740,6 +1745,8 @@ def generate_hf(model, prompts: list, prompt_index: list, eos_ids, pad_id: int, 
         if record_block is not None:  # the inputs of out[:, :-1] (synced_gpus may add calls after the end)
             fed = torch.cat(calls, 1)[:, :out.shape[1] - 1]  # [b, p + t - 1, H]
             features.append((torch.nn.functional.pad(fed, (0, 0, 0, 1)), ids.shape[1]))  # [b, p + t, H], p
+        bar.update(len(chunk))
+    bar.close()
     response_ids = _pad(responses, pad_id, left=False)  # [B, T]
     response_mask, truncated = response_mask_from_ids(response_ids, eos_ids)
     response_ids = torch.where(response_mask.bool(), response_ids, pad_id)  # clean tail after the stop
@@ -1758,18 +1765,20 @@ def generate_hf(model, prompts: list, prompt_index: list, eos_ids, pad_id: int, 
 
 
 def generate_responses(args: Args, state: TrainState, prompts: list, index: list, max_new_tokens: int,
-                       greedy: bool = False, record: bool = False) -> Batch:
+                       greedy: bool = False, record: bool = False, progress: str = None) -> Batch:
     """The current policy's responses (a Batch) to token-id prompts of problems `index`, at most max_new_tokens
     tokens each, from vLLM (weights synced first when stale) or Hugging Face generate. record: with HF generate and
-    a partial-trunk critic, keep the critic's input features in Batch.features (generate_hf's record_block)."""
+    a partial-trunk critic, keep the critic's input features in Batch.features (generate_hf's record_block);
+    progress: a progress bar's name."""
     if state.engine is not None:
         return state.engine.generate(prompts, index, state.eos_ids, state.pad_id, max_new_tokens, args.temperature,
-                                     greedy, args.top_p, args.top_k, policy=state.policy if args.vllm_sync else None)
+                                     greedy, args.top_p, args.top_k, policy=state.policy if args.vllm_sync else None,
+                                     progress=progress)
     block = state.critic.block if record and state.critic is not None else None  # None for k = 0 too
     state.policy.lm.eval()
     with gathered(state.policy), autocast(state.device, compute_dtype(args.dtype, state.device)):
         return generate_hf(state.policy.lm, prompts, index, state.eos_ids, state.pad_id, max_new_tokens,
-                           args.temperature, args.gen_batch_size, greedy, args.top_p, args.top_k, block)
+                           args.temperature, args.gen_batch_size, greedy, args.top_p, args.top_k, block, progress)
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -2804,10 +2813,20 @@ class Run:
     record: dict = None  # the flags and data identity each checkpoint records (run_record)
 
     def steps(self):
-        """The training steps still to run, under one tqdm bar on rank 0."""
+        """The training steps still to run, under one tqdm bar on rank 0 at progress_position: training minutes
+        under --max-minutes (so its estimate is the time left; the steps done beside them), else steps."""
         from tqdm import tqdm
-        return tqdm(range(self.state.step + 1, self.args.steps + 1), initial=self.state.step, total=self.args.steps,
-                    desc=self.args.algo, file=sys.stderr, disable=not self.main)
+        a, s = self.args, self.state
+        n, total, unit = progress_position(s.step, s.train_s, a.steps, a.max_minutes)
+        with tqdm(initial=n, total=total, unit=unit, desc=a.algo, file=sys.stderr, disable=not self.main,
+                  bar_format="{l_bar}{bar}| {n:.1f}/{total:g} min [{elapsed}<{remaining}{postfix}]" if unit == "min"
+                  else None) as bar:
+            for step in range(s.step + 1, a.steps + 1):
+                try:
+                    yield step  # train() runs the step, and may break its loop after it
+                finally:  # either way the bar moves to where the run is
+                    bar.set_postfix_str(f"step {s.step}" if unit == "min" else "", refresh=False)
+                    bar.update(progress_position(s.step, s.train_s, a.steps, a.max_minutes)[0] - bar.n)
 
     def __enter__(self):
         return self
@@ -2816,8 +2835,10 @@ class Run:
         for fn in self.owned:
             fn.close()
         self.tracker.close()
-        if self.args.plot and self.main and error is None:
-            plot_runs([self.args.out_dir], os.path.join(self.args.out_dir, "curves.png"))
+        if self.main and error is None:
+            curves = (plot_runs([self.args.out_dir], os.path.join(self.args.out_dir, "curves.png")) if self.args.plot
+                      else f"python s3ac.py plot {self.args.out_dir}")
+            print(f"metrics: {self.metrics_path}\nsamples: {self.samples_path}\ncurves: {curves}", file=sys.stderr)
 
 
 def setup_run(args: Args, reward_fn=None, eval_reward_fn=None) -> Run:
@@ -2906,6 +2927,12 @@ def setup_run(args: Args, reward_fn=None, eval_reward_fn=None) -> Run:
                log=functools.partial(log_metrics, metrics_path, tracker=tracker) if main else (lambda record: None),
                say=tqdm.write if main else (lambda *a, **k: None), tracker=tracker, owned=owned,
                record=run_record(args, train_problems))
+
+
+def progress_position(step: int, train_s: float, steps: int, max_minutes: float) -> tuple:
+    """The training bar's (position, total, unit): under --max-minutes the training minutes so far (train_s / 60:
+    evaluations left out, warm-up counted, the budget's own clock), at most max_minutes; else the steps done."""
+    return (min(train_s / 60, max_minutes), max_minutes, "min") if max_minutes > 0 else (step, steps, "step")
 
 
 def step_line(metrics: dict, has_critic: bool) -> str:
@@ -3308,12 +3335,12 @@ class VLLMRollout:
 
     def generate(self, prompts: list, prompt_index: list, eos_ids, pad_id: int, max_new_tokens: int,
                  temperature: float, greedy: bool = False, top_p: float = 1.0, top_k: int = 0,
-                 policy: nn.Module = None) -> Batch:
-        """As generate_hf, plus Batch.sampler_logprobs [B, T]. policy: when given and the engine is stale (an
-        actor update since the last sync), its weights are copied in first (sync). Each sampled request has its own
-        seed, drawn from torch's RNG (which a checkpoint saves, as for generate_hf), so a resumed run samples what an
-        uninterrupted one does. Raises ValueError when a sample's log-probs do not pair with its token ids
-        (engine_logprobs)."""
+                 policy: nn.Module = None, progress: str = None) -> Batch:
+        """As generate_hf (progress: vLLM's own bar), plus Batch.sampler_logprobs [B, T]. policy: when given and the
+        engine is stale (an actor update since the last sync), its weights are copied in first (sync). Each sampled
+        request has its own seed, drawn from torch's RNG (which a checkpoint saves, as for generate_hf), so a resumed
+        run samples what an uninterrupted one does. Raises ValueError when a sample's log-probs do not pair with its
+        token ids (engine_logprobs)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         if self.stale and policy is not None:
@@ -3326,7 +3353,8 @@ class VLLMRollout:
                                  top_k=0 if greedy else top_k, max_tokens=max_new_tokens, seed=seed,
                                  stop_token_ids=sorted(eos_ids), logprobs=None if greedy else 0, detokenize=False)
                   for seed in seeds]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                                    use_tqdm=bool(progress))
         self.sleep()
         samples = [o.outputs[0] for o in outputs]
         response_ids = _pad([list(c.token_ids) for c in samples], pad_id, left=False)  # [B, T]
@@ -3717,7 +3745,8 @@ def run_evaluation(args: Args, state: TrainState, eval_sets: list, reward_fn, sa
     first --headroom-prompts problems of the first source, drawn with their own seed (with HF generate, the run's
     own draws are those it makes without them). Returns the eval/* metrics (and that one)."""
     t0 = time.time()
-    generate = functools.partial(generate_responses, args, state, max_new_tokens=args.eval_max_new_tokens)
+    bar = f"step {state.step} eval" if state.rank == 0 else None  # the name of a progress bar of the prompts done
+    generate = functools.partial(generate_responses, args, state, max_new_tokens=args.eval_max_new_tokens, progress=bar)
     m, samples = evaluate_sources(generate, state.tokenizer, eval_sets, reward_fn, args.eval_k, state.rank,
                                   state.world)
     _, problems, prompts = eval_sets[0]
@@ -3725,7 +3754,8 @@ def run_evaluation(args: Args, state: TrainState, eval_sets: list, reward_fn, sa
     if args.k == 1 and index:  # readiness/headroom of sampled answers (at K >= 2 train_step reads its own groups)
         with torch.random.fork_rng(devices=[state.device] if state.device.type == "cuda" else []):
             torch.manual_seed(args.seed * 1_000_003 + 1_009 * state.step + state.rank)  # training's draws untouched
-            batch = generate([prompts[i] for i in index], index, greedy=False)  # every rank the same prompts
+            batch = generate([prompts[i] for i in index], index, greedy=False,  # every rank the same prompts
+                             progress=bar and f"{bar}: headroom")
         texts = state.tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
         rewards, _ = call_reward(reward_fn, [problems[i].answer for i in index], texts, batch.truncated.tolist())
         m.update(headroom(rewards, batch.prompt_index, args.alpha_headroom)[1])

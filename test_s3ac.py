@@ -10,6 +10,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anyw
 import collections
 import copy
 import dataclasses
+import functools
 import inspect
 import json
 import math
@@ -186,6 +187,58 @@ def test_checkpoint_generation_config_does_not_change_sampling(tiny, tmp_path):
                             greedy=True).response_ids[0].tolist() == greedy_reference(model, prompt, 8)
     own = raw.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
     assert own != greedy_reference(model, prompt, 8)  # the penalty really would change the tokens
+
+
+def test_generate_hf_progress_counts_prompts(tiny, capsys, monkeypatch):
+    """progress: a bar named so counts the prompts done, chunk by chunk (5 prompts in chunks of 2; a clock that
+    moves a second per reading shows every chunk), and clears itself at the end; no bar without it."""
+    import itertools
+    import tqdm.std
+    monkeypatch.setattr(tqdm.std, "time", functools.partial(next, itertools.count(0.0, 1.0)))
+    _, model, tok = tiny
+    prompts = [tok(f"{i}+1=")["input_ids"] for i in range(5)]
+    s3ac.generate_hf(model, prompts, list(range(5)), {10**6}, tok.pad_token_id, 2, 1.0, 2, greedy=True,
+                     progress="step 0 eval")
+    err = capsys.readouterr().err
+    seen = [int(re.search(r"step 0 eval: .*?(\d)/5 \[", part)[1]) for part in err.split("\r") if "/5 [" in part]
+    assert seen == [0, 2, 4, 5] and not err.split("\r")[-1].strip(), err
+    s3ac.generate_hf(model, prompts, list(range(5)), {10**6}, tok.pad_token_id, 2, 1.0, 2, greedy=True)
+    assert capsys.readouterr().err == ""
+
+
+def test_progress_bar_counts_training_minutes_on_a_fake_clock(monkeypatch):
+    """The training bar (Run.steps) on a fake clock, no terminal: under --max-minutes 20 its position is the
+    training minutes and its estimate the wall time left (here 1.5 wall minutes per training minute, evaluations in
+    them: after 4 minutes, 16 * 1.5 = 24 left), the steps done beside them, and after a break it ends where the run
+    stopped; under --steps alone it counts steps. progress_position caps the minutes at the budget."""
+    import io
+    import tqdm.std
+    assert s3ac.progress_position(5, 300.0, 10**6, 20.0) == (5.0, 20.0, "min")
+    assert s3ac.progress_position(50, 1300.0, 10**6, 20.0) == (20.0, 20.0, "min")
+    assert s3ac.progress_position(3, 999.0, 8, 0.0) == (3, 8, "step")
+    clock = [1000.0]
+    monkeypatch.setattr(tqdm.std, "time", lambda: clock[0])
+    seconds = lambda text: sum(int(x) * 60 ** i for i, x in enumerate(reversed(text.split(":"))))
+    line = re.compile(r"s3ac: .*\| (?P<n>[\d.]+)/(?P<total>\d+)(?: min)? \[(?P<elapsed>[\d:]+)<(?P<left>[\d:?]+)"
+                      r"(?:, (?:step (?P<step>\d+)|[^\]]*))?\]")
+    for max_minutes, steps, stop, total, per_step in [(20.0, 10**6, 12, 20, 1.0), (0.0, 8, None, 8, 1)]:
+        err = io.StringIO()
+        monkeypatch.setattr(sys, "stderr", err)
+        args = types.SimpleNamespace(steps=steps, max_minutes=max_minutes, algo="s3ac")
+        state = types.SimpleNamespace(step=0, train_s=0.0)
+        run = s3ac.Run(args, state, [], None, None, "m", "s", main=True, log=None, say=None, tracker=None, owned=[])
+        for step in run.steps():
+            state.step, state.train_s, clock[0] = step, state.train_s + 60.0, clock[0] + 90.0  # 60 s train, 30 eval
+            if step == stop:
+                break  # as --max-minutes breaks train()'s loop, before the bar hears of the step
+        shown = [m for m in map(line.search, err.getvalue().split("\r")) if m]
+        last = stop or steps
+        assert [float(m["n"]) for m in shown][1:] == [per_step * k for k in range(1, last + 1)] + [per_step * last]
+        for m in shown[1:]:
+            n = float(m["n"])
+            assert int(m["total"]) == total and seconds(m["elapsed"]) == 90 * n / per_step
+            assert abs(seconds(m["left"]) - 90 * (total - n) / per_step) <= 1  # tqdm's estimate: the time left
+            assert m["step"] == (str(int(n)) if max_minutes else None)
 
 
 def test_left_padding_generate_matches_unpadded(tiny):
@@ -1850,6 +1903,149 @@ def test_readme_reward_example_trains_two_steps(tiny, tmp_path):
                         [x["truncated"] for x in samples])
     assert [x["reward"] for x in samples] == want and [x["status"] for x in samples] == statuses
     assert records[0]["eval/reward"] == pytest.approx(sum(want) / len(want))
+
+
+README_FIGURE = re.compile(r"!\[[^\]]*\]\((?P<png>[^)]+\.png)\)\n\n```bash\n(?P<command>[^\n#]*?)\s*(?:#[^\n]*)?\n```")
+TINY_TABLES = """
+| seed | warm-up batches (s) | steps | token EV | V(s_0) EV | s / step |
+|---|---|---|---|---|---|
+| 0 | 3 (30) | 60 | 0.400 | 0.200 | 1.5 |
+| 1 | 2 (30) | 60 | 0.200 | 0.100 | 1.5 |
+
+| run | seed | steps | pass@1 at step 0 | 30 | 60 | end (step) | best (step) | final - best |
+|---|---|---|---|---|---|---|---|---|
+| S3AC K=1 | 0 | 60 | 0.200 | 0.400 | - | 0.500 (60) | 0.500 (60) | +0.000 |
+| S3AC K=1 | 1 | 60 | 0.200 | 0.600 | - | 0.700 (60) | 0.700 (60) | +0.000 |
+| REINFORCE++ K=1 | 0 | 60 | 0.200 | 0.300 | - | 0.300 (60) | 0.300 (30) | +0.000 |
+| REINFORCE++ K=1 | 1 | 60 | 0.200 | 0.500 | - | 0.100 (60) | 0.500 (30) | -0.400 |
+| GRPO K=4 | 0 | 60 | 0.200 | 0.900 | - | 0.900 (60) | 0.900 (60) | +0.000 |
+"""
+
+
+def test_readme_figure_is_in_the_repository_and_its_command_draws_it(tmp_path):
+    """The README's picture exists in the checkout, and the command in the code block beside it draws a picture of
+    the same size from the measured tables of .ci/README.md, whose S3AC seed 0 keeps its figures."""
+    import struct
+    with open(os.path.join(HERE, "README.md")) as f:
+        figure = README_FIGURE.search(f.read())
+    assert figure, "README.md: no ![...](....png) followed by the ```bash block that draws it"
+    size = lambda path: struct.unpack(">II", open(path, "rb").read()[16:24])  # the PNG's IHDR width and height
+    committed = os.path.join(HERE, figure["png"])
+    assert os.path.isfile(committed) and open(committed, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    command = shlex.split(figure["command"])
+    assert command[0] == "python" and command[1].startswith(".ci/"), command
+    out = str(tmp_path / "figure.png")
+    proc = subprocess.run([sys.executable, *command[1:], "-o", out], capture_output=True, text=True, cwd=HERE,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == out, proc.stderr[-3000:]
+    assert size(out) == size(committed)
+    figure_py = load_ci("figure")
+    runs = figure_py.table_runs(open(os.path.join(HERE, ".ci", "README.md")).read(), 20.0)
+    assert sorted(runs) == sorted(f"{m}-seed{s}" for m in ("s3ac-k1", "reinforce_pp-k1") for s in range(21))
+    seed0 = runs["s3ac-k1-seed0"]
+    assert [(r["step"], r["eval/pass@1"]) for r in seed0 if "eval/pass@1" in r] == \
+        [(0, 0.265), (30, 0.323), (60, 0.333), (90, 0.492), (100, 0.49)]
+    assert seed0[1]["time/pretrain"] == 30.0 and seed0[-1]["perf/step_s"] == 11.7
+
+
+def test_figure_mean_and_band_from_tiny_tables_and_run_files(tmp_path):
+    """.ci/figure.py on two tiny tables (two seeds of each method; GRPO left out) and on the same runs as run
+    folders (compare's names): minutes from s3ac.read_records (S3AC: 30 s of warm-up, then 1.5 s a step;
+    REINFORCE++: 60 steps over --minutes 2), pass@1 joined linearly, mean and one standard error, worked by hand;
+    the EV panel's mean over seeds of each run's second-half mean."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+    figure_py = load_ci("figure")
+    runs = figure_py.table_runs(TINY_TABLES, 2.0)
+    assert sorted(runs) == ["reinforce_pp-k1-seed0", "reinforce_pp-k1-seed1", "s3ac-k1-seed0", "s3ac-k1-seed1"]
+    # at minute 1: S3AC's step 30 came at (30 + 45) / 60 = 1.25 min, so 0.2 + 0.8 * (0.4 - 0.2) and 0.2 + 0.8 * 0.4;
+    # REINFORCE++'s at 30 * 2 s = 1 min. At minute 2 every run's step 60.
+    want = {"S3AC K=1 (critic), 2 seeds": {1.0: ((0.36 + 0.52) / 2, 0.08), 2.0: (0.6, 0.1)},
+            "REINFORCE++ K=1 (critic-free), 2 seeds": {1.0: (0.4, 0.1), 2.0: (0.2, 0.1)}}
+    dirs = figure_py.write_runs(runs, str(tmp_path / "tables"))
+    write_run(str(tmp_path / "compare" / "s3ac-k1-seed0"), {0: 0.2, 30: 0.4, 60: 0.5}, [{}] * 60, pretrain_s=30.0)
+    for folders in (dirs, None):
+        if folders is None:  # the same S3AC seed 0 as compare wrote it: 60 s steps, 30 s of warm-up
+            folders = [str(tmp_path / "compare" / "s3ac-k1-seed0")]
+            want = {"S3AC K=1 (critic), 1 seeds": {0.0: (0.2, 0.0), 60.5: (0.5, 0.0)}}  # ends at 60.5 minutes
+        fig = figure_py.band_figure(folders)
+        left, right = fig.axes
+        lines = {line.get_label(): line for line in left.get_lines()}
+        assert set(lines) == set(want)
+        for label, points in want.items():
+            x, y = lines[label].get_data()
+            assert x[-1] == max(points)  # the grid ends at the last evaluation
+            band = next(c for c in left.collections if tuple(c.get_facecolor()[0][:3]) ==
+                        tuple(plt.matplotlib.colors.to_rgb(lines[label].get_color())))
+            top = band.get_paths()[0].vertices
+            for minute, (mean, se) in points.items():
+                assert np.interp(minute, x, y) == pytest.approx(mean, abs=1e-9), (label, minute)
+                upper = max(v[1] for v in top if abs(v[0] - minute) < 1e-9)
+                assert upper == pytest.approx(mean + se, abs=1e-9), (label, minute)
+        plt.close(fig)
+    fig = figure_py.band_figure(dirs)
+    means = sorted((tuple(line.get_xdata()), tuple(line.get_ydata())) for line in fig.axes[1].get_lines()
+                   if line.get_marker() == "o")  # the means; the caps are mean ± se
+    assert means == [((0.3,), pytest.approx((0.3,))), ((1.3,), pytest.approx((0.15,)))]
+    plt.close(fig)
+
+
+README_RUN_SH_SCRIPTS = {"compare": "compare.py", "readiness": "readiness.py", "mechanisms": "mechanisms.py",
+                         "gpu-check": "gpu_check.py"}
+
+
+def test_every_readme_command_parses():
+    """Every `python s3ac.py ...`, `torchrun ... s3ac.py ...`, `./run.sh ...` and `python .ci/X.py ...` line of the
+    README's ```bash blocks names only flags its entry point knows: training flags go through s3ac.parse_args (no
+    training), a subcommand's or a .ci script's flags must appear in its --help (those that pass the rest on to
+    s3ac.py also take Args' flags). The test command stays the one .ci/run runs."""
+    with open(os.path.join(HERE, "README.md")) as f:
+        blocks = re.findall(r"```bash\n(.*?)```", f.read(), re.DOTALL)
+    args_flags = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(s3ac.Args)}
+    helps = {}
+
+    def known(*entry):  # the flags an entry point's --help names
+        if entry not in helps:
+            proc = subprocess.run([sys.executable, *entry, "--help"], capture_output=True, text=True, cwd=HERE,
+                                  timeout=300)
+            assert proc.returncode == 0, (entry, proc.stderr[-2000:])
+            helps[entry] = set(re.findall(r"(?<![\w-])(--?[A-Za-z][\w-]*)", proc.stdout))
+        return helps[entry]
+
+    checked = []
+    for line in (line for block in blocks for line in block.splitlines()):
+        words = shlex.split(line, comments=True)
+        while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
+            words = words[1:]  # HF_HUB_OFFLINE=1 ...
+        if "s3ac.py" in words[:3] and words[0] in ("python", "torchrun"):
+            entry, rest = ["s3ac.py"], words[words.index("s3ac.py") + 1:]
+            if rest[:1] in (["plot"], ["readiness"]):
+                entry, rest = ["s3ac.py", rest[0]], rest[1:]
+        elif words[:1] == ["./run.sh"]:
+            entry, rest = ["s3ac.py"], words[1:]
+            if rest[:1] == ["test"]:
+                checked.append(line)
+                continue  # pytest's arguments
+            if rest[:1] and rest[0] in README_RUN_SH_SCRIPTS:
+                entry, rest = [os.path.join(".ci", README_RUN_SH_SCRIPTS[rest[0]])], rest[1:]
+        elif words[:1] == ["python"] and words[1:2] and words[1].startswith(".ci/"):
+            entry, rest = [words[1]], words[2:]
+        else:
+            continue  # not one of ours (pip, hf download, python -c)
+        if entry == ["s3ac.py"]:
+            try:
+                s3ac.parse_args(rest)
+            except SystemExit:
+                pytest.fail(f"README.md: {line!r} does not parse")
+        else:
+            flags = {w.split("=")[0] for w in rest if w.startswith("-")}
+            extra = set() if entry[-1] in ("plot", ".ci/gpu_check.py", ".ci/figure.py") else args_flags
+            assert flags <= known(*entry) | extra, (line, flags - known(*entry) - extra)
+        checked.append(line)
+    assert len(checked) >= 10, checked
+    assert any(line.split("#")[0].split() == ["./run.sh", "test"] for line in checked)
+    with open(os.path.join(HERE, ".ci", "run")) as f:
+        assert "exec ./run.sh test\n" in f.read()
 
 
 def test_reward_fn_flag_errors_are_one_line(tmp_path):

@@ -664,14 +664,14 @@ def train_check(argv) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     row = {"check": "train", "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
     if importlib.util.find_spec("math_verify") is None:  # the verifier would score every answer as an error
-        print(json.dumps({**row, "ok": False, "error": "math_verify is not importable (see README: .whl/)"}))
+        print(json.dumps({**row, "ok": False, "error": "math_verify is not importable (see .ci/README.md: .whl/)"}))
         return 1
     first, last, daps_start = 3, 5, 1  # steps 1-3, a checkpoint, then --resume for steps 4-5; DAPS from step 2
     shape = dict(hidden=32, layers=2, heads=4) if opts.tiny else dict(hidden=256, layers=4, heads=4)
     prompts, k = (4, 2) if opts.tiny else (16, 2)
     size = ["--batch-prompts", str(prompts), "--k", str(k)] + (
-        ["--max-new-tokens", "8", "--micro-batch-size", "4", "--eval-size", "4", "--threads", "1"] if opts.tiny else
-        ["--max-new-tokens", "64", "--micro-batch-size", "8", "--eval-size", "8"])
+        ["--max-new-tokens", "8", "--micro-batch-tokens", "96", "--eval-size", "4", "--threads", "1"] if opts.tiny else
+        ["--max-new-tokens", "64", "--micro-batch-tokens", "1024", "--eval-size", "8"])
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if opts.tiny:
         env["OMP_NUM_THREADS"] = "1"
