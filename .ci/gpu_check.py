@@ -20,7 +20,10 @@ time is reported and the next one runs:
                 a Qwen2.5-1.5B-shaped random model in bf16 autocast (--tiny: a tiny one); seconds per phase,
                 S3AC's extra wall time over GRPO, peak GPU memory; tokens/s, TFLOP/s and share of the bf16 peak of
                 the actor and critic updates; the actor update with AdamW(fused=True) against the default
-    4. train    python s3ac.py for a few steps on a small random model (PACT critic sync, BCE critic, DAPS), then
+    4. memory   python .ci/gpu_check.py memory-check: the paper setting's default flags on the 1.5B shape (random
+                weights): the memory plan, then log pi_old, values and the first actor and critic updates on a
+                paper-shaped batch of 64 rows, each phase's measured peak beside the plan's estimate, perf/padding
+    5. train    python s3ac.py for a few steps on a small random model (PACT critic sync, BCE critic, DAPS), then
                 --resume from its checkpoint: every logged number finite, the weights finite, steps continued
 
 Output, in --out (default: $S3AC_GPU_CHECK_DIR, else $OUT, else runs/gpu-check), at most 8 files:
@@ -46,7 +49,7 @@ import time
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 PARTS = ("kernels", "bench", "step", "memory", "train")
 NEEDS_CUDA = ("kernels", "bench")
-TIMEOUT_S = {"kernels": 120, "bench": 90, "step": 240, "memory": 150, "train": 180}  # seconds, 13 minutes in all
+TIMEOUT_S = {"kernels": 100, "bench": 80, "step": 170, "memory": 100, "train": 140}  # seconds, 9.8 minutes in all
 TIMEOUT_TINY_S = {"kernels": 300, "bench": 75, "step": 120, "memory": 120, "train": 240}  # --tiny on 2 CPU cores
 
 
