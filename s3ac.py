@@ -1764,11 +1764,11 @@ _RETRACTION = re.compile(r"\b(?:wrong|incorrect|not correct|mistake|redo|recalcu
 
 _ASCII_APPROX = re.compile(r"(?<=\s)~(?=\s*[-+]?\s*\d)")  # '42 + 1 ~ 43' (raw text: 'is~43', '}~43' are spacing)
 
-_DENIAL = re.compile(  # a whole closing sentence, its subject the problem or its answer, that denies the answer:
-    r"^\W*(?:(?:so|thus|hence|therefore)\b\W*)?(?:(?:the|this|that)\s+(?:equation|problem|system|answer|solution|"
-    r"result|limit)|it|this|that|there)?\s*(?:(?:(?:has|have|is|are)\s+)?no\s+(?:real\s+|valid\s+|integer\s+)?"
-    r"(?:solutions?|answers?)(?:\s+exists?)?|(?:is|was)\s+(?:impossible|undefined)"  # 'The equation has no solution.'
-    r"|(?:does\s*(?:not|n['\u2019]?t)|cannot)\s+exist)\W*$", re.IGNORECASE)  # not 'The other root has no solution.'
+_DENIAL = re.compile(  # a whole closing sentence, its subject the problem or its answer, that denies the answer
+    r"^\W*(?:(?:so|thus|hence|therefore)\b\W*)?(?:(?:the|this|that)\s+(?:(?!other\b)\w+\s+)?(?:equation|problem|"
+    r"system|answer|solution|result|limit)|it|this|that|there)?\s*(?:(?:(?:has|have|is|are)\s+)?no\s+"
+    r"(?:real\s+|valid\s+|integer\s+)?(?:solutions?|answers?)(?:\s+exists?)?|(?:is|was)\s+(?:impossible|undefined)"
+    r"|(?:does\s*(?:not|n['\u2019]?t)|cannot)\s+exist)\W*$", re.I)  # 'The equation has no solution.'; not 'The other ...'
 
 _ABBREVIATION = re.compile(r"\b(approx|ca|cf|vs|e\.g|i\.e|eqs?|figs?)\.(?=\s)", re.IGNORECASE)  # no sentence end
 
