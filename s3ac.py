@@ -1730,7 +1730,7 @@ _VALUE_WORD = re.compile(  # one of the next three words after a number changes 
     r"factorial|halfs?|halves|thirds?|quarters?|(?:four|fif|six|seven|eigh|nin|ten|hundred|thousand)ths?)\b", re.I)
 
 _PLAIN_NUMBER = re.compile(  # a whole answer: sign, a number, a fraction or a mixed number (on one line), then a unit
-    rf"(?P<sign>-?)\s*(?:(?P<whole>{_WHOLE})(?:[ \t]*(?=\\frac)|[ \t]+(?=\d+\s*/)))?"  # of 0-3 words and its power
+    rf"(?P<sign>[-+]?)\s*(?:(?P<whole>{_WHOLE})(?:[ \t]*(?=\\frac)|[ \t]+(?=\d+\s*/)))?"  # of 0-3 words and its power
     rf"(?:\\frac\{{\s*(?P<fn>-?\d+)\s*\}}\{{\s*(?P<fd>\d+)\s*\}}|(?P<sn>\d+)\s*/\s*(?P<sd>\d+)"
     rf"|(?P<num>{_NUMBER}))(?P<unit>(?:(?:\s+[A-Za-z]{{2,}}'?s?){{1,3}}(?:\s*\^\s*\{{?\d\}}?)?)?(?:/[A-Za-z]+)?)")
 
@@ -1800,11 +1800,11 @@ def _normalise(s: str) -> str:
     s = s.replace("\u2212", "-").replace("\u2013", "-").replace("\u2217", "*").replace("\u22c5", "*")
     s = s.replace("\u00b7", "*").replace("\u00d7", "*").replace("\u00f7", "/").replace("\\ast", "*")
     s = s.translate({ord(c): f"^{d}" for d, c in enumerate("⁰¹²³⁴⁵⁶⁷⁸⁹")})  # 2³: 2^3
-    s = re.sub(r"\\(?:text|textbf|mbox|mathrm|mathbf)\{([^{}]*)\}", r" \1 ", s)
+    s = re.sub(r"\\(?:text|textbf|textnormal|mbox|mathrm|mathbf)\{([^{}]*)\}", r" \1 ", s)
     s = re.sub(r"\\[dtc]frac", r"\\frac", s)
     s = re.sub(r"\\frac\s*(\d)\s*(\d)", r"\\frac{\1}{\2}", s)  # \frac12
     s = re.sub(r"\^\s*\{?\\circ\}?|\\degree|\u00b0|\\%|%|\\\$|\$|\\left|\\right|\\displaystyle|\\\(|\\\)|\\\[|\\\]"
-               r"|\*\*|\\ |~", " ", s)
+               r"|\*\*|\\ |~|[\u20ac\u00a3\u00a5]", " ", s)  # and € £ ¥
     s = s.strip().rstrip(".,;:").strip()  # not "!": 5! is a factorial
     while re.fullmatch(r"\{[^{}]*\}|\([^()]*\)", s):  # {42}, (42): one enclosing pair
         s = s[1:-1].strip()

@@ -492,7 +492,8 @@ ANSWER_POLICY_CLASSES = {
         ("5", "The answer is 5 halves.", "not_a_number"), ("3", "The answer is 3 squared.", "not_a_number"),
         ("5", "It is 5 factorial.", "not_a_number"), ("2", "The answer is 2 and a half.", "not_a_number"),
         ("5", "\\boxed{5\\text{ million dollars}}", "not_a_number"), ("5", "The answer is 5 apples.", "correct"),
-        ("5000", "The answer is 5,000.", "correct"), ("42", "The answer is 42 dollars.", "correct")],
+        ("5000", "The answer is 5,000.", "correct"), ("42", "The answer is 42 dollars.", "correct"),
+        ("125", "\\boxed{125\\textnormal{ miles}}", "correct"), ("1000.99", "\\boxed{1,000.99\u20ac}", "correct")],
     "3_e_notation": [  # 1e6 is 1 \times 10^6, never 1 e 6; against a plain-number gold an expression
         ("6e", "\\boxed{1e6}", "wrong"), ("10^6", "\\boxed{1e6}", "correct"),
         ("1000000", "\\boxed{1e6}", "not_a_number"),
@@ -516,7 +517,7 @@ ANSWER_POLICY_CLASSES = {
         ("500", "The answer is 12 500.", "not_a_number"), ("12500", "The answer is 12 500.", "not_a_number"),
         ("500", "\\boxed{0,500}", "not_a_number"), ("\\frac{71}{6}", "\\boxed{11\n5/6}", "not_a_number"),
         ("2^{10}", "\\boxed{1024}", "correct"), ("12500", "The answer is 12,500.", "correct"),
-        ("12500", "\\boxed{12\\,500}", "correct"), ("\\frac{71}{6}", "\\boxed{11 5/6}", "correct"),
+        ("12500", "\\boxed{12\\,500}", "correct"), ("\\frac{71}{6}", "\\boxed{+11 5/6}", "correct"),
         ("\\infty", "\\boxed{\\infty}", "correct"), ("\\frac{40}{9}", "\\boxed{4 4/9\\%}", "correct"),  # rule 6
         ("\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", "\\boxed{\n\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}\n}",
          "correct")],
@@ -555,7 +556,7 @@ def test_math_verify_suite_pays_no_wrong_answer():
         counts["agree" if paid == case["expected"] else "stricter" if case["expected"] else "paid_wrong"] += 1
         paid_wrong += [case["id"]] if paid and not case["expected"] else []
     assert sorted(paid_wrong) == sorted(SUITE_POLICY_EXCEPTIONS)
-    assert len(cases) == 362 and counts["agree"] >= 300, counts
+    assert len(cases) == 362 and counts["agree"] >= 304, counts
     print(f"math-verify's suite: {dict(counts)}")
 
 
