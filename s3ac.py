@@ -1828,24 +1828,29 @@ kernels = _import_kernels_py()
 #     the Verifier. The rest of the plumbing follows it. ===
 # Answer policy (what counts as the answer), applied before any comparison:
 #   1. A response cut off at --max-new-tokens (no stop token) has no final answer: status "truncated".
-#   2. The answer is the content of the LAST \boxed{...} (or \fbox{...}), braces balanced; earlier boxes do not
-#      count. An unclosed last box is "no_answer"; an empty one (an echo of the instruction) is ignored.
+#   2. The answer is the content of the LAST \boxed{...} (or \fbox{...}), braces balanced, a closing period dropped
+#      (\boxed{E.} is E); an unclosed last box is "no_answer", an empty one (the instruction's echo) is ignored.
 #   3. Without a box, and only when the gold is a plain number, --answer-fallback final_number reads the last number
 #      of the final statement, after its last "=" (final_statement_number); a question, a hedge ('41 or -42',
 #      'x = 2 or x = -2'), a negation ('not 42', '1 is not equal to 10'), a list ('1,2,3'), an operand ('6 * 7',
-#      '42 +'), an approximation ('1 + 63 ≈ 64', '42 + 1 ≅ 43', '42 + 1 ~ 43', 'about 42', as \approx in a box), a
-#      number in LaTeX, or one followed by a closing sentence without a digit that retracts it or denies there is an
-#      answer ('The equation has no solution.') is no answer.
+#      '42 +'), an approximation ('≈ 64', '≅ 43', '~ 43', 'about 42', 'approx. 42', \approx in a box), a number in
+#      LaTeX, or one followed by a closing sentence without a digit that retracts it or denies this problem's answer
+#      ('The equation has no solution.'; not 'The other root has none.') is no answer. 'approx.' ends no sentence.
 #   4. A plain-number gold needs a plain-number answer (integer, decimal or reduced fraction, with a sign,
-#      thousands separators, LaTeX spacing or a unit): "23 + 19", "6 \times 7" or "5!" are "not_a_number".
-#      A mixed number is one value: 3 1/4 and 3\frac{1}{4} are 13/4 (and -3 1/4 is -13/4), in a box, in the
-#      fallback and in a gold; its fraction must be proper and reduced (3\frac{5}{4} is "not_a_number"). A fragment
-#      of one is never an answer: the fallback never reads the 1/4 of "3 1/4 cups", nor of "3.5 1/4".
+#      thousands separators, LaTeX spacing or a unit): "23 + 19", "6 \times 7" or "5!" are "not_a_number". A number
+#      is read with all that follows it, boxed or not: a power (2^3, 2³), a word that changes its value (_VALUE_WORD:
+#      dozen, thousand, squared, halves...) or an exponent (1e6: 1 \times 10^6, never 1·e·6) makes an expression
+#      ("5 thousand" is "not_a_number" against 5 and 5000). Digit groups are one number or none (2,500 and 2\,500
+#      are 2500; 0,500 and 12 500 none). A mixed number is one value on one line: 3 1/4 and 3\frac{1}{4} are 13/4
+#      (-3 1/4 is -13/4), its fraction proper and reduced (3\frac{5}{4} is "not_a_number"); the fallback never reads
+#      a fragment of one (the 1/4 of "3 1/4 cups" or of "3.5 1/4").
 #   5. Exact values compare exactly (Fraction / sympy); a relative tolerance of REL_TOL applies only where a side
-#      is a decimal approximation of a value without a finite decimal expansion. Other golds (expressions,
-#      intervals, tuples, text) go to math-verify's verify, after rules 7-12 (_symbolic_status).
+#      is a decimal approximation of a value without a finite decimal expansion; an undefined value (1:00 and
+#      \frac{1}{0} are 1/0; NaN) equals nothing. Other golds go to math-verify's verify after rules 7-12
+#      (_symbolic_status), the box read whole by its LaTeX parser or not at all (never its last number).
 #   6. Units: when gold and answer both write a unit after a number, its power must agree (m^2 is not m^3; no
-#      exponent counts 1, "square" 2, "cubic" 3). Otherwise a unit, % or ^\circ after a number is ignored.
+#      exponent counts 1, "square" 2, "cubic" 3). Otherwise a unit, %, ^\circ or currency after a number is ignored
+#      (4 4/9% is 40/9, as a gold 50\% is 50: golds write percent either way).
 #   Golds that are not plain numbers, before math-verify (which drops subscripts, units and case, and reads a part):
 #   7. \mathrm{e} and \mathrm{i} (or \operatorname{}) are the constants e and i, as plain e and i are.
 #   8. When both are bracketed lists, the outer brackets must agree: (a, b], [a, b], (a, b) and \{a, b\} are
@@ -1862,24 +1867,25 @@ ANSWER_FALLBACKS = ("final_number", "none")
 
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
 
-_NUMBER = r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+"  # 2,500 | 2500 | 2500.5 | .5 (after normalisation)
+_WHOLE = r"[1-9]\d{0,2}(?:,\d{3})+|\d+"  # 2,500 | 2500; the whole part of a mixed number (3 in 3 1/4); not 0,500
 
-_UNIT_STOP = {"is", "not", "or", "and", "minus", "plus", "times", "over", "divided", "multiplied", "squared", "cubed",
-              "hundred", "thousand", "million", "billion", "pi", "wrong", "incorrect", "correct", "equals", "to"}
+_NUMBER = rf"(?:{_WHOLE})(?:\.\d+)?|\.\d+"  # 2,500 | 2500 | 2500.5 | .5 (after normalisation)
 
-_WHOLE = r"\d{1,3}(?:,\d{3})+|\d+"  # the whole part of a mixed number: 3 in 3 1/4 or 3\frac{1}{4}
+_UNIT_STOP = {"is", "not", "or", "and", "minus", "plus", "times", "over", "divided", "multiplied", "pi", "wrong",
+              "incorrect", "correct", "equals", "to"}  # words that make a boxed '42 is wrong' no number
 
-_PLAIN_NUMBER = re.compile(  # a whole answer: sign, a number, a fraction or a mixed number, then a unit of 0-3 words
-    rf"(?P<sign>-?)\s*(?:(?P<whole>{_WHOLE})(?:\s*(?=\\frac)|\s+(?=\d+\s*/)))?"
+_VALUE_WORD = re.compile(  # one of the next three words after a number changes its value: '5 thousand', '5 dozen eggs'
+    r"^(?:\s*[A-Za-z]+'?s?\s){0,2}\s*(?:dozens?|hundreds?|thousands?|millions?|billions?|trillions?|squared|cubed|"
+    r"factorial|halfs?|halves|thirds?|quarters?|(?:four|fif|six|seven|eigh|nin|ten|hundred|thousand)ths?)\b", re.I)
+
+_PLAIN_NUMBER = re.compile(  # a whole answer: sign, a number, a fraction or a mixed number (on one line), then a unit
+    rf"(?P<sign>[-+]?)\s*(?:(?P<whole>{_WHOLE})(?:[ \t]*(?=\\frac)|[ \t]+(?=\d+\s*/)))?"  # of 0-3 words and its power
     rf"(?:\\frac\{{\s*(?P<fn>-?\d+)\s*\}}\{{\s*(?P<fd>\d+)\s*\}}|(?P<sn>\d+)\s*/\s*(?P<sd>\d+)"
-    rf"|(?P<num>{_NUMBER}))(?P<unit>(?:\s+[A-Za-z]{{2,}}'?s?){{0,3}}(?:\s*\^\s*\{{?\d\}}?)?(?:/[A-Za-z]+)?)")
+    rf"|(?P<num>{_NUMBER}))(?P<unit>(?:(?:\s+[A-Za-z]{{2,}}'?s?){{1,3}}(?:\s*\^\s*\{{?\d\}}?)?)?(?:/[A-Za-z]+)?)")
 
 _NUMBER_IN_TEXT = re.compile(  # a mixed number first (one value), then a fraction or a number
     rf"(?<![A-Za-z_\d.,])(?:{_WHOLE})(?:\s*\\frac\{{\s*\d+\s*\}}\{{\s*\d+\s*\}}|\s+\d+/\d+(?!\d|\.\d))"
     rf"|\\frac\{{\s*-?\d+\s*\}}\{{\s*\d+\s*\}}|(?<![A-Za-z_\d.])(?:\d+/\d+(?!\d|\.\d)|{_NUMBER})")
-
-_FRACTION_AFTER_DIGITS = (re.compile(r"(?:\\frac|\d+/)"), re.compile(r"\d\s*$"))  # a fraction, digits before it:
-#   the fragment of a mixed number that is none ('3.5 1/4', '1,2 1/2')
 
 _OPERATOR_BEFORE = re.compile(r"(?:[\d)}]\s*[-+*/^x]|#|\\times|\\cdot|\\div|\d\s+and|"
                               r"\b(?:plus|minus|times|by|over|from|add|subtract|multiply|divide))\s*$", re.IGNORECASE)
@@ -1888,14 +1894,13 @@ _OPERATOR_AFTER = re.compile(r"^\s*(?:[-+*/^]|x\s*\d|\\times|\\cdot|\\div|\b(?:p
 
 _LATEX_AROUND = (re.compile(r"(?:[{^_]|\\[A-Za-z]+(?:_\{?\w+\}?)?)\s*$"), re.compile(r"^(?:\s*\\[A-Za-z]|[\^_{}A-Za-z])"))
 
-_LIST_AROUND = (re.compile(r"\d\s*,\s*$"), re.compile(r"^\s*,\s*-?\d"))
+_LIST_AROUND = (re.compile(r"\d\s*,?\s*$"), re.compile(r"^\s*,\s*-?\d"))  # '1,2,3'; digit groups '12 500', '3.5 1/4'
 
 _NOT_AN_ANSWER = re.compile(r"\b(?:or|nor)\s*\(?\s*(?:[-+]\s*)?$", re.IGNORECASE)  # '41 or 42', '13 or (- 2)': none
 
 _HEDGED_EQUATION = re.compile(r"\d[^=]*\b(?:or|nor)\s+\w*\s*$", re.IGNORECASE)  # '13, or x = -2': no answer
 
-# ≈ ≃ ≅ ≊ ≒ ∼ ～ (Unicode's almost / asymptotically / approximately equal signs, the tilde operator, the full-width
-# tilde), their LaTeX; in a plain statement an ASCII "~" after a space and before a number ('42 + 1 ~ 43') is ≈
+# ≈ ≃ ≅ ≊ ≒ ∼ ～ (almost, asymptotically, approximately equal; the tilde operator, the full-width tilde), their LaTeX
 _APPROX_SIGN = r"(?:[\u2248\u2243\u2245\u224a\u2252\u223c\uff5e]|\\(?:approx|simeq|sim|cong)(?![A-Za-z]))"
 
 _APPROXIMATE = re.compile(  # an approximation just before the number read: '1 + 63 ≈ 64', 'about 42'
@@ -1908,13 +1913,13 @@ _RETRACTION = re.compile(r"\b(?:wrong|incorrect|not correct|mistake|redo|recalcu
 
 _ASCII_APPROX = re.compile(r"(?<=\s)~(?=\s*[-+]?\s*\d)")  # '42 + 1 ~ 43' (raw text: 'is~43', '}~43' are spacing)
 
-_DENIAL = re.compile(  # a closing sentence without a digit that denies the answer: 'The equation has no solution.'
-    r"(?:^|\b(?:has|have|there\s+is|there\s+are)\s+)no\s+(?:real\s+|valid\s+|integer\s+)?(?:solutions?|answers?)"
-    r"(?:\s+exists?)?\W*$"  # 'There are no real solutions.', 'No solution exists.'; not 'No answer choices were given.'
-    r"|\b(?:answer|result|solution|equation|problem|it|this|that)\s+(?:is|was)\s+(?:impossible|undefined)\W*$"
-    r"|\b(?:answer|solution|result|limit)\s+(?:does\s*(?:not|n['\u2019]?t)|cannot)\s+exist\b", re.IGNORECASE)
+_DENIAL = re.compile(  # a whole closing sentence, its subject the problem or its answer, that denies the answer
+    r"^\W*(?:(?:so|thus|hence|therefore)\b\W*)?(?:(?:the|this|that)\s+(?:(?!other\b)\w+\s+)?(?:equation|problem|"
+    r"system|answer|solution|result|limit)|it|this|that|there)?\s*(?:(?:(?:has|have|is|are)\s+)?no\s+"
+    r"(?:real\s+|valid\s+|integer\s+)?(?:solutions?|answers?)(?:\s+exists?)?|(?:is|was)\s+(?:impossible|undefined)"
+    r"|(?:does\s*(?:not|n['\u2019]?t)|cannot)\s+exist)\W*$", re.I)  # 'The equation has no solution.'; not 'The other ...'
 
-_CONDITIONAL = re.compile(r"^\W*(?:otherwise|unless|if|when|except)\b", re.IGNORECASE)  # 'Otherwise it is undefined.'
+_ABBREVIATION = re.compile(r"\b(approx|ca|cf|vs|e\.g|i\.e|eqs?|figs?)\.(?=\s)", re.IGNORECASE)  # no sentence end
 
 _NOT_EQUAL = re.compile(  # an inequality just before the number read: '1 is not equal to 10', '9 \neq 10'
     r"(?:(?:\bnot|\bcannot|n['\u2019]?t)\s+(?:equal(?:s|led)?|the\s+same|equivalent|identical)(?:\s+(?:to|as|with))?"
@@ -1943,11 +1948,12 @@ def _normalise(s: str) -> str:
     s = re.sub(r"\\q?quad\b", " ", s)
     s = s.replace("\u2212", "-").replace("\u2013", "-").replace("\u2217", "*").replace("\u22c5", "*")
     s = s.replace("\u00b7", "*").replace("\u00d7", "*").replace("\u00f7", "/").replace("\\ast", "*")
-    s = re.sub(r"\\(?:text|textbf|mbox|mathrm|mathbf)\{([^{}]*)\}", r" \1 ", s)
+    s = s.translate({ord(c): f"^{d}" for d, c in enumerate("⁰¹²³⁴⁵⁶⁷⁸⁹")})  # 2³: 2^3
+    s = re.sub(r"\\(?:text|textbf|textnormal|mbox|mathrm|mathbf)\{([^{}]*)\}", r" \1 ", s)
     s = re.sub(r"\\[dtc]frac", r"\\frac", s)
     s = re.sub(r"\\frac\s*(\d)\s*(\d)", r"\\frac{\1}{\2}", s)  # \frac12
     s = re.sub(r"\^\s*\{?\\circ\}?|\\degree|\u00b0|\\%|%|\\\$|\$|\\left|\\right|\\displaystyle|\\\(|\\\)|\\\[|\\\]"
-               r"|\*\*|\\ |~", " ", s)
+               r"|\*\*|\\ |~|[\u20ac\u00a3\u00a5]", " ", s)  # and € £ ¥
     s = s.strip().rstrip(".,;:").strip()  # not "!": 5! is a factorial
     while re.fullmatch(r"\{[^{}]*\}|\([^()]*\)", s):  # {42}, (42): one enclosing pair
         s = s[1:-1].strip()
@@ -1955,14 +1961,11 @@ def _normalise(s: str) -> str:
 
 
 def parse_number(text: str):
-    """The exact value of a plain number as a fractions.Fraction, or None for anything else. A plain number:
-    an integer or decimal (thousands separators 2,500, 2{,}500, 2\\,500), a fraction a/b or \\frac{a}{b} in lowest
-    terms, or a mixed number (3 1/4 or 3\\frac{1}{4}, a proper fraction in lowest terms: 13/4), with a sign, $...$, a
-    unit of up to three words, %, ^\\circ, \\$ and a final period; an expression ('23 + 19', '\\frac{12}{4}', '2^{10}',
-    '42x', '42 is wrong', '3\\frac{5}{4}') is none."""
+    """The exact value of a plain number (rule 4 of the answer policy) as a fractions.Fraction, or None for anything
+    else: '\\$2\\,500.50' -> 5001/2, '3 1/4' -> 13/4; '23 + 19', '\\frac{12}{4}', '2^{10}', '5 thousand' -> None."""
     import fractions
     m = _PLAIN_NUMBER.fullmatch(_normalise(text))
-    if m is None or _UNIT_STOP & set(re.findall(r"[a-z]+", m["unit"].lower())):
+    if m is None or _UNIT_STOP & set(re.findall(r"[a-z]+", m["unit"].lower())) or _VALUE_WORD.match(m["unit"]):
         return None
     sign = -1 if m["sign"] == "-" else 1
     if m["num"] is not None:
@@ -1978,17 +1981,15 @@ def parse_number(text: str):
 
 
 def final_statement_number(text: str):
-    """(answer, ok) of a response without a box: the last number of its final statement, the last sentence that
-    holds a digit (closing sentences without one are passed over unless they retract, or deny that there is an answer:
-    'The equation has no solution.'), after its last '='. ok is False when that number is an operand, part of an
-    expression or an approximation ('multiply 6 * 7.', '42 +', '\\sqrt{42}', '1,2,3', '≈ 64', '~ 64', 'about 42');
-    (None, True) when there is no final answer (a question, a retraction or denial, 'not 42', '41 or 42', an
-    inequality: '1 is not equal to 10')."""
+    """(answer, ok) of a response without a box (rule 3 of the answer policy): the last number of its final
+    statement, the last sentence that holds a digit, after its last '='. ok is False when that number is part of an
+    expression or an approximation ('6 * 7.', '\\sqrt{42}', '1,2,3', 'about 42'); (None, True) when there is no final
+    answer (a question, a retraction or denial, 'not 42', '41 or 42', '1 is not equal to 10')."""
     text = _ASCII_APPROX.sub("\u2248", text)  # before _normalise turns LaTeX's '~' (and \quad, \text{}) into spaces
-    sentences = [s for s in re.split(r"\n+|(?<=[.!?])\s+", _normalise(text)) if s.strip()]
+    sentences = [s for s in re.split(r"\n+|(?<=[.!?])\s+", _ABBREVIATION.sub(r"\1", _normalise(text))) if s.strip()]
     while sentences and not re.search(r"\d", sentences[-1]):
         closing = sentences.pop()
-        if _RETRACTION.search(closing) or (_DENIAL.search(closing) and not _CONDITIONAL.search(closing)):
+        if _RETRACTION.search(closing) or _DENIAL.search(closing):
             return None, True
     if not sentences or _RETRACTION.search(sentences[-1]) or sentences[-1].rstrip().endswith("?"):
         return None, True
@@ -1996,8 +1997,8 @@ def final_statement_number(text: str):
     if len(parts) > 1 and _HEDGED_EQUATION.search(parts[-2]):  # 'x = 2 or x = -2': a hedge
         return None, True
     statement = parts[-1]
-    found = [m for m in _NUMBER_IN_TEXT.finditer(statement)  # '42, not 43': 43 is not the answer
-             if not re.search(r"\bnot\s*(?:[-+]\s*)?$", statement[: m.start()], re.IGNORECASE)]  # nor 'not -43'
+    found = [m for m in _NUMBER_IN_TEXT.finditer(statement)  # '42, not 43' or 'not -43': 43 is not the answer,
+             if not re.search(r"\bnot\s*[-+]?\s*$|\^\s*\{?\s*[-+]?\s*$", statement[: m.start()], re.I)]  # nor 3 in ^3
     if not found:
         return None, True
     last = found[-1]
@@ -2007,8 +2008,7 @@ def final_statement_number(text: str):
     if _NOT_EQUAL.search(sentences[-1][: len(sentences[-1]) - len(statement) + last.start()]):  # '9 \neq 10'
         return None, True
     if any(p.search(before) for p in (_OPERATOR_BEFORE, _APPROXIMATE, _LATEX_AROUND[0], _LIST_AROUND[0])) or \
-            any(p.match(after) for p in (_OPERATOR_AFTER, _LATEX_AROUND[1], _LIST_AROUND[1])) or \
-            (_FRACTION_AFTER_DIGITS[0].search(last.group()) and _FRACTION_AFTER_DIGITS[1].search(before)):
+            any(p.match(after) for p in (_OPERATOR_AFTER, _LATEX_AROUND[1], _LIST_AROUND[1], _VALUE_WORD)):
         return last.group(), False
     sign = "-" if re.search(r"(?:^|[\s(:])-$", before) else ""  # 'is -5'; not 'answer - 42' or '3 - 5'
     return sign + last.group(), True
@@ -2019,8 +2019,8 @@ def extract_answer(completion: str, numeric_gold: bool, fallback: str = "final_n
     \\boxed{}, else for a plain-number gold with fallback 'final_number' the number of the final statement."""
     completion = re.sub(r"\\(?:boxed|fbox)\s*\{\s*\}", " ", completion)  # an empty box echoes the instruction
     if _BOX.search(completion):
-        boxed = last_boxed(completion)
-        return (boxed, "boxed") if boxed is not None and boxed.strip() else (None, "none")
+        boxed = re.sub(r"(?<!\.)\.\s*$", "", last_boxed(completion) or "")  # \boxed{E.}: a closing period
+        return (boxed, "boxed") if boxed.strip() else (None, "none")
     if not numeric_gold or fallback != "final_number":
         return None, "none"
     answer, ok = final_statement_number(completion)
@@ -2028,11 +2028,8 @@ def extract_answer(completion: str, numeric_gold: bool, fallback: str = "final_n
 
 
 def _finite_decimal(denominator: int) -> bool:
-    """Whether p / denominator has a finite decimal expansion (the denominator has no prime factor but 2 and 5)."""
-    for prime in (2, 5):
-        while denominator % prime == 0:
-            denominator //= prime
-    return denominator == 1
+    """Whether p / denominator has a finite decimal expansion: the denominator divides 10^k, k = its bit length."""
+    return 10 ** int(denominator).bit_length() % denominator == 0  # 2^a 5^b with a, b < bit length
 
 
 def _equal_numbers(gold, answer, answer_text: str) -> bool:
@@ -2050,6 +2047,8 @@ def _equal_exact_or_verify(gold_parsed, pred_parsed) -> bool:
     import sympy
     from math_verify import verify
     g, p = gold_parsed[0], pred_parsed[0]
+    if any(isinstance(x, sympy.Basic) and x.has(sympy.zoo, sympy.nan) for x in (g, p)):
+        return False  # undefined (1:00 and 12:00 are both 1/0 = zoo): equal to nothing
     if isinstance(g, sympy.Expr) and isinstance(p, sympy.Expr) and g.is_number and p.is_number:
         if g == p:
             return True
@@ -2074,6 +2073,8 @@ _CONSTANT = re.compile(r"\\(?:mathrm|operatorname|mathit|text)\s*\{\s*([ei])\s*\
 _ELLIPSIS = re.compile(r"\\(?:[lcv]dots|dots[cbmio]?)(?![A-Za-z])|\.\.\.|\u2026")
 
 _BASE_NUMBER = re.compile(r"(?<![\\A-Za-z0-9])([0-9A-Z]*[0-9][0-9A-Z]*)_\{?\s*(\d+)\s*\}?")  # 41_6, 41_{6}
+
+_E_NOTATION = re.compile(r"(?<![\\A-Za-z\d.])(\d+(?:\.\d+)?)[eE]([-+]?\d+)(?![\d.])")  # 1e6: 1 \times 10^{6}
 
 _DEGREES = re.compile(r"\^\s*\{?\s*\\circ|\\degree|\u00b0|\bdeg(?:ree)?s?\b")
 
@@ -2115,7 +2116,8 @@ def _symbolic_status(gold: str, answer: str) -> str:
     """'correct' | 'wrong' | 'no_answer' | 'bad_gold' for a gold that is not a plain number: rules 7-12 of the
     answer policy, then math-verify's parse and verify (through _equal_exact_or_verify)."""
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
-    gold, answer = (_ELLIPSIS.sub(r"\\ldots", _CONSTANT.sub(r"\1", x)) for x in (gold, answer))
+    gold, answer = (_E_NOTATION.sub(r"\1\\times 10^{\2}", _ELLIPSIS.sub(r"\\ldots", _CONSTANT.sub(r"\1", x)))
+                    for x in (gold, answer))
     (gold_brackets, gold_items), (brackets, items) = _as_list(gold), _as_list(answer)
     if len(gold_items) > 1 and len(items) > 1 and gold_brackets and brackets and gold_brackets != brackets:
         return "wrong"  # (1, 2] is not [1, 2], (1, 2) or {1, 2}
@@ -2139,7 +2141,7 @@ def _symbolic_status(gold: str, answer: str) -> str:
     gold_parsed = parse(gold if "$" in gold or "\\boxed" in gold else f"${gold}$", extraction_config=configs)
     if not gold_parsed:
         return "bad_gold"
-    pred_parsed = parse(f"${answer}$", extraction_config=configs)
+    pred_parsed = parse(f"${' '.join(answer.split())}$", extraction_config=configs[:1])  # whole, never its last number
     if not pred_parsed:
         return "no_answer"
     return "correct" if _equal_exact_or_verify(gold_parsed, pred_parsed) else "wrong"
@@ -2175,16 +2177,10 @@ def grade(gold: str, completion: str, truncated: bool = False, fallback: str = "
 
 
 def _verify_worker(conn):
-    """Worker process loop: (gold, completion, truncated, fallback) in, status out, until None (or the trainer's
-    end of the pipe closes)."""
-    while True:
-        try:
-            item = conn.recv()
-        except EOFError:
-            return
-        if item is None:
-            return
-        conn.send(grade(*item))
+    """Worker process loop: (gold, completion, truncated, fallback) in, status out, until None or the pipe closes."""
+    with contextlib.suppress(EOFError):  # the trainer's end of the pipe closed
+        for item in iter(conn.recv, None):
+            conn.send(grade(*item))
 
 
 class Verifier:

@@ -700,6 +700,89 @@ def test_answer_policy_cases():
     assert s3ac.grade("42", "The answer is 42.", fallback="none") == "no_answer"  # --answer-fallback none
 
 
+# Classes of wrong verdicts, each a list of (gold, completion, status): the cases a looser policy graded wrongly and
+# the near misses that must keep their status (rules 2-6 of the answer policy in section 4 of s3ac.py).
+ANSWER_POLICY_CLASSES = {
+    "1_power": [  # a power after a number makes an expression, never its base; a unit keeps its own power
+        ("2", "\\boxed{2^3}", "not_a_number"), ("8", "\\boxed{2^3}", "not_a_number"),
+        ("2", "The answer is 2\u00b3.", "not_a_number"), ("8", "The answer is 2\u00b3.", "not_a_number"),
+        ("5", "\\boxed{5\\text{ cm}^3}", "correct"), ("5", "The volume is 5 cm\u00b3.", "correct"),
+        ("5", "The volume is 5 cm^3.", "correct"), ("8", "So 2^3 = 8.", "correct"),
+        ("8", "\\boxed{2^3 = 8}", "correct")],
+    "2_value_word": [  # a word that changes the value is no unit, in a box and in the final statement
+        ("5", "\\boxed{5 \\text{ dozen}}", "not_a_number"), ("60", "\\boxed{5 \\text{ dozen}}", "not_a_number"),
+        ("5", "The answer is 5 thousand.", "not_a_number"), ("5000", "The answer is 5 thousand.", "not_a_number"),
+        ("5", "The answer is 5 halves.", "not_a_number"), ("3", "The answer is 3 squared.", "not_a_number"),
+        ("5", "It is 5 factorial.", "not_a_number"), ("2", "The answer is 2 and a half.", "not_a_number"),
+        ("5", "\\boxed{5\\text{ million dollars}}", "not_a_number"), ("5", "The answer is 5 apples.", "correct"),
+        ("5000", "The answer is 5,000.", "correct"), ("42", "The answer is 42 dollars.", "correct"),
+        ("125", "\\boxed{125\\textnormal{ miles}}", "correct"), ("1000.99", "\\boxed{1,000.99\u20ac}", "correct")],
+    "3_e_notation": [  # 1e6 is 1 \times 10^6, never 1 e 6; against a plain-number gold an expression
+        ("6e", "\\boxed{1e6}", "wrong"), ("10^6", "\\boxed{1e6}", "correct"),
+        ("1000000", "\\boxed{1e6}", "not_a_number"),
+        ("2.5 \\times 10^{-3}", "\\boxed{2.5E-3}", "correct"), ("6e", "\\boxed{6e}", "correct"),
+        ("2e", "\\boxed{2\\mathrm{e}}", "correct")],
+    "4_closing_period": [  # a period closing a box is punctuation, for every gold
+        ("\\sqrt{2}", "\\boxed{\\sqrt{2}.}", "correct"), ("E", "\\boxed{E.}", "correct"),
+        ("(1,2)", "\\boxed{(1,2).}", "correct"), ("\\sqrt{9}", "\\boxed{3\\sqrt{2}.}", "wrong"),
+        ("42", "\\boxed{42.}", "correct"), ("2, 4, \\ldots", "\\boxed{2, 4, ...}", "correct")],
+    "5_denial": [  # only a sentence about this problem's answer denies it; an abbreviation ends no sentence
+        ("42", "6 * 7 = 42.\nFor any other value of x there is no solution.", "correct"),
+        ("42", "x = 42. The other root has no real solution.", "correct"),
+        ("42", "x = 42. At the vertical asymptote it is undefined.", "correct"),
+        ("42", "The answer is approx. 42", "not_a_number"), ("42", "So x is approx. 42.", "not_a_number"),
+        ("42", "x = 42. A larger one does not exist.", "correct"), ("42", "By Eq. 3, x = 42.", "correct"),
+        ("12", "7 + 5 = 12.\nTherefore, the equation has no real solutions.", "no_answer"),
+        ("12", "7 + 5 = 12.\nSo there is no solution.", "no_answer"), ("12", "x = 12. It is undefined.", "no_answer")],
+    "10_read_whole": [  # undefined equals nothing; a box read whole or not at all; digit groups one number or none
+        ("12:00", "\\boxed{1:00}", "wrong"), ("\\frac{2}{0}", "\\boxed{\\frac{1}{0}}", "wrong"),
+        ("\\frac{1}{0}", "\\boxed{\\frac{1}{0}}", "wrong"), ("2^{10}", "\\boxed{3 \\times 1024,}", "wrong"),
+        ("500", "The answer is 12 500.", "not_a_number"), ("12500", "The answer is 12 500.", "not_a_number"),
+        ("500", "\\boxed{0,500}", "not_a_number"), ("\\frac{71}{6}", "\\boxed{11\n5/6}", "not_a_number"),
+        ("2^{10}", "\\boxed{1024}", "correct"), ("12500", "The answer is 12,500.", "correct"),
+        ("12500", "\\boxed{12\\,500}", "correct"), ("\\frac{71}{6}", "\\boxed{+11 5/6}", "correct"),
+        ("\\infty", "\\boxed{\\infty}", "correct"), ("\\frac{40}{9}", "\\boxed{4 4/9\\%}", "correct"),  # rule 6
+        ("\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", "\\boxed{\n\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}\n}",
+         "correct")],
+}
+
+
+@pytest.mark.parametrize("kind", sorted(ANSWER_POLICY_CLASSES))
+def test_answer_policy_class(kind):
+    graded = [(gold, completion, s3ac.grade(gold, completion), status)
+              for gold, completion, status in ANSWER_POLICY_CLASSES[kind]]
+    assert [g for g in graded if g[2] != g[3]] == []
+
+
+MATH_VERIFY_CASES = Path(__file__).resolve().parent.parent / "shared" / "data" / "math_verify_cases.json"
+PERCENT = "rule 6: % (or 'percent', 'pct') after a number is ignored, as golds write it either way: 4 4/9% is 40/9"
+# The pairs of math-verify's suite that grade pays although the suite expects them wrong: the answer policy's choices.
+SUITE_POLICY_EXCEPTIONS = {
+    "test_all::test_latex_notation[5]": "a line break in a box is spacing: \\boxed{\\n 9 \\n} is 9 (math-verify's "
+                                        "$...$ pattern spans no line break, so its prediction '$ \\n 9 \\n $' is none)",
+    "test_all::test_latex_notation[6]": "as [5], with \\( \\n 9 \\n \\)",
+    **{f"test_mixed_number_extraction::verify[{i}]": PERCENT for i in (47, 49, 53, 57, 61)},
+}
+
+
+def test_math_verify_suite_pays_no_wrong_answer():
+    """math-verify's own test pairs (gold, prediction, expected verdict) through grade, the prediction boxed (its
+    answer span, or as written where it holds a box already): no pair the suite calls wrong is paid, but the listed
+    policy exceptions, each still paid (the list stays honest); and most pairs agree, so strictness alone fails."""
+    if not MATH_VERIFY_CASES.exists():
+        pytest.skip(f"{MATH_VERIFY_CASES} is absent (the shared suite beside the checkout)")
+    cases = json.loads(MATH_VERIFY_CASES.read_text())["cases"]
+    counts, paid_wrong = collections.Counter(), []
+    for case in cases:
+        completion = case["pred"] if case["span_from"] == "native_box" else f"\\boxed{{{case['span']}}}"
+        paid = s3ac.grade(case["gold"], completion) == "correct"
+        counts["agree" if paid == case["expected"] else "stricter" if case["expected"] else "paid_wrong"] += 1
+        paid_wrong += [case["id"]] if paid and not case["expected"] else []
+    assert sorted(paid_wrong) == sorted(SUITE_POLICY_EXCEPTIONS)
+    assert len(cases) == 362 and counts["agree"] >= 304, counts
+    print(f"math-verify's suite: {dict(counts)}")
+
+
 def test_parse_number_and_last_boxed():
     from fractions import Fraction
     assert s3ac.parse_number("\\$2\\,500.50") == Fraction(5001, 2)
