@@ -19,10 +19,9 @@ asked for, then warm-up batches of fresh rollouts until the held-out fit stops i
 as S3AC pretrains its critic. Then one training step, train_step, with the real names (each phase one call;
 section 2):
 
-    state.successes, state.attempts = decayed by --daps-decay       # DAPS's per-prompt counts S, N
     batch, rewards, statuses, records, m = sample_rollouts(args, state, reward_fn)
-        # per round: choose_prompts (uniform, or DAPS: daps_select draws with daps_accept_prob), then
-        # collect_rollouts: generate_responses, call_reward (R in [-1, 1]), the DAPS counts
+        # DAPS's counts S, N decayed; per round: choose_prompts (uniform, or DAPS: daps_select draws with
+        # daps_accept_prob), then collect_rollouts: generate_responses, call_reward (R in [-1, 1]), S and N grow
     values, raw = critic_pass(args, state, batch)                # V(s_t) [B, T], full or partial-trunk critic
     advantages, returns, m = compute_advantages(args, batch, rewards, values, mask)   # decoupled_gae
         # mask = batch.response_mask; advantages raw, returns the critic's targets
@@ -169,13 +168,9 @@ def mc_returns(rewards, response_mask, gamma: float):
 
 
 # --- Actor losses: CISPO (S3AC's), the PPO clipped surrogate, truncated importance weights ---
-# One normaliser for every loss here: the token mean, loss = sum over the mask's tokens / num_tokens, num_tokens the
-# mask's tokens in the whole optimizer step's mini-batch, all ranks included (optimize counts them once and passes
-# them to every micro-batch's call; the mask is the actor's loss mask (actor_loss_mask), or the critic's; FSDP2 sums
-# the ranks' gradients, shard), so a step's gradient is that of the global token mean; called alone, the mask's
-# tokens of the call. FlashREINFORCE's loss alone takes the SAMPLE mean: each response's token mean, summed over the
-# responses / num_sequences (optimize's normaliser "sequences": the mini-batch's responses). Truncated IS
-# (tis_weights) is not inside a loss: train_step scales the advantages by it.
+# Every loss here is a sum over the mask's tokens / num_tokens, the normaliser optimize counts (its definition is
+# beside that line); called alone, the mask's tokens of the call. Truncated IS (tis_weights) is not inside a loss:
+# train_step scales the advantages by it.
 @triton_on_cuda
 def cispo_loss(logprobs, old_logprobs, advantages, response_mask, eps_low: float, eps_high: float,
                num_tokens=None):
@@ -617,6 +612,42 @@ def impact_score(signal, h):
 # -----------------------------------------------------------------------------------------------------------------
 # 2. The algorithm box: one training step and its phases, then train()
 # -----------------------------------------------------------------------------------------------------------------
+# What each --algo's "auto" flags resolve to (resolve_args): (actor loss, actor lambda, critic lambda, mini-batches);
+# "dapo" is DAPO's mini-batches of 32 prompts. --critic-sync pact takes critic lambda 1 (and actor lambda 1 but for
+# ppo); eps_low follows the actor loss: 0.2 for ppo's clip, else 1 (CISPO: no lower clip).
+ALGO_DEFAULTS = {"s3ac": ("cispo", "adaptive", 1.0, "dapo"),  # decoupled_gae: critic lambda 1, actor 1 - 1/(alpha T)
+                 "ppo": ("ppo", 0.95, 0.95, "dapo"),  # GAE with one lambda
+                 "grpo": ("cispo", "adaptive", 1.0, "dapo"), "rloo": ("cispo", "adaptive", 1.0, "dapo"),
+                 "reinforce_pp": ("cispo", "adaptive", 1.0, "dapo"),  # critic-free: the lambdas are unused
+                 "flash_reinforce": ("flash_reinforce", "adaptive", 1.0, 1)}  # one optimizer step per batch
+
+
+@dataclass
+class Batch:
+    """A rollout batch of B sequences: left-padded prompts, right-padded responses, masks, problem indices."""
+    prompt_ids: torch.Tensor  # [B, P] left-padded
+    prompt_mask: torch.Tensor  # [B, P] 1 on prompt tokens
+    response_ids: torch.Tensor  # [B, T] right-padded
+    response_mask: torch.Tensor  # [B, T] float, 1 on generated tokens (stop token included), 0 on padding
+    truncated: torch.Tensor  # [B] bool, True when no stop token was generated (length limit hit)
+    prompt_index: torch.Tensor  # [B] index of the problem each sequence answers (groups for K > 1)
+    sampler_logprobs: torch.Tensor = None  # [B, T] the sampler's own log mu of each token, 0 on padding; None
+    #                                        for greedy batches and stored trajectories
+    features: torch.Tensor = None  # [B, P + T, H] fp32, what a partial-trunk critic reads (store_critic_features); None
+    #                                until recorded (generate_hf) or first used
+
+    def rows(self, idx, features: bool = False):
+        """The sub-batch of the sequences `idx` (a list or a [b] index tensor), trimmed to its own longest prompt
+        and response (no column that is padding in every row), by default without the features (the actor's
+        micro-batches need no copy of them)."""
+        p, t = (int(m.sum(1).max()) if len(m) else 0 for m in (self.prompt_mask[idx], self.response_mask[idx]))
+        P = self.prompt_ids.shape[1]
+        cols = {"prompt_ids": slice(P - p, P), "prompt_mask": slice(P - p, P), "features": slice(P - p, P + t)}
+        return Batch(*(None if (f.name == "features" and not features) or getattr(self, f.name) is None else
+                       getattr(self, f.name)[idx] if f.name in ("truncated", "prompt_index") else
+                       getattr(self, f.name)[idx][:, cols.get(f.name, slice(0, t))] for f in dataclasses.fields(self)))
+
+
 @dataclass
 class TrainState:
     """What a training step reads and moves on (a checkpoint saves it), and what the run fixes once."""
@@ -645,13 +676,10 @@ class TrainState:
 
 def train_step(args: Args, state: TrainState, reward_fn):
     """One step of --algo, as the module docstring outlines it. Returns (metrics, sample records of a few rollouts).
-    Moves state on: state.step, the DAPS counts (decayed here, added to in collect_rollouts), the data order, the
-    models and their optimizers."""
+    Moves state on: state.step, the DAPS counts (sample_rollouts), the data order, the models and their optimizers."""
     state.step += 1
-    metrics = {"step": state.step}
-    state.successes, state.attempts = state.successes * args.daps_decay, state.attempts * args.daps_decay
     batch, rewards, statuses, records, m = sample_rollouts(args, state, reward_fn)  # choose prompts, rollout, reward
-    metrics.update(m)
+    metrics = {"step": state.step, **m}
     rewards, mask = rewards.to(state.device), batch.response_mask.to(state.device)  # [B], [B, T]
     values = None
     if state.critic is not None:  # V(s_t) on the +-1 scale, 0 on padding
@@ -674,29 +702,16 @@ def train_step(args: Args, state: TrainState, reward_fn):
         metrics.update(train_critic(args, state, batch, values, returns, mu_logprobs))
         metrics.update(critic_metrics(values, returns, rewards, mask, metrics["time/values"] + metrics["time/critic"],
                                       metrics["time/actor"], args.credit_eps))
-    passes = 1 + (state.critic is not None) + (args.critic_sync == "pact")  # no-grad: log pi_old, values, PACT's
-    pad, slots = (passes * n for n in padding_counts(batch, micro_batches(batch, args.micro_batch_tokens)))
-    for part in ("actor", "critic"):  # the updates' micro-batches (optimize)
-        pad, slots = pad + metrics.pop(f"{part}/pad_slots", 0), slots + metrics.pop(f"{part}/slots", 0)
-    metrics["perf/padding"] = pad / max(slots, 1)  # pad slots / computed slots over the step's passes
-    trained = batch.prompt_index.unique()  # prompts of this step's training batch
-    rate = state.successes[trained] / state.attempts[trained].clamp(min=1e-12)  # running success rate
-    if args.k >= 2:  # H_alpha of the step's groups (--dynamic-sampling: the kept ones); K = 1: run_evaluation's
-        metrics.update(headroom(rewards, batch.prompt_index, args.alpha_headroom)[1])  # readiness/headroom
-    metrics.update({"rollout/reward": rewards.mean().item(), "rollout/acc": succeeded(rewards).float().mean().item(),
-                    "rollout/response_len": mask.sum(1).mean().item(),
-                    "rollout/truncated": batch.truncated.float().mean().item(),
-                    **{f"verify/{s}": statuses.count(s) for s in Verifier.STATUSES[2:]},  # zeros included
-                    **{f"verify/{s}": statuses.count(s) for s in sorted(set(statuses) - set(Verifier.STATUSES))},
-                    "adv/mean": masked_mean(advantages, mask).item(),
-                    "prompts/share_mid": ((rate > 0.2) & (rate <= 0.8)).double().mean().item()})
+    metrics.update(step_metrics(args, state, batch, rewards, statuses, advantages, metrics))
     return metrics, records
 
 
 def sample_rollouts(args: Args, state: TrainState, reward_fn):
     """choose_prompts, then collect_rollouts, for one round; --dynamic-sampling drops the groups whose successes
     are all equal (mixed_groups) and refills, for at most max_refills more rounds (a DAPS refill reads the counts of
-    the rounds before it). Returns (batch, rewards [B], statuses, sample records of a few rollouts, metrics)."""
+    the rounds before it). The DAPS counts decay once here and grow with every round (collect_rollouts). Returns
+    (batch, rewards [B], statuses, sample records of a few rollouts, metrics)."""
+    state.successes, state.attempts = state.successes * args.daps_decay, state.attempts * args.daps_decay  # S, N
     daps_gen = torch.Generator().manual_seed(args.seed * 1_000_003 + state.step)  # resume replays the same draws
     parts, statuses, records, kept, dropped = [], [], [], 0, 0
     metrics, selection = collections.Counter(), collections.Counter()  # summed over the rounds
@@ -729,41 +744,6 @@ def sample_rollouts(args: Args, state: TrainState, reward_fn):
                         "prompts/p_hat_mean": selection["p_hat_sum"] / selection["accepted"]})
     batch = cat_batches([b for b, _ in parts], state.pad_id)  # the kept rows of every round
     return batch, torch.cat([r for _, r in parts]), statuses, records, metrics  # rewards [B]
-
-
-def choose_prompts(args: Args, state: TrainState, count: int, generator):
-    """`count` training prompt indices, the same on every rank: uniform draws, or DAPS (daps_select, generator its
-    accept/reject draws) once state.step is past daps_start. Advances state.sampler. Returns (indices, DAPS's
-    counters or {})."""
-    if args.prompt_selection == "uniform" or state.step <= args.daps_start:
-        return state.sampler.draw(count), {}
-
-    def p_c_of(candidates):  # [n] the critic's success probability from the prompt alone
-        with autocast(state.device, compute_dtype(args.dtype, state.device)):
-            v0 = prompt_values(state.critic, [state.prompts[i] for i in candidates], state.pad_id, args.critic_loss,
-                               args.gen_batch_size)  # [n]
-        # every rank must take the same accept/reject decisions (each draw is a sharded critic forward)
-        return (all_reduce(success_prob(v0).double()) / state.world).cpu()  # the counts live on the CPU
-
-    return daps_select(state.sampler, count, p_c_of, state.successes, state.attempts, args.daps_n_c, args.daps_a_min,
-                       generator)
-
-
-def daps_select(sampler: PromptSampler, count: int, p_c_of, successes, attempts, n_c: float, a_min: float,
-                generator):
-    """Draw candidates from sampler (anything with draw(count) -> indices) until `count` are accepted, each with
-    probability daps_accept_prob. p_c_of(indices) -> [n] critic estimates; successes, attempts [n_prompts]: the
-    decayed counts S and N. Returns (accepted indices, {"drawn", "accepted", "p_hat_sum" over the accepted}).
-    Terminates since a >= a_min > 0. Needs: daps_estimate, daps_accept_prob, PromptSampler."""
-    chosen, drawn, p_hat_sum = [], 0, 0.0
-    while len(chosen) < count:
-        candidates = sampler.draw(count - len(chosen))
-        p_hat = daps_estimate(successes[candidates], attempts[candidates], p_c_of(candidates).double(), n_c)  # [n]
-        a = daps_accept_prob(p_hat, a_min)  # [n]
-        accept = torch.rand(len(candidates), generator=generator, dtype=torch.float64) < a  # [n] bool
-        chosen += [i for i, ok in zip(candidates, accept.tolist()) if ok]
-        drawn, p_hat_sum = drawn + len(candidates), p_hat_sum + p_hat[accept].sum().item()
-    return chosen, {"drawn": drawn, "accepted": len(chosen), "p_hat_sum": p_hat_sum}
 
 
 def collect_rollouts(args: Args, state: TrainState, prompt_list: list, reward_fn):
@@ -825,14 +805,6 @@ def actor_loss_mask(args: Args, batch: Batch, mask):
     return mask * (~batch.truncated).to(mask.device)[:, None].float()  # [B, T]
 
 
-def behaviour_logprobs(args: Args, batch: Batch, old_logprobs):
-    """log mu [B, T], the policy the rollouts were drawn from, as PACT's rho_t = pi_new / mu reads it: the engine's
-    own log-probs with --is-correction tis (where it gave them), else log pi_old [B, T]."""
-    if args.is_correction == "tis" and batch.sampler_logprobs is not None:
-        return batch.sampler_logprobs.to(old_logprobs.device)  # [B, T]
-    return old_logprobs
-
-
 def importance_weights(args: Args, batch: Batch, old_logprobs, loss_mask):
     """(w [B, T], metrics): with --is-correction tis and the engine's log-probs, TIS's weights min(pi_old / mu, C)
     (tis_weights), else 1 (so for the flash_reinforce loss, whose own ratio is pi / mu). Whenever the engine gave
@@ -850,6 +822,14 @@ def importance_weights(args: Args, batch: Batch, old_logprobs, loss_mask):
     return (w if args.is_correction == "tis" and args.actor_loss != "flash_reinforce" else ones), metrics
 
 
+def behaviour_logprobs(args: Args, batch: Batch, old_logprobs):
+    """log mu [B, T], the policy the rollouts were drawn from, as PACT's rho_t = pi_new / mu reads it: the engine's
+    own log-probs with --is-correction tis (where it gave them), else log pi_old [B, T]."""
+    if args.is_correction == "tis" and batch.sampler_logprobs is not None:
+        return batch.sampler_logprobs.to(old_logprobs.device)  # [B, T]
+    return old_logprobs
+
+
 def train_actor(args: Args, state: TrainState, batch: Batch, advantages, old_logprobs, loss_mask):
     """update_actor on the batch: advantages [B, T] (TIS-weighted by the caller), old_logprobs [B, T] log pi_old,
     the token mean over loss_mask [B, T]. Marks the vLLM engine stale. Returns metrics."""
@@ -859,73 +839,6 @@ def train_actor(args: Args, state: TrainState, batch: Batch, advantages, old_log
     if state.engine is not None:
         state.engine.stale = True
     return metrics
-
-
-def train_critic(args: Args, state: TrainState, batch: Batch, values, returns, mu_logprobs):
-    """update_critic from values [B, T] toward returns [B, T] (s3ac), or toward PACT's targets (--critic-sync pact):
-    the same returns (Monte-Carlo: resolve_args holds PACT's --critic-lam at 1) weighted by rho_t = pi_new / mu, pi_new
-    from one more forward pass of the UPDATED actor, mu_logprobs [B, T] (behaviour_logprobs). Returns metrics."""
-    t0 = synced_time(state.device)
-    mask = batch.response_mask.to(state.device)  # [B, T]
-    targets, critic_mask, metrics = returns, mask, {}  # [B, T] each
-    if args.critic_sync == "pact":
-        with autocast(state.device, compute_dtype(args.dtype, state.device)):
-            new_logprobs = policy_logprobs(state.policy, batch, args.temperature, args.micro_batch_tokens)  # [B, T]
-        targets, critic_mask, metrics = pact_targets(returns, new_logprobs, mu_logprobs, mask, args.rho_min,
-                                                     args.rho_max)  # [B, T] each
-    state.critic.train()
-    metrics.update(update_critic(state.critic, state.critic_opt, batch, values, targets, critic_mask, args,
-                                 state.update_gen))
-    metrics["time/critic"] = synced_time(state.device) - t0
-    return metrics
-
-
-def optimize(module, optimizer, batch: Batch, loss_fn, token_mask, epochs: int, minibatches: int,
-             micro_batch_tokens: int, grad_clip: float, generator, amp_dtype, normaliser: str = "tokens") -> dict:
-    """The update loop shared by actor and critic: `epochs` passes over the batch, each of `minibatches`
-    optimizer steps, each in micro-batches of at most micro_batch_tokens slots (micro_batches) whose gradients
-    accumulate. loss_fn(rows, mbatch, num_tokens) -> (loss, metrics): rows [b] index the batch, mbatch =
-    batch.rows(rows, features=True) (trimmed: its t response columns are the batch's first t), num_tokens = the
-    tokens of token_mask [B, T] in the whole mini-batch, summed over ranks (the normaliser of section 1), or with
-    normaliser "sequences" its rows with a token (FlashREINFORCE's sample mean): the micro-batching changes no sum
-    and no gradient. A step whose gradient norm is not finite (NaN or inf: clip_grad_norm_ cannot rescale it) is
-    skipped: gradients dropped, weights and optimizer state untouched, counted in skipped_steps; the norm is global
-    under FSDP2 (a DTensor made whole), so every rank skips the same steps. Returns metrics averaged over steps, with
-    grad_norm before clipping and the share of clipped steps over the steps taken (NaN when none was)."""
-    device = next(module.parameters()).device
-    sums, steps, skipped, pads = {"grad_norm": 0.0, "clipped": 0.0}, 0, 0, [0, 0]
-    for _ in range(epochs):
-        perm = torch.randperm(token_mask.shape[0], generator=generator)  # [B]
-        for mb in perm.chunk(minibatches):
-            rows_mask = token_mask[mb.to(token_mask.device)]  # [b, T]
-            count = rows_mask.sum() if normaliser == "tokens" else (rows_mask.sum(1) > 0).sum().float()  # or rows
-            num_tokens = all_reduce(count.to(device)).clamp(min=1)
-            micro = micro_batches(batch, micro_batch_tokens, mb)
-            pads = [a + b for a, b in zip(pads, padding_counts(batch, micro))]  # pad slots, computed slots
-            for rows in micro:
-                with autocast(device, amp_dtype):  # forward only; backward runs outside autocast
-                    loss, metrics = loss_fn(rows.to(device), batch.rows(rows, features=True), num_tokens)
-                loss.backward()
-                for key, value in metrics.items():
-                    sums[key] = sums.get(key, 0.0) + float(value)
-            grad_norm = torch.nn.utils.clip_grad_norm_(module.parameters(), grad_clip)
-            grad_norm = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()
-            steps += 1
-            if not math.isfinite(grad_norm):  # an optimizer step would write NaN into every weight
-                optimizer.zero_grad(set_to_none=True)
-                skipped += 1
-                continue
-            sums["grad_norm"] += grad_norm
-            sums["clipped"] += float(grad_norm > grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-    keys = [k for k in sums if k not in ("grad_norm", "clipped")]  # per-rank shares of global token means
-    totals = all_reduce(torch.tensor([sums[k] for k in keys], dtype=torch.float64)).tolist()
-    taken = steps - skipped
-    return {"grad_norm": sums["grad_norm"] / taken if taken else math.nan,
-            "clipped": sums["clipped"] / taken if taken else math.nan, "skipped_steps": skipped,
-            "pad_slots": pads[0], "slots": pads[1],
-            **{k: t / steps for k, t in zip(keys, totals)}}
 
 
 def update_actor(model, optimizer, batch: Batch, advantages, old_logprobs, args: Args, generator, loss_mask=None):
@@ -958,6 +871,25 @@ def update_actor(model, optimizer, batch: Batch, advantages, old_logprobs, args:
     return {f"actor/{k}": v for k, v in metrics.items()}
 
 
+def train_critic(args: Args, state: TrainState, batch: Batch, values, returns, mu_logprobs):
+    """update_critic from values [B, T] toward returns [B, T] (s3ac), or toward PACT's targets (--critic-sync pact):
+    the same returns (Monte-Carlo: resolve_args holds PACT's --critic-lam at 1) weighted by rho_t = pi_new / mu, pi_new
+    from one more forward pass of the UPDATED actor, mu_logprobs [B, T] (behaviour_logprobs). Returns metrics."""
+    t0 = synced_time(state.device)
+    mask = batch.response_mask.to(state.device)  # [B, T]
+    targets, critic_mask, metrics = returns, mask, {}  # [B, T] each
+    if args.critic_sync == "pact":
+        with autocast(state.device, compute_dtype(args.dtype, state.device)):
+            new_logprobs = policy_logprobs(state.policy, batch, args.temperature, args.micro_batch_tokens)  # [B, T]
+        targets, critic_mask, metrics = pact_targets(returns, new_logprobs, mu_logprobs, mask, args.rho_min,
+                                                     args.rho_max)  # [B, T] each
+    state.critic.train()
+    metrics.update(update_critic(state.critic, state.critic_opt, batch, values, targets, critic_mask, args,
+                                 state.update_gen))
+    metrics["time/critic"] = synced_time(state.device) - t0
+    return metrics
+
+
 def update_critic(critic, optimizer, batch: Batch, old_values, targets, critic_mask, args: Args, generator) -> dict:
     """critic_loss_fn toward `targets` [B, T] (+-1 scale) on the tokens of critic_mask [B, T]: args.critic_epochs
     passes of args.minibatches steps, token mean over each mini-batch. old_values [B, T]: the values the
@@ -977,6 +909,114 @@ def update_critic(critic, optimizer, batch: Batch, old_values, targets, critic_m
     metrics = optimize(critic, optimizer, batch, loss_fn, critic_mask, args.critic_epochs, args.minibatches,
                        args.micro_batch_tokens, args.critic_grad_clip, generator, compute_dtype(args.dtype, device))
     return {f"critic/{k}": v for k, v in metrics.items()}
+
+
+def optimize(module, optimizer, batch: Batch, loss_fn, token_mask, epochs: int, minibatches: int,
+             micro_batch_tokens: int, grad_clip: float, generator, amp_dtype, normaliser: str = "tokens") -> dict:
+    """The update loop shared by actor and critic: `epochs` passes over the batch, each of `minibatches`
+    optimizer steps, each in micro-batches of at most micro_batch_tokens slots (micro_batches) whose gradients
+    accumulate. loss_fn(rows, mbatch, num_tokens) -> (loss, metrics): rows [b] index the batch, mbatch =
+    batch.rows(rows, features=True) (trimmed: its t response columns are the batch's first t), num_tokens = the
+    tokens of token_mask [B, T] in the whole mini-batch, summed over ranks (the normaliser of section 1), or with
+    normaliser "sequences" its rows with a token (FlashREINFORCE's sample mean): the micro-batching changes no sum
+    and no gradient. A step whose gradient norm is not finite (NaN or inf: clip_grad_norm_ cannot rescale it) is
+    skipped: gradients dropped, weights and optimizer state untouched, counted in skipped_steps; the norm is global
+    under FSDP2 (a DTensor made whole), so every rank skips the same steps. Returns metrics averaged over steps, with
+    grad_norm before clipping and the share of clipped steps over the steps taken (NaN when none was)."""
+    device = next(module.parameters()).device
+    sums, steps, skipped, pads = {"grad_norm": 0.0, "clipped": 0.0}, 0, 0, [0, 0]
+    for _ in range(epochs):
+        perm = torch.randperm(token_mask.shape[0], generator=generator)  # [B]
+        for mb in perm.chunk(minibatches):
+            rows_mask = token_mask[mb.to(token_mask.device)]  # [b, T]
+            # THE normaliser of every loss (section 1): the tokens of the (actor's or critic's) mask in this whole
+            # mini-batch, all ranks summed and passed to every micro-batch's loss, so the step's gradient is that of
+            # the global token mean (FSDP2 sums the ranks' gradients); "sequences" (FlashREINFORCE's sample mean,
+            # each response's token mean summed): its responses instead
+            count = rows_mask.sum() if normaliser == "tokens" else (rows_mask.sum(1) > 0).sum().float()
+            num_tokens = all_reduce(count.to(device)).clamp(min=1)
+            micro = micro_batches(batch, micro_batch_tokens, mb)
+            pads = [a + b for a, b in zip(pads, padding_counts(batch, micro))]  # pad slots, computed slots
+            for rows in micro:
+                with autocast(device, amp_dtype):  # forward only; backward runs outside autocast
+                    loss, metrics = loss_fn(rows.to(device), batch.rows(rows, features=True), num_tokens)
+                loss.backward()
+                for key, value in metrics.items():
+                    sums[key] = sums.get(key, 0.0) + float(value)
+            grad_norm = torch.nn.utils.clip_grad_norm_(module.parameters(), grad_clip)
+            grad_norm = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()
+            steps += 1
+            if not math.isfinite(grad_norm):  # an optimizer step would write NaN into every weight
+                optimizer.zero_grad(set_to_none=True)
+                skipped += 1
+                continue
+            sums["grad_norm"] += grad_norm
+            sums["clipped"] += float(grad_norm > grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    keys = [k for k in sums if k not in ("grad_norm", "clipped")]  # per-rank shares of global token means
+    totals = all_reduce(torch.tensor([sums[k] for k in keys], dtype=torch.float64)).tolist()
+    taken = steps - skipped
+    return {"grad_norm": sums["grad_norm"] / taken if taken else math.nan,
+            "clipped": sums["clipped"] / taken if taken else math.nan, "skipped_steps": skipped,
+            "pad_slots": pads[0], "slots": pads[1],
+            **{k: t / steps for k, t in zip(keys, totals)}}
+
+
+def step_metrics(args: Args, state: TrainState, batch: Batch, rewards, statuses: list, advantages, metrics: dict):
+    """The step's rollout/, verify/, adv/, prompts/ and readiness/ metrics, and perf/padding: pad slots / computed
+    slots over the step's passes (the no-grad ones over the whole batch, and the updates' pad_slots and slots, which
+    it takes out of metrics)."""
+    mask = batch.response_mask.to(advantages.device)  # [B, T]
+    passes = 1 + (state.critic is not None) + (args.critic_sync == "pact")  # no-grad: log pi_old, values, PACT's
+    pad, slots = (passes * n for n in padding_counts(batch, micro_batches(batch, args.micro_batch_tokens)))
+    for part in ("actor", "critic"):  # the updates' micro-batches (optimize)
+        pad, slots = pad + metrics.pop(f"{part}/pad_slots", 0), slots + metrics.pop(f"{part}/slots", 0)
+    trained = batch.prompt_index.unique()  # prompts of this step's training batch
+    rate = state.successes[trained] / state.attempts[trained].clamp(min=1e-12)  # running success rate
+    out = headroom(rewards, batch.prompt_index, args.alpha_headroom)[1] if args.k >= 2 else {}  # K = 1: evaluations'
+    return {**out, "perf/padding": pad / max(slots, 1), "rollout/reward": rewards.mean().item(),
+            "rollout/acc": succeeded(rewards).float().mean().item(), "rollout/response_len": mask.sum(1).mean().item(),
+            "rollout/truncated": batch.truncated.float().mean().item(),
+            **{f"verify/{s}": statuses.count(s) for s in Verifier.STATUSES[2:]},  # zeros included
+            **{f"verify/{s}": statuses.count(s) for s in sorted(set(statuses) - set(Verifier.STATUSES))},
+            "adv/mean": masked_mean(advantages, mask).item(),
+            "prompts/share_mid": ((rate > 0.2) & (rate <= 0.8)).double().mean().item()}
+
+
+def choose_prompts(args: Args, state: TrainState, count: int, generator):
+    """`count` training prompt indices, the same on every rank: uniform draws, or DAPS (daps_select, generator its
+    accept/reject draws) once state.step is past daps_start. Advances state.sampler. Returns (indices, DAPS's
+    counters or {})."""
+    if args.prompt_selection == "uniform" or state.step <= args.daps_start:
+        return state.sampler.draw(count), {}
+
+    def p_c_of(candidates):  # [n] the critic's success probability from the prompt alone
+        with autocast(state.device, compute_dtype(args.dtype, state.device)):
+            v0 = prompt_values(state.critic, [state.prompts[i] for i in candidates], state.pad_id, args.critic_loss,
+                               args.gen_batch_size)  # [n]
+        # every rank must take the same accept/reject decisions (each draw is a sharded critic forward)
+        return (all_reduce(success_prob(v0).double()) / state.world).cpu()  # the counts live on the CPU
+
+    return daps_select(state.sampler, count, p_c_of, state.successes, state.attempts, args.daps_n_c, args.daps_a_min,
+                       generator)
+
+
+def daps_select(sampler: PromptSampler, count: int, p_c_of, successes, attempts, n_c: float, a_min: float,
+                generator):
+    """Draw candidates from sampler (anything with draw(count) -> indices) until `count` are accepted, each with
+    probability daps_accept_prob. p_c_of(indices) -> [n] critic estimates; successes, attempts [n_prompts]: the
+    decayed counts S and N. Returns (accepted indices, {"drawn", "accepted", "p_hat_sum" over the accepted}).
+    Terminates since a >= a_min > 0. Needs: daps_estimate, daps_accept_prob, PromptSampler."""
+    chosen, drawn, p_hat_sum = [], 0, 0.0
+    while len(chosen) < count:
+        candidates = sampler.draw(count - len(chosen))
+        p_hat = daps_estimate(successes[candidates], attempts[candidates], p_c_of(candidates).double(), n_c)  # [n]
+        a = daps_accept_prob(p_hat, a_min)  # [n]
+        accept = torch.rand(len(candidates), generator=generator, dtype=torch.float64) < a  # [n] bool
+        chosen += [i for i, ok in zip(candidates, accept.tolist()) if ok]
+        drawn, p_hat_sum = drawn + len(candidates), p_hat_sum + p_hat[accept].sum().item()
+    return chosen, {"drawn": drawn, "accepted": len(chosen), "p_hat_sum": p_hat_sum}
 
 
 # --- Critic pretraining before step 1 (actor frozen): coverage trajectories, on-policy warm-up ---
@@ -1578,32 +1618,6 @@ def prompt_values(critic: Critic, prompts: list, pad_id: int, critic_loss: str, 
 
 
 # --- 3d. Rollout: a Batch of sampled responses ---
-@dataclass
-class Batch:
-    """A rollout batch of B sequences: left-padded prompts, right-padded responses, masks, problem indices."""
-    prompt_ids: torch.Tensor  # [B, P] left-padded
-    prompt_mask: torch.Tensor  # [B, P] 1 on prompt tokens
-    response_ids: torch.Tensor  # [B, T] right-padded
-    response_mask: torch.Tensor  # [B, T] float, 1 on generated tokens (stop token included), 0 on padding
-    truncated: torch.Tensor  # [B] bool, True when no stop token was generated (length limit hit)
-    prompt_index: torch.Tensor  # [B] index of the problem each sequence answers (groups for K > 1)
-    sampler_logprobs: torch.Tensor = None  # [B, T] the sampler's own log mu of each token, 0 on padding; None
-    #                                        for greedy batches and stored trajectories
-    features: torch.Tensor = None  # [B, P + T, H] fp32, what a partial-trunk critic reads (store_critic_features); None
-    #                                until recorded (generate_hf) or first used
-
-    def rows(self, idx, features: bool = False):
-        """The sub-batch of the sequences `idx` (a list or a [b] index tensor), trimmed to its own longest prompt
-        and response (no column that is padding in every row), by default without the features (the actor's
-        micro-batches need no copy of them)."""
-        p, t = (int(m[idx].sum(1).max()) if len(idx) else 0 for m in (self.prompt_mask, self.response_mask))
-        P = self.prompt_ids.shape[1]
-        cols = {"prompt_ids": slice(P - p, P), "prompt_mask": slice(P - p, P), "features": slice(P - p, P + t)}
-        return Batch(*(None if (f.name == "features" and not features) or getattr(self, f.name) is None else
-                       getattr(self, f.name)[idx] if f.name in ("truncated", "prompt_index") else
-                       getattr(self, f.name)[idx][:, cols.get(f.name, slice(0, t))] for f in dataclasses.fields(self)))
-
-
 def response_mask_from_ids(response_ids, eos_ids):
     """(response_mask [B, T] float, 1 up to and including the first stop token, everywhere when
     there is none; truncated [B] bool, no stop token) of response_ids [B, T], the generated tokens only. Padding is
@@ -2414,7 +2428,7 @@ def resolve_args(args: Args) -> Args:
     prints the algorithm's), after checking the combination. --critic-model, --prompt-key and --answer-key keep "auto"
     (it is resolved where they are used). Raises ValueError for an unknown choice, a number outside its domain or a
     combination that cannot run (a critic feature without a critic, groups with K < 2). Idempotent."""
-    choices = {"algo": ("s3ac", "ppo", "grpo", "rloo", "reinforce_pp", "flash_reinforce"),
+    choices = {"algo": tuple(ALGO_DEFAULTS),
                "actor_loss": ("auto", "cispo", "ppo", "flash_reinforce"),
                "rollout": ("auto", "vllm", "hf"), "report_to": ("none", "tensorboard", "wandb"),
                "critic_loss": ("mse", "bce"), "critic_sync": ("s3ac", "pact"), "prompt_selection": ("uniform", "daps"),
@@ -2474,17 +2488,17 @@ def resolve_args(args: Args) -> Args:
     if pact and args.critic_lam not in ("auto", 1.0):
         raise ValueError(f"--critic-lam {args.critic_lam}: --critic-sync pact weights Monte-Carlo returns, so the "
                          f"critic's lambda must be 1 (or auto)")
-    own = {"ppo": "ppo", "flash_reinforce": "flash_reinforce"}.get(args.algo, "cispo")  # the --algo's actor loss
-    actor_loss = own if args.actor_loss == "auto" else args.actor_loss
+    own_loss, actor_lam, critic_lam, minibatches = ALGO_DEFAULTS[args.algo]
+    actor_lam, critic_lam = (1.0 if pact and not ppo else actor_lam), (1.0 if pact else critic_lam)
+    actor_loss = own_loss if args.actor_loss == "auto" else args.actor_loss
     auto = lambda value, resolved: resolved if value == "auto" else value
     return dataclasses.replace(
-        args, actor_loss=actor_loss, actor_lam=auto(args.actor_lam, 0.95 if ppo else 1.0 if pact else "adaptive"),
-        critic_lam=auto(args.critic_lam, 0.95 if ppo and not pact else 1.0),
+        args, actor_loss=actor_loss, actor_lam=auto(args.actor_lam, actor_lam), critic_lam=auto(args.critic_lam, critic_lam),
         eps_low=auto(args.eps_low, 0.2 if actor_loss == "ppo" else 1.0),
         eval_max_new_tokens=auto(args.eval_max_new_tokens, args.max_new_tokens),
         critic_warmup_steps=auto(args.critic_warmup_steps, "plateau" if args.algo in CRITIC_ALGOS and
                                  not uses_coverage(args) else 0),
-        minibatches=auto(args.minibatches, 1 if args.algo == "flash_reinforce" else max(1, args.batch_prompts // 32)))
+        minibatches=auto(args.minibatches, max(1, args.batch_prompts // 32) if minibatches == "dapo" else minibatches))
 
 
 def _named_or_number(name: str, value, words: tuple, number_type=float):
