@@ -834,6 +834,50 @@ def test_resume_after_kill_matches_uninterrupted_run(smoke_run, tmp_path):
         assert all(torch.equal(a[k], b[k]) for k in a), part  # bit-identical weights after the resume
 
 
+def test_resume_takes_the_newest_complete_checkpoint_and_keeps_the_logs(smoke_run, tmp_path):
+    """A roll-back (the newest step_N removed) and a copied run without its `latest` file: --resume continues from
+    the newest complete checkpoint, says which, and keeps every metric and sample record up to its step."""
+    import shutil
+    path, full_out = smoke_run
+    flags = ["--steps", "2", "--save-every", "1", "--keep-checkpoints", "3", "--minibatches", "2", "--resume"]
+    full = {name: read_jsonl(os.path.join(full_out, name)) for name in ("metrics.jsonl", "samples.jsonl")}
+    assert {r["step"] for r in full["metrics.jsonl"]} == {0, 1, 2} and full["samples.jsonl"]
+    rolled, copied = str(tmp_path / "rolled"), str(tmp_path / "copied")
+    for out in (rolled, copied):
+        shutil.copytree(full_out, out)
+    shutil.rmtree(os.path.join(rolled, "checkpoints", "step_2"))
+    os.remove(os.path.join(copied, "checkpoints", "latest"))
+    for out, step in ((rolled, 1), (copied, 2)):
+        proc = run_s3ac(*smoke_flags(path, out, *flags))
+        ckpt = os.path.join(out, "checkpoints", f"step_{step}")
+        assert f"resumed from {ckpt} (the newest complete checkpoint) at step {step}" in proc.stderr, proc.stderr
+        for name, records in full.items():
+            kept = [r for r in read_jsonl(os.path.join(out, name)) if r["step"] <= step]
+            assert kept == [r for r in records if r["step"] <= step], name  # bit for bit, timings included
+        assert [r["step"] for r in read_jsonl(os.path.join(out, "metrics.jsonl"))] == [0, 1, 2]
+
+
+def test_resume_without_a_complete_checkpoint_refuses_and_changes_nothing(smoke_run, tmp_path):
+    """Every checkpoint lacks a part a resume reads (the actor's weights in one, the critic's value head in the
+    other), or the folder is empty: --resume stops in one line and every file stays as it was."""
+    import shutil
+    path, full_out = smoke_run
+    out = str(tmp_path / "broken")
+    shutil.copytree(full_out, out)
+    os.remove(os.path.join(out, "checkpoints", "step_1", "actor", "model.safetensors"))
+    os.remove(os.path.join(out, "checkpoints", "step_2", "critic", "value_head.safetensors"))
+    snapshot = lambda: {os.path.relpath(os.path.join(d, f), out): Path(d, f).read_bytes()
+                        for d, _, files in os.walk(out) for f in files}
+    before = snapshot()
+    assert "metrics.jsonl" in before and "samples.jsonl" in before
+    for folder in (out, str(tmp_path / "empty")):
+        rc, lines = run_failing(*smoke_flags(path, folder, "--steps", "3", "--resume"))
+        assert rc == 1 and lines[-1] == (f"s3ac.py: error: --resume: no complete checkpoint in "
+                                         f"{os.path.join(folder, 'checkpoints')}; nothing there was changed (run "
+                                         f"without --resume to start over, which replaces its logs)"), lines[-3:]
+    assert snapshot() == before and not os.path.exists(tmp_path / "empty")
+
+
 def test_resume_refuses_an_older_checkpoint_format_by_name(smoke_run, tmp_path):
     """Optimizer states keyed by position (the format before states were keyed by parameter name) cannot be
     matched to parameters on another number of ranks: the resume stops with an error naming the checkpoint."""
@@ -2569,6 +2613,70 @@ def _pasted(name):
     return namespace[name]
 
 
+def section_one_functions():
+    """{name: source} of every function between section 1's banner and the next one, decorators included, found by
+    line range in s3ac.py's syntax tree (a function added there is walked without a list to update)."""
+    import ast
+    text = Path(s3ac.__file__).read_text()
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("# 1. The math")) + 1
+    end = next(i for i, line in enumerate(lines) if line.startswith("# Where this code departs")) + 1
+    nodes = [n for n in ast.parse(text).body if isinstance(n, ast.FunctionDef) and start < n.lineno < end]
+    return {n.name: "\n".join(lines[min([n.lineno] + [d.lineno for d in n.decorator_list]) - 1:n.end_lineno])
+            for n in nodes}
+
+
+def section_one_arguments():
+    """Fresh example arguments for section 1's functions, by parameter name: B 4, T 5, P 3, H 6; groups of two
+    prompts (gae alone reads token rewards [B, T]). logprobs lie in the graph of hidden (costate_norms differentiates
+    them); fresh on each call."""
+    g = torch.Generator().manual_seed(0)
+    randn, rand = (lambda *s: torch.randn(*s, generator=g)), (lambda *s: torch.rand(*s, generator=g))
+    mask = torch.tensor([[1.0, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0]])  # [B, T]
+    hidden = randn(4, 8, 6).requires_grad_()  # [B, P + T, H]
+    return dict(fn=lambda x: 2 * x, rewards=torch.tensor([1.0, -1.0, 1.0, 1.0]), values=randn(4, 5),
+                response_mask=mask, mask=mask, gamma=1.0, lam=0.95, critic_lam=1.0, actor_lam=torch.full((4,), 0.9),
+                alpha=0.05, logprobs=-(hidden[:, -6:-1] ** 2).mean(-1), old_logprobs=-rand(4, 5),
+                sampler_logprobs=-rand(4, 5), behaviour_logprobs=-rand(4, 5), advantages=randn(4, 5), eps_low=0.2,
+                eps_high=0.28, num_tokens=None, cap=2.0, old_values=randn(4, 5), returns=randn(4, 5), eps_v=0.2,
+                value_logits=randn(4, 5), targets=rand(4, 5), raw=randn(4, 5), critic_loss="mse", rho_min=0.5,
+                rho_max=2.0, v0=randn(4), S=torch.tensor([0.0, 1, 2, 3]), N=torch.tensor([0.0, 2, 3, 3]),
+                p_c=rand(4), n_c=2.0, p_hat=rand(4), a_min=0.1, prompt_index=torch.tensor([0, 0, 1, 1]),
+                count=torch.full((4,), 2.0), name="grpo", use_std=True, x=randn(4, 5), eps=0.1, ev=0.5, c=4,
+                critic_s=1.0, actor_s=2.0, hidden=hidden, n=10, k=3, costate_norm=rand(2), entropy=rand(2),
+                signal=rand(2), h=rand(2))
+
+
+def test_every_section_one_function_runs_pasted_with_torch_and_its_needs():
+    """The paste contract, walked over all of section 1: each function's source, decorator included, exec'd in a
+    namespace holding torch and what its "Needs:" line names (a section 1 helper as its own pasted source, with its
+    decorator; a module such as math; all_reduce as the identity of one process) and nothing else, then called:
+    it must run and return what s3ac's own returns (@triton_on_cuda without kernels runs the function itself)."""
+    sources = section_one_functions()
+    assert len(sources) >= 30 and {"triton_on_cuda", "gae", "pass_at_k", "costate_norms"} <= sources.keys()
+    for name, source in sources.items():
+        needs = re.search(r"Needs: ((?:\w+,\s+)*\w+)", inspect.getdoc(getattr(s3ac, name)) or "")
+        namespace = {"torch": torch}
+        for part in (re.split(r",\s+", needs.group(1)) if needs else []) + [name]:
+            if part == "all_reduce":
+                namespace[part] = lambda x, op="sum": x
+            elif inspect.ismodule(getattr(s3ac, part)):
+                namespace[part] = getattr(s3ac, part)
+            else:
+                assert part in sources, f"{name} needs {part}, which is not in section 1"
+                if sources[part].startswith("@triton_on_cuda"):
+                    exec(sources["triton_on_cuda"], namespace)
+                exec(sources[part], namespace)
+        params = inspect.signature(namespace[name]).parameters
+        assert all(p in section_one_arguments() for p in params), (name, list(params))
+        given = lambda: {**section_one_arguments(), **({"rewards": torch.eye(4, 5)} if name == "gae" else {})}
+        results = [f(**{p: a[p] for p in params}) for f, a in ((namespace[name], given()),
+                                                                (getattr(s3ac, name), given()))]
+        if name == "triton_on_cuda":
+            results = [f(torch.arange(3.0)) for f in results]
+        torch.testing.assert_close(results[0], results[1], rtol=0, atol=0, equal_nan=True, msg=name)
+
+
 def test_pasted_gae_and_decoupled_gae_hand_cases():
     gae = _pasted("gae")
     nan = float("nan")
@@ -4176,6 +4284,23 @@ def test_engine_logprobs_must_pair_with_the_token_ids(monkeypatch):
         call(fake_vllm_engine(monkeypatch, [good, other]))
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("-inf"), float("inf")])
+def test_a_non_finite_engine_logprob_stops_the_step_naming_sample_and_position(monkeypatch, bad):
+    """A NaN (or infinite) log mu from the engine would make the TIS weight NaN and skip the optimizer step of the
+    good rows beside it: generate stops in one line naming the sample, its prompt and the position."""
+    lp = lambda t, x: {t: types.SimpleNamespace(logprob=x)}
+    good = types.SimpleNamespace(token_ids=[5, 6, 2], logprobs=[lp(5, -0.5), lp(6, -1.25), lp(2, -0.125)],
+                                 finish_reason="stop")
+    broken = types.SimpleNamespace(token_ids=[7, 8, 9], logprobs=[lp(7, -2.0), lp(8, -0.25), lp(9, bad)],
+                                   finish_reason="length")
+    engine = fake_vllm_engine(monkeypatch, [good, broken])
+    with pytest.raises(ValueError) as error:
+        engine.generate([[3, 4], [3]], [7, 9], {2}, 2, 3, 1.0)
+    assert str(error.value) == (f"rollout engine: sample 1 (prompt 9) has log-prob {bad} at position 2; log mu "
+                                f"must be finite")
+    assert engine.generate([[3, 4], [3]], [7, 9], {2}, 2, 3, 1.0, greedy=True).sampler_logprobs is None  # not read
+
+
 def test_a_non_finite_gradient_skips_the_step_and_the_next_batch_trains(tiny):
     """A NaN in the loss: the actor's weights and AdamW state stay bit for bit as they were, the step is counted in
     actor/skipped_steps; the next finite batch trains. The critic's update counts its own skipped steps."""
@@ -4285,6 +4410,53 @@ def test_context_limit_is_checked_at_start_for_both_engines(tiny, tmp_path):
                            eval_sets)
 
 
+def test_context_limit_covers_the_critic_and_coverage_models(tiny, tmp_path):
+    """Every model that reads the training prompts is checked against its own context: a --critic-model or a
+    --coverage-models entry shorter than the actor's stops the run at start; exactly at its limit passes; the
+    evaluation prompts (the actor's alone) and --vllm-max-model-len (the actor's engine) do not apply to them."""
+    path, _, tok = tiny
+    short = tmp_path / "short"
+    short.mkdir()
+    config = json.loads((Path(path) / "config.json").read_text())
+    assert config["max_position_embeddings"] == 512
+    (short / "config.json").write_text(json.dumps(dict(config, max_position_embeddings=64)))
+    args = s3ac.resolve_args(s3ac.parse_args(smoke_flags(path, str(tmp_path / "run"), "--steps", "1")))
+    train, _ = s3ac.split_problems(s3ac.make_arithmetic(200, 0), "heldout", args)
+    prompts = [s3ac.build_prompt(tok, p.question) for p in train]
+    longest = max(map(len, prompts))
+    eval_sets = [("long", [], [[1] * 300])]  # 300 + 8 tokens: inside the actor's 512, outside the short 64
+    ok = dataclasses.replace(args, max_new_tokens=64 - longest, critic_model=str(short))
+    s3ac.check_context(ok, path, False, prompts, eval_sets)
+    over = dataclasses.replace(ok, max_new_tokens=65 - longest)
+    s3ac.check_context(dataclasses.replace(over, critic_model="auto"), path, False, prompts, eval_sets)
+    s3ac.check_context(dataclasses.replace(over, algo="grpo"), path, False, prompts, eval_sets)  # no critic reads
+    message = (f"--max-new-tokens {65 - longest} + the longest training prompt, {longest} tokens, = 65 > 64, the "
+               f"context of {short} (max_position_embeddings): lower --max-new-tokens or --max-prompt-tokens")
+    for case in (over, dataclasses.replace(over, vllm_max_model_len=1000),
+                 dataclasses.replace(over, critic_model="auto", coverage_models=f"{path},{short}")):
+        with pytest.raises(ValueError) as error:
+            s3ac.check_context(case, path, True, prompts, eval_sets)
+        assert str(error.value) == message
+
+
+def test_resume_refusal_names_the_flag_that_changed_the_problems(tmp_path):
+    """Other training problems on resume: the refusal names the flags behind them that changed (a --reward-fn
+    change alone changes the golds' layout), both values; with the same flags, the files' contents."""
+    problems = [s3ac.Problem(f"What is {i} + 1?", str(i + 1)) for i in range(5)]
+    args = s3ac.Args(model="m", out_dir=str(tmp_path))
+    ckpt = tmp_path / "step_1"
+    ckpt.mkdir()
+    (ckpt / "run.json").write_text(json.dumps(s3ac.run_record(args, problems)))
+    other = [s3ac.Problem(p.question, f"${p.answer}$") for p in problems]
+    assert s3ac.check_resume(str(ckpt), args, problems) == []
+    with pytest.raises(ValueError, match=r"index; resume with the same --reward-fn \(math in the checkpoint, "
+                                         r"r\.py:f now\)$"):
+        s3ac.check_resume(str(ckpt), dataclasses.replace(args, reward_fn="r.py:f"), other)
+    with pytest.raises(ValueError, match=r"index; resume with the same --data contents \(the flags are the same, "
+                                         r"the files are not\)$"):
+        s3ac.check_resume(str(ckpt), args, other)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Readiness: headroom, pass@k, costates, python s3ac.py readiness and .ci/readiness.py (the prediction check)
 # ---------------------------------------------------------------------------------------------------------------
@@ -4307,6 +4479,26 @@ def test_headroom_hand_cases():
     assert s3ac.headroom(rewards, torch.zeros(12, dtype=torch.long), 0.0)[0].item() == 0.0  # alpha 0: q = p
     with pytest.raises(ValueError, match="alpha"):
         s3ac.headroom(rewards, torch.zeros(12, dtype=torch.long), -0.5)
+
+
+def test_headroom_is_finite_at_any_alpha():
+    """Large alpha: exp(alpha (R - 1)) of an all-wrong group underflows to 0 / 0 past alpha ~ 370; the weights are
+    taken relative to each group's best reward, so equal rewards give exactly 0 and a mixed group tends to
+    max R - mean R. Reference: exact decimal arithmetic (40 digits) of the plain formula."""
+    from decimal import Decimal, getcontext
+    getcontext().prec = 40
+
+    def exact(rewards, alpha):
+        w = [(Decimal(alpha) * Decimal(r)).exp() for r in rewards]
+        mean = sum(Decimal(r) for r in rewards) / len(rewards)
+        return float(sum(wi * Decimal(r) for wi, r in zip(w, rewards)) / sum(w) - mean)
+    groups = [[-1.0] * 4, [0.25] * 3, [1.0, -1.0, -1.0], [-1.0, -0.998, -1.0, -0.5], [0.5, 0.499, -1.0]]
+    rewards = torch.tensor([r for g in groups for r in g], dtype=torch.float64)
+    index = torch.tensor([i for i, g in enumerate(groups) for _ in g])
+    for alpha in (1.0, 371.0, 1000.0, 1e5):
+        h, m = s3ac.headroom(rewards, index, alpha)
+        assert h[:2].tolist() == [0.0, 0.0] and math.isfinite(m["readiness/headroom"]), alpha
+        assert h.tolist() == pytest.approx([max(exact(g, alpha), 0.0) for g in groups], rel=1e-12, abs=1e-15)
 
 
 def test_headroom_matches_a_loop_and_is_never_negative():
