@@ -3221,7 +3221,7 @@ def save_checkpoint(out_dir: str, step: int, model, tokenizer, critic, actor_opt
     os.replace(tmp, final)
     _write_atomic(os.path.join(root, "latest"), f"step_{step}\n")
     done = sorted((int(d[5:]) for d in os.listdir(root) if re.fullmatch(r"step_\d+", d)), reverse=True)
-    for old in done[keep:]:
+    for old in [s for s in done if s <= step][keep:]:  # a later, incomplete step_N never pushes this one out
         shutil.rmtree(os.path.join(root, f"step_{old}"), ignore_errors=True)
     if distributed():
         dist.barrier()

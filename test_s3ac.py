@@ -836,7 +836,8 @@ def test_resume_after_kill_matches_uninterrupted_run(smoke_run, tmp_path):
 
 def test_resume_takes_the_newest_complete_checkpoint_and_keeps_the_logs(smoke_run, tmp_path):
     """A roll-back (the newest step_N removed) and a copied run without its `latest` file: --resume continues from
-    the newest complete checkpoint, says which, and keeps every metric and sample record up to its step."""
+    the newest complete checkpoint, says which, and keeps every metric and sample record up to its step; a later
+    incomplete folder never makes a new save prune the checkpoint just written."""
     import shutil
     path, full_out = smoke_run
     flags = ["--steps", "2", "--save-every", "1", "--keep-checkpoints", "3", "--minibatches", "2", "--resume"]
@@ -855,6 +856,13 @@ def test_resume_takes_the_newest_complete_checkpoint_and_keeps_the_logs(smoke_ru
             kept = [r for r in read_jsonl(os.path.join(out, name)) if r["step"] <= step]
             assert kept == [r for r in records if r["step"] <= step], name  # bit for bit, timings included
         assert [r["step"] for r in read_jsonl(os.path.join(out, "metrics.jsonl"))] == [0, 1, 2]
+    stale = str(tmp_path / "stale")  # a later, incomplete folder: the new saves are pruned as if it were not there
+    shutil.copytree(full_out, stale)
+    os.rename(os.path.join(stale, "checkpoints", "step_2"), os.path.join(stale, "checkpoints", "step_3"))
+    os.remove(os.path.join(stale, "checkpoints", "step_3", "trainer_state.pt"))
+    run_s3ac(*smoke_flags(path, stale, *flags, "--keep-checkpoints", "1"))
+    assert s3ac.latest_checkpoint(stale) == os.path.join(stale, "checkpoints", "step_2")
+    assert sorted(os.listdir(os.path.join(stale, "checkpoints"))) == ["latest", "step_2", "step_3"]
 
 
 def test_resume_without_a_complete_checkpoint_refuses_and_changes_nothing(smoke_run, tmp_path):
