@@ -3242,7 +3242,7 @@ def latest_checkpoint(out_dir: str):
     root = os.path.join(out_dir, "checkpoints")
     steps = [int(d[5:]) for d in (os.listdir(root) if os.path.isdir(root) else []) if re.fullmatch(r"step_\d+", d)]
     for path in [os.path.join(root, f"step_{step}") for step in sorted(steps, reverse=True)]:
-        ls = lambda part: set(os.listdir(os.path.join(path, part))) if os.path.isdir(os.path.join(path, part)) else set()
+        ls = lambda part: set(os.listdir(os.path.join(path, part)) if os.path.isdir(os.path.join(path, part)) else ())
         whole = lambda part, *names: {"config.json", *names} <= ls(part) and any(
             f.startswith("model") and f.endswith(".safetensors") for f in ls(part))  # one file or shards
         if "trainer_state.pt" in ls("") and whole("actor", "tokenizer_config.json") and (
@@ -3272,9 +3272,8 @@ def run_record(args: Args, problems: list) -> dict:
 def check_resume(ckpt: str, args: Args, problems: list) -> list:
     """The resume rule, against the checkpoint's run.json (run_record): every flag takes the value given now; the
     FIXED_ON_RESUME flags and the training problems (data_identity) must be the checkpoint's. Returns the changed
-    flags, "--name old -> new" each (the caller prints them; the learning rates are re-applied to the restored
-    optimizer states by restore_checkpoint), or None for a checkpoint written without run.json. Raises ValueError
-    naming every fixed flag that changed with both values, or the data."""
+    flags, "--name old -> new" each (restore_checkpoint re-applies the learning rates), or None for a checkpoint
+    without run.json. Raises ValueError naming, with both values, each fixed flag or DATA_FLAGS flag that changed."""
     path = os.path.join(ckpt, "run.json")
     if not os.path.isfile(path):
         return None
@@ -3282,19 +3281,17 @@ def check_resume(ckpt: str, args: Args, problems: list) -> list:
         saved = json.load(f)
     now = run_record(args, problems)
     name = lambda key: "--" + key.replace("_", "-")
-    fixed = [f"{name(k)} ({saved['args'][k]} in the checkpoint, {now['args'][k]} now)" for k in FIXED_ON_RESUME
-             if k in saved["args"] and saved["args"][k] != now["args"][k]]
-    if fixed:
+    diff = lambda keys: [f"{name(k)} ({saved['args'][k]} in the checkpoint, {now['args'][k]} now)" for k in keys
+                         if k in saved["args"] and saved["args"][k] != now["args"][k]]
+    if fixed := diff(FIXED_ON_RESUME):
         raise ValueError(f"{ckpt}: a resume cannot change {', '.join(fixed)}; resume with the checkpoint's values, or "
                          f"start a new --out-dir")
     if saved["data"] != now["data"]:  # the flags that make the problems (golds: their layout follows the reward)
         old, new = saved["data"], now["data"]
-        changed = [f"{name(k)} ({saved['args'][k]} in the checkpoint, {now['args'][k]} now)" for k in DATA_FLAGS
-                   if k in saved["args"] and saved["args"][k] != now["args"][k]]
+        what = ", ".join(diff(DATA_FLAGS)) or "--data contents (the flags are the same, the files are not)"
         raise ValueError(f"{ckpt}: written for other training problems ({old['problems']}, sha256 "
                          f"{old['sha256'][:12]}; now {new['problems']}, {new['sha256'][:12]}), which its data order "
-                         f"and DAPS counts index; resume with the same "
-                         f"{', '.join(changed) or '--data contents (the flags are the same, the files are not)'}")
+                         f"and DAPS counts index; resume with the same {what}")
     return [f"{name(k)} {saved['args'][k]} -> {v}" for k, v in now["args"].items()
             if k in saved["args"] and saved["args"][k] != v and k != "resume"]
 
