@@ -38,7 +38,7 @@ section 2):
 Where to look: section 3a opens with the reward's contract, its checker call_reward, and make_rewards (which
 reward trains, which evaluates, which golds each reads); what each "auto" flag becomes is in its
 help (Args) and resolve_args. Section 1's functions paste alone with torch and the helpers their "Needs:" line
-names (none without one; all_reduce is the identity in one process; drop @triton_on_cuda).
+names (none without one; all_reduce is the identity in one process; @triton_on_cuda pastes too).
 
 Run:
     python s3ac.py --model Qwen/Qwen2.5-Math-1.5B          # paper setting, GPU: DAPO-Math, evaluated on MATH-500
@@ -96,11 +96,12 @@ import torch.nn as nn
 def triton_on_cuda(fn):
     """Decorator: on CUDA tensors (or with --kernels triton) the call runs kernels.<fn's name>, a Triton kernel of
     the same signature and math (test_s3ac.py compares them with each other and fp64); on CPU tensors, or with
-    --kernels torch, fn itself runs. The first tensor argument decides; fn stays reachable as .__wrapped__."""
+    --kernels torch, or pasted without kernels, fn itself runs. The first tensor argument decides; fn: .__wrapped__."""
+    import functools  # pasted with each function it decorates: torch and this alone
     @functools.wraps(fn)
     def dispatch(*args, **kwargs):
         first = next((a for a in (*args, *kwargs.values()) if torch.is_tensor(a)), None)
-        if first is not None and kernels.use_triton(first):
+        if first is not None and "kernels" in globals() and kernels.use_triton(first):  # pasted alone: fn
             return getattr(kernels, fn.__name__)(*args, **kwargs)
         return fn(*args, **kwargs)
     return dispatch
@@ -509,7 +510,8 @@ def headroom(rewards, prompt_index, alpha: float):
         raise ValueError(f"headroom: alpha {alpha} must be >= 0")
     _, group = torch.unique(prompt_index.cpu(), return_inverse=True)  # [B] group id 0..G-1
     r, G = rewards.double().cpu(), int(group.max()) + 1  # [B]
-    w = torch.exp(alpha * (r - 1))  # [B]  q_i ~ exp(alpha R_i), normalised below (R <= 1: no overflow)
+    top = torch.zeros(G, dtype=r.dtype).scatter_reduce(0, group, r, "amax", include_self=False)  # [G] max_g R
+    w = torch.exp(alpha * (r - top[group]))  # [B]  q_i ~ exp(alpha R_i), normalised below; the group's best weighs 1
     total = lambda x: torch.zeros(G, dtype=r.dtype).index_add(0, group, x)  # [G] sum over each group
     e_q, e_p = total(w * r) / total(w), total(r) / torch.bincount(group)  # [G] E_q[R], E_p[R]
     h = (e_q - e_p).clamp(min=0.0)  # [G]  H_alpha = E_q[R] - E_p[R] (the clamp drops rounding only)
@@ -518,7 +520,7 @@ def headroom(rewards, prompt_index, alpha: float):
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k of one prompt (Chen et al. 2021, eq. 1) from n samples of which c are right: the chance
-    that k of them drawn without replacement hold a right one. Raises ValueError unless 0 <= c <= n, 1 <= k <= n."""
+    that k drawn without replacement hold a right one. ValueError unless 0 <= c <= n, 1 <= k <= n. Needs: math."""
     if not (0 <= c <= n and 1 <= k <= n):
         raise ValueError(f"pass_at_k: need 0 <= c <= n and 1 <= k <= n, got n {n}, c {c}, k {k}")
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)  # 1 - C(n - c, k) / C(n, k); comb = 0 when n - c < k
@@ -528,7 +530,7 @@ def costate_norms(hidden, logprobs, advantages, response_mask):
     """Empirical costates lambda_hat_t (the value-gradient paper): the gradient of the advantage-weighted actor loss
     with respect to a block's hidden states hidden [B, P + T, H], by autograd, in the graph of logprobs [B, T] (log pi
     of the response tokens: position P - 1 + t scores token t); advantages, response_mask [B, T]. Returns
-    (||lambda_hat_t||_2 [B, T] fp32, 0 on padding; metrics). No parameter's .grad is touched."""
+    (||lambda_hat_t||_2 [B, T] fp32, 0 on padding; metrics). No parameter's .grad is touched. Needs: masked_mean."""
     T = response_mask.shape[1]
     valid = response_mask != 0  # [B, T]
     # L = -sum_t A_t log pi(a_t | s_t): a SUM over tokens, not a mean, so a token's costate does not shrink with B
@@ -2865,6 +2867,10 @@ def setup_run(args: Args, reward_fn=None, eval_reward_fn=None) -> Run:
         raise ValueError("--dynamic-sampling and coverage pretraining run in a single process in this version")
     if args.batch_prompts % world:
         raise ValueError(f"--batch-prompts {args.batch_prompts}: must be a multiple of the {world} ranks")
+    ckpt = latest_checkpoint(args.out_dir) if args.resume else None
+    if args.resume and ckpt is None:  # starting over would replace the run's logs
+        raise ValueError(f"--resume: no complete checkpoint in {os.path.join(args.out_dir, 'checkpoints')}; nothing "
+                         f"there was changed (run without --resume to start over, which replaces its logs)")
     reward_fn, eval_reward_fn, owned = make_rewards(args, reward_fn, eval_reward_fn)  # section 3a
     if main:
         print(f"s3ac: --algo {args.algo} --actor-loss {args.actor_loss} --eps-low {args.eps_low}" +
@@ -2884,9 +2890,6 @@ def setup_run(args: Args, reward_fn=None, eval_reward_fn=None) -> Run:
     train_problems, eval_sources = split_problems(  # each reward reads its own gold layout (make_rewards)
         load(math_golds=math_golds), args.eval_data, args, math_golds=eval_math_golds,
         heldout_golds=None if eval_math_golds == math_golds else functools.partial(load, math_golds=eval_math_golds))
-    ckpt = latest_checkpoint(args.out_dir) if args.resume else None
-    if args.resume and ckpt is None and main:
-        print(f"--resume: no checkpoint in {args.out_dir}, starting from step 0", file=sys.stderr)
     try:  # a missing or unknown model, or no network: one line that names the model
         model_path = resolve_model(args.model, args.cache_dir)
         critic_src = model_path if args.critic_model == "auto" else resolve_model(args.critic_model, args.cache_dir)
@@ -2929,8 +2932,8 @@ def setup_run(args: Args, reward_fn=None, eval_reward_fn=None) -> Run:
         elif os.path.exists(path):
             os.remove(path)  # a fresh run starts fresh logs
     if ckpt and main:
-        print(f"resumed from {ckpt} at step {state.step}" + ("" if same_ranks else " (RNG states of another number "
-              "of ranks: sampling reseeded)"), file=sys.stderr)
+        print(f"resumed from {ckpt} (the newest complete checkpoint) at step {state.step}" + ("" if same_ranks else
+              " (RNG states of another number of ranks: sampling reseeded)"), file=sys.stderr)
     tracker = Tracker(args if main else dataclasses.replace(args, report_to="none"), state.step + 1 if ckpt else 0)
     from tqdm import tqdm
     return Run(args, state, eval_sets, reward_fn, eval_reward_fn, metrics_path, samples_path, main,
@@ -3239,27 +3242,28 @@ def load_actor(path: str, device):
 
 
 def check_context(args: Args, path: str, vllm: bool, train_prompts: list, eval_sets: list):
-    """Stop before any model loads when a prompt and its response can outgrow the context: the longest kept
-    training prompt plus --max-new-tokens, and the longest evaluation prompt plus --eval-max-new-tokens (the prompts
-    are known, so this is exact; --max-prompt-tokens only bounds them), against --vllm-max-model-len when vLLM
-    samples and it is set, else the max_position_embeddings of the model config at `path` (vLLM's own default limit
-    for a config without rope scaling), past which vLLM would cut responses early and HF positions are untrained.
-    Raises ValueError in one line naming the flags; a config without max_position_embeddings is not checked."""
+    """Stop before any model loads when a prompt and its response can outgrow a context: the longest training prompt
+    plus --max-new-tokens against every model that reads the training prompts (the actor's config at `path`,
+    --critic-model, each --coverage-models entry), the longest evaluation prompt plus --eval-max-new-tokens against
+    the actor's. A limit: the config's max_position_embeddings (vLLM's default for a config without rope scaling; HF
+    positions past it are untrained), or for the actor --vllm-max-model-len when vLLM samples and it is set. Raises
+    ValueError in one line naming the flags and the model; a config without max_position_embeddings is unchecked."""
     from transformers import AutoConfig
-    config = AutoConfig.from_pretrained(path).get_text_config()
-    if vllm and args.vllm_max_model_len:
-        limit, source = args.vllm_max_model_len, f"--vllm-max-model-len {args.vllm_max_model_len}"
-    else:
-        limit = getattr(config, "max_position_embeddings", None)
-        source = f"the context of {args.model} (max_position_embeddings)"
-    eval_prompts = [p for _, _, prompts in eval_sets for p in prompts]
-    for kind, prompts, name, tokens in (("training", train_prompts, "--max-new-tokens", args.max_new_tokens),
-                                        ("evaluation", eval_prompts, "--eval-max-new-tokens",
-                                         args.eval_max_new_tokens)):
-        longest = max(map(len, prompts), default=0)
-        if limit is not None and prompts and longest + tokens > limit:
-            raise ValueError(f"{name} {tokens} + the longest {kind} prompt, {longest} tokens, = {longest + tokens} > "
-                             f"{limit}, {source}: lower {name} or --max-prompt-tokens")
+    others = ([args.critic_model] if args.critic_model != "auto" else []) + args.coverage_models.split(",")
+    readers = [(path, args.model, [p for _, _, prompts in eval_sets for p in prompts])] + [
+        (resolve_model(m, args.cache_dir), m, []) for m in others if m and m != args.model]
+    for i, (model_path, model, eval_prompts) in enumerate(readers if args.algo in CRITIC_ALGOS else readers[:1]):
+        limit = getattr(AutoConfig.from_pretrained(model_path).get_text_config(), "max_position_embeddings", None)
+        source = f"the context of {model} (max_position_embeddings)"
+        if vllm and args.vllm_max_model_len and i == 0:  # vLLM samples with the actor
+            limit, source = args.vllm_max_model_len, f"--vllm-max-model-len {args.vllm_max_model_len}"
+        for kind, prompts, name, tokens in (("training", train_prompts, "--max-new-tokens", args.max_new_tokens),
+                                            ("evaluation", eval_prompts, "--eval-max-new-tokens",
+                                             args.eval_max_new_tokens)):
+            longest = max(map(len, prompts), default=0)
+            if limit is not None and prompts and longest + tokens > limit:
+                raise ValueError(f"{name} {tokens} + the longest {kind} prompt, {longest} tokens, = "
+                                 f"{longest + tokens} > {limit}, {source}: lower {name} or --max-prompt-tokens")
 
 
 def load_models(args: Args, actor_src: str, critic_src: str, ckpt, tokenizer, device, rank: int, world: int):
@@ -3350,7 +3354,7 @@ class VLLMRollout:
         engine is stale (an actor update since the last sync), its weights are copied in first (sync). Each sampled
         request has its own seed, drawn from torch's RNG (which a checkpoint saves, as for generate_hf), so a resumed
         run samples what an uninterrupted one does. Raises ValueError when a sample's log-probs do not pair with its
-        token ids (engine_logprobs)."""
+        token ids or one is not finite (engine_logprobs)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         if self.stale and policy is not None:
@@ -3380,7 +3384,8 @@ def engine_logprobs(samples, prompt_index: list) -> list:
     """log mu of every sampled token, one list per sample, from vLLM CompletionOutputs (token_ids; logprobs, one
     {token id: Logprob} per token, as SamplingParams(logprobs=0) gives them). Raises ValueError naming the sample,
     its prompt and both lengths when a sample's log-probs do not pair one to one with its token ids (a short row
-    padded with 0.0 would say mu = 1 for a token under a mask of 1), or when a position lacks the sampled token."""
+    padded with 0.0 would say mu = 1 for a token under a mask of 1), a position without the sampled token, or a
+    log-prob not finite (naming the position: a NaN mu would skip the optimizer step of the good rows too)."""
     rows = []
     for i, (c, prompt) in enumerate(zip(samples, prompt_index)):
         ids, logprobs = list(c.token_ids), c.logprobs if c.logprobs is not None else []
@@ -3392,6 +3397,10 @@ def engine_logprobs(samples, prompt_index: list) -> list:
             raise ValueError(f"rollout engine: sample {i} (prompt {prompt}) has no log-prob for its sampled token "
                              f"{missing[0]}")
         rows.append([position[t].logprob for position, t in zip(logprobs, ids)])
+        bad = next((t for t, x in enumerate(rows[-1]) if not math.isfinite(x)), None)
+        if bad is not None:
+            raise ValueError(f"rollout engine: sample {i} (prompt {prompt}) has log-prob {rows[-1][bad]} at position "
+                             f"{bad}; log mu must be finite")
     return rows
 
 
@@ -3587,7 +3596,7 @@ def save_checkpoint(out_dir: str, step: int, model, tokenizer, critic, actor_opt
     os.replace(tmp, final)
     _write_atomic(os.path.join(root, "latest"), f"step_{step}\n")
     done = sorted((int(d[5:]) for d in os.listdir(root) if re.fullmatch(r"step_\d+", d)), reverse=True)
-    for old in done[keep:]:
+    for old in [s for s in done if s <= step][keep:]:  # a later, incomplete step_N never pushes this one out
         shutil.rmtree(os.path.join(root, f"step_{old}"), ignore_errors=True)
     if distributed():
         dist.barrier()
@@ -3602,17 +3611,25 @@ def _write_atomic(path: str, text: str):
 
 
 def latest_checkpoint(out_dir: str):
-    """Path of the newest complete checkpoint in out_dir, or None."""
-    pointer = os.path.join(out_dir, "checkpoints", "latest")
-    if not os.path.isfile(pointer):
-        return None
-    path = os.path.join(out_dir, "checkpoints", open(pointer).read().strip())
-    return path if os.path.isfile(os.path.join(path, "trainer_state.pt")) else None
+    """Path of the newest complete checkpoints/step_N of out_dir, or None; complete: it holds all a resume reads
+    (trainer_state.pt, actor/ and any critic/ with config and weights, the tokenizer, the value head). The `latest`
+    pointer is not read: a rolled-back run (its newest folder removed) or a copied one may lack it."""
+    root = os.path.join(out_dir, "checkpoints")
+    steps = [int(d[5:]) for d in (os.listdir(root) if os.path.isdir(root) else []) if re.fullmatch(r"step_\d+", d)]
+    for path in [os.path.join(root, f"step_{step}") for step in sorted(steps, reverse=True)]:
+        ls = lambda part: set(os.listdir(os.path.join(path, part)) if os.path.isdir(os.path.join(path, part)) else ())
+        whole = lambda part, *names: {"config.json", *names} <= ls(part) and any(
+            f.startswith("model") and f.endswith(".safetensors") for f in ls(part))  # one file or shards
+        if "trainer_state.pt" in ls("") and whole("actor", "tokenizer_config.json") and (
+                not ls("critic") or whole("critic", "value_head.safetensors")):
+            return path
+    return None
 
 
 # A resume refuses a change of these flags (check_resume): the saved weights, the critic head's meaning (V or a logit),
 # whether there is a critic, its shape and the data order depend on them.
 FIXED_ON_RESUME = ("model", "critic_model", "algo", "critic_loss", "critic_layers", "seed")
+DATA_FLAGS = ("data", "split", "prompt_key", "answer_key", "eval_data", "eval_size", "max_prompt_tokens", "reward_fn")
 
 
 def data_identity(problems: list) -> dict:
@@ -3630,9 +3647,8 @@ def run_record(args: Args, problems: list) -> dict:
 def check_resume(ckpt: str, args: Args, problems: list) -> list:
     """The resume rule, against the checkpoint's run.json (run_record): every flag takes the value given now; the
     FIXED_ON_RESUME flags and the training problems (data_identity) must be the checkpoint's. Returns the changed
-    flags, "--name old -> new" each (the caller prints them; the learning rates are re-applied to the restored
-    optimizer states by restore_checkpoint), or None for a checkpoint written without run.json. Raises ValueError
-    naming every fixed flag that changed with both values, or the data."""
+    flags, "--name old -> new" each (restore_checkpoint re-applies the learning rates), or None for a checkpoint
+    without run.json. Raises ValueError naming, with both values, each fixed flag or DATA_FLAGS flag that changed."""
     path = os.path.join(ckpt, "run.json")
     if not os.path.isfile(path):
         return None
@@ -3640,17 +3656,17 @@ def check_resume(ckpt: str, args: Args, problems: list) -> list:
         saved = json.load(f)
     now = run_record(args, problems)
     name = lambda key: "--" + key.replace("_", "-")
-    fixed = [f"{name(k)} ({saved['args'][k]} in the checkpoint, {now['args'][k]} now)" for k in FIXED_ON_RESUME
-             if k in saved["args"] and saved["args"][k] != now["args"][k]]
-    if fixed:
+    diff = lambda keys: [f"{name(k)} ({saved['args'][k]} in the checkpoint, {now['args'][k]} now)" for k in keys
+                         if k in saved["args"] and saved["args"][k] != now["args"][k]]
+    if fixed := diff(FIXED_ON_RESUME):
         raise ValueError(f"{ckpt}: a resume cannot change {', '.join(fixed)}; resume with the checkpoint's values, or "
                          f"start a new --out-dir")
-    if saved["data"] != now["data"]:
+    if saved["data"] != now["data"]:  # the flags that make the problems (golds: their layout follows the reward)
         old, new = saved["data"], now["data"]
+        what = ", ".join(diff(DATA_FLAGS)) or "--data contents (the flags are the same, the files are not)"
         raise ValueError(f"{ckpt}: written for other training problems ({old['problems']}, sha256 "
                          f"{old['sha256'][:12]}; now {new['problems']}, {new['sha256'][:12]}), which its data order "
-                         f"and DAPS counts index; resume with the same --data (and --split, --prompt-key, "
-                         f"--answer-key, --eval-data, --eval-size, --max-prompt-tokens)")
+                         f"and DAPS counts index; resume with the same {what}")
     return [f"{name(k)} {saved['args'][k]} -> {v}" for k, v in now["args"].items()
             if k in saved["args"] and saved["args"][k] != v and k != "resume"]
 

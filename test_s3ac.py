@@ -1140,6 +1140,58 @@ def test_resume_after_kill_matches_uninterrupted_run(smoke_run, tmp_path):
         assert all(torch.equal(a[k], b[k]) for k in a), part  # bit-identical weights after the resume
 
 
+def test_resume_takes_the_newest_complete_checkpoint_and_keeps_the_logs(smoke_run, tmp_path):
+    """A roll-back (the newest step_N removed) and a copied run without its `latest` file: --resume continues from
+    the newest complete checkpoint, says which, and keeps every metric and sample record up to its step; a later
+    incomplete folder never makes a new save prune the checkpoint just written."""
+    import shutil
+    path, full_out = smoke_run
+    flags = ["--steps", "2", "--save-every", "1", "--keep-checkpoints", "3", "--minibatches", "2", "--resume"]
+    full = {name: read_jsonl(os.path.join(full_out, name)) for name in ("metrics.jsonl", "samples.jsonl")}
+    assert {r["step"] for r in full["metrics.jsonl"]} == {0, 1, 2} and full["samples.jsonl"]
+    rolled, copied = str(tmp_path / "rolled"), str(tmp_path / "copied")
+    for out in (rolled, copied):
+        shutil.copytree(full_out, out)
+    shutil.rmtree(os.path.join(rolled, "checkpoints", "step_2"))
+    os.remove(os.path.join(copied, "checkpoints", "latest"))
+    for out, step in ((rolled, 1), (copied, 2)):
+        proc = run_s3ac(*smoke_flags(path, out, *flags))
+        ckpt = os.path.join(out, "checkpoints", f"step_{step}")
+        assert f"resumed from {ckpt} (the newest complete checkpoint) at step {step}" in proc.stderr, proc.stderr
+        for name, records in full.items():
+            kept = [r for r in read_jsonl(os.path.join(out, name)) if r["step"] <= step]
+            assert kept == [r for r in records if r["step"] <= step], name  # bit for bit, timings included
+        assert [r["step"] for r in read_jsonl(os.path.join(out, "metrics.jsonl"))] == [0, 1, 2]
+    stale = str(tmp_path / "stale")  # a later, incomplete folder: the new saves are pruned as if it were not there
+    shutil.copytree(full_out, stale)
+    os.rename(os.path.join(stale, "checkpoints", "step_2"), os.path.join(stale, "checkpoints", "step_3"))
+    os.remove(os.path.join(stale, "checkpoints", "step_3", "trainer_state.pt"))
+    run_s3ac(*smoke_flags(path, stale, *flags, "--keep-checkpoints", "1"))
+    assert s3ac.latest_checkpoint(stale) == os.path.join(stale, "checkpoints", "step_2")
+    assert sorted(os.listdir(os.path.join(stale, "checkpoints"))) == ["latest", "step_2", "step_3"]
+
+
+def test_resume_without_a_complete_checkpoint_refuses_and_changes_nothing(smoke_run, tmp_path):
+    """Every checkpoint lacks a part a resume reads (the actor's weights in one, the critic's value head in the
+    other), or the folder is empty: --resume stops in one line and every file stays as it was."""
+    import shutil
+    path, full_out = smoke_run
+    out = str(tmp_path / "broken")
+    shutil.copytree(full_out, out)
+    os.remove(os.path.join(out, "checkpoints", "step_1", "actor", "model.safetensors"))
+    os.remove(os.path.join(out, "checkpoints", "step_2", "critic", "value_head.safetensors"))
+    snapshot = lambda: {os.path.relpath(os.path.join(d, f), out): Path(d, f).read_bytes()
+                        for d, _, files in os.walk(out) for f in files}
+    before = snapshot()
+    assert "metrics.jsonl" in before and "samples.jsonl" in before
+    for folder in (out, str(tmp_path / "empty")):
+        rc, lines = run_failing(*smoke_flags(path, folder, "--steps", "3", "--resume"))
+        assert rc == 1 and lines[-1] == (f"s3ac.py: error: --resume: no complete checkpoint in "
+                                         f"{os.path.join(folder, 'checkpoints')}; nothing there was changed (run "
+                                         f"without --resume to start over, which replaces its logs)"), lines[-3:]
+    assert snapshot() == before and not os.path.exists(tmp_path / "empty")
+
+
 def test_resume_refuses_an_older_checkpoint_format_by_name(smoke_run, tmp_path):
     """Optimizer states keyed by position (the format before states were keyed by parameter name) cannot be
     matched to parameters on another number of ranks: the resume stops with an error naming the checkpoint."""
@@ -2317,7 +2369,8 @@ def test_smoke_pact_bce_daps(pact_daps_run):
     for r in records[1:]:
         assert all(k in r for k in CRITIC_KEYS + ["critic/rho_mean", "critic/rho_masked_frac"])
         assert r["adv/lambda_mean"] == 1.0  # PACT's actor lambda
-        assert r["critic/rho_mean"] > 0 and r["critic/grad_norm"] > 0
+        # rho = pi_new / mu of the actor just updated: off 1 (pi_old, mu's own policy, would give about 1), not far
+        assert 1e-3 < abs(r["critic/rho_mean"] - 1) < 0.5 and r["critic/grad_norm"] > 0
     assert "prompts/accept_rate" not in records[1]  # step 1 is uniform (daps_start 1)
     assert 0 < records[2]["prompts/accept_rate"] <= 1 and 0 <= records[2]["prompts/p_hat_mean"] <= 1
     state = torch.load(os.path.join(s3ac.latest_checkpoint(pact_daps_run), "trainer_state.pt"), weights_only=False)
@@ -2440,6 +2493,66 @@ def test_data_parallel_fsdp2_update_equals_single_process(tiny, tmp_path):
         assert r0["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-5), key
     assert r1["metrics"]["explained_var"] == r0["metrics"]["explained_var"]
     assert one["metrics"]["actor/clipped"] == 1.0  # the clip was active: its global norm is compared too
+
+
+NAN_ON_ONE_RANK = r'''
+import os, sys, torch
+sys.path.insert(0, sys.argv[1])
+import s3ac
+rank, world, device = s3ac.init_distributed("cpu")
+data = torch.load(sys.argv[2], weights_only=False)
+args = s3ac.resolve_args(s3ac.Args(micro_batch_size=2, minibatches=1))
+lm = s3ac.load_actor(sys.argv[3], device)
+policy = s3ac.Policy(lm)
+s3ac.shard(policy, lm)
+opt = torch.optim.AdamW(policy.parameters(), lr=1e-3, weight_decay=0.0)
+rows = list(range(rank, data["batch"].response_ids.shape[0], world))  # this rank's share of the global batch
+batch, advantages = data["batch"].rows(rows), data["advantages"][rows]
+whole = lambda: {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+                 for k, v in policy.state_dict().items()}
+start = whole()
+poisoned = advantages.clone()
+if rank == 1:
+    poisoned[0, 0] = float("nan")  # a response token of rank 1 only: its local gradient alone is NaN
+m_nan = s3ac.update_actor(policy, opt, batch, poisoned, None, args, torch.Generator().manual_seed(0))
+after_nan = whole()
+m_clean = s3ac.update_actor(policy, opt, batch, advantages, None, args, torch.Generator().manual_seed(0))
+torch.save({"start": start, "after_nan": after_nan, "end": whole(), "m_nan": m_nan, "m_clean": m_clean},
+           os.path.join(sys.argv[4], f"rank{rank}.pt"))
+'''
+
+
+def test_torchrun_a_nan_gradient_on_one_rank_skips_the_step_on_both(tiny, tmp_path):
+    """2 ranks (FSDP2, gloo), a NaN advantage on rank 1 only: the gradient norm is global, so both ranks skip the
+    same optimizer step (weights bit for bit as they were on both, counted on both); the next finite batch trains
+    both ranks alike. A rank deciding from its own gradient alone would step on rank 0 and split the replicas."""
+    path, model, tok = tiny
+    batch = sampled_batch(model, tok, n=6)
+    torch.save({"batch": batch, "advantages": torch.randn(*batch.response_mask.shape,
+                                                          generator=torch.Generator().manual_seed(4))},
+               tmp_path / "data.pt")
+    (tmp_path / "nan.py").write_text(NAN_ON_ONE_RANK)
+    torchrun(str(tmp_path / "nan.py"), HERE, str(tmp_path / "data.pt"), path, str(tmp_path))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    for r in ranks:
+        assert r["m_nan"]["actor/skipped_steps"] == 1 and math.isnan(r["m_nan"]["actor/grad_norm"])
+        assert all(torch.equal(r["after_nan"][k], v) for k, v in r["start"].items())
+        assert r["m_clean"]["actor/skipped_steps"] == 0 and r["m_clean"]["actor/grad_norm"] > 0
+        assert any(not torch.equal(r["end"][k], v) for k, v in r["start"].items())
+    assert all(torch.equal(ranks[0]["end"][k], ranks[1]["end"][k]) for k in ranks[0]["end"])  # replicas agree
+
+
+def test_minibatches_auto_is_mini_batches_of_32_prompts():
+    """--minibatches auto: batch_prompts // 32 optimizer steps per rollout batch (DAPO's mini-batches of 32 prompts),
+    at least 1, resolved to an int once; a number given stays; the default 512 prompts take DAPO's 16."""
+    resolve = lambda *argv: s3ac.resolve_args(s3ac.parse_args(list(argv)))
+    assert s3ac.parse_args([]).minibatches == "auto" and resolve().minibatches == 16
+    for prompts, expected in ((1, 1), (31, 1), (32, 1), (63, 1), (64, 2), (100, 3), (4096, 128)):
+        resolved = resolve("--batch-prompts", str(prompts), "--minibatches", "auto")
+        assert resolved.minibatches == expected and type(resolved.minibatches) is int, prompts
+    assert resolve("--batch-prompts", "64", "--minibatches", "5").minibatches == 5
+    with pytest.raises(ValueError, match="minibatches"):
+        s3ac.resolve_args(s3ac.Args(minibatches=0))
 
 
 def test_torchrun_two_steps_then_resume_on_one_process(tiny, tmp_path):
@@ -3244,6 +3357,70 @@ def test_pasted_flash_reinforce_hand_case():
     adv, _ = _pasted("flash_reinforce_advantages")(rewards, torch.arange(3), mask)
     loss, m = _pasted("flash_reinforce_loss")(logp, mu, adv, mask, 3e-3)
     assert loss.item() == pytest.approx(0.307372, abs=2e-6) and m["trust_region_drop"].item() == pytest.approx(1 / 3)
+
+
+def section_one_functions():
+    """{name: source} of every function between section 1's banner and the next one, decorators included, found by
+    line range in s3ac.py's syntax tree (a function added there is walked without a list to update)."""
+    import ast
+    text = Path(s3ac.__file__).read_text()
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("# 1. The math")) + 1
+    end = next(i for i, line in enumerate(lines) if line.startswith("# Where this code departs")) + 1
+    nodes = [n for n in ast.parse(text).body if isinstance(n, ast.FunctionDef) and start < n.lineno < end]
+    return {n.name: "\n".join(lines[min([n.lineno] + [d.lineno for d in n.decorator_list]) - 1:n.end_lineno])
+            for n in nodes}
+
+
+def section_one_arguments():
+    """Fresh example arguments for section 1's functions, by parameter name: B 4, T 5, P 3, H 6; groups of two
+    prompts (gae alone reads token rewards [B, T]). logprobs lie in the graph of hidden (costate_norms differentiates
+    them); fresh on each call."""
+    g = torch.Generator().manual_seed(0)
+    randn, rand = (lambda *s: torch.randn(*s, generator=g)), (lambda *s: torch.rand(*s, generator=g))
+    mask = torch.tensor([[1.0, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0]])  # [B, T]
+    hidden = randn(4, 8, 6).requires_grad_()  # [B, P + T, H]
+    return dict(fn=lambda x: 2 * x, rewards=torch.tensor([1.0, -1.0, 1.0, 1.0]), values=randn(4, 5),
+                response_mask=mask, mask=mask, gamma=1.0, lam=0.95, critic_lam=1.0, actor_lam=torch.full((4,), 0.9),
+                alpha=0.05, logprobs=-(hidden[:, -6:-1] ** 2).mean(-1), old_logprobs=-rand(4, 5),
+                sampler_logprobs=-rand(4, 5), behaviour_logprobs=-rand(4, 5), advantages=randn(4, 5), eps_low=0.2,
+                eps_high=0.28, num_tokens=None, cap=2.0, old_values=randn(4, 5), returns=randn(4, 5), eps_v=0.2,
+                value_logits=randn(4, 5), targets=rand(4, 5), raw=randn(4, 5), critic_loss="mse", rho_min=0.5,
+                rho_max=2.0, v0=randn(4), S=torch.tensor([0.0, 1, 2, 3]), N=torch.tensor([0.0, 2, 3, 3]),
+                p_c=rand(4), n_c=2.0, p_hat=rand(4), a_min=0.1, prompt_index=torch.tensor([0, 0, 1, 1]),
+                count=torch.full((4,), 2.0), name="grpo", use_std=True, x=randn(4, 5), eps=0.1, ev=0.5, c=4,
+                critic_s=1.0, actor_s=2.0, hidden=hidden, n=10, k=3, costate_norm=rand(2), entropy=rand(2),
+                signal=rand(2), h=rand(2))
+
+
+def test_every_section_one_function_runs_pasted_with_torch_and_its_needs():
+    """The paste contract, walked over all of section 1: each function's source, decorator included, exec'd in a
+    namespace holding torch and what its "Needs:" line names (a section 1 helper as its own pasted source, with its
+    decorator; a module such as math; all_reduce as the identity of one process) and nothing else, then called:
+    it must run and return what s3ac's own returns (@triton_on_cuda without kernels runs the function itself)."""
+    sources = section_one_functions()
+    assert len(sources) >= 30 and {"triton_on_cuda", "gae", "pass_at_k", "costate_norms"} <= sources.keys()
+    for name, source in sources.items():
+        needs = re.search(r"Needs: ((?:\w+,\s+)*\w+)", inspect.getdoc(getattr(s3ac, name)) or "")
+        namespace = {"torch": torch}
+        for part in (re.split(r",\s+", needs.group(1)) if needs else []) + [name]:
+            if part == "all_reduce":
+                namespace[part] = lambda x, op="sum": x
+            elif inspect.ismodule(getattr(s3ac, part)):
+                namespace[part] = getattr(s3ac, part)
+            else:
+                assert part in sources, f"{name} needs {part}, which is not in section 1"
+                if sources[part].startswith("@triton_on_cuda"):
+                    exec(sources["triton_on_cuda"], namespace)
+                exec(sources[part], namespace)
+        params = inspect.signature(namespace[name]).parameters
+        assert all(p in section_one_arguments() for p in params), (name, list(params))
+        given = lambda: {**section_one_arguments(), **({"rewards": torch.eye(4, 5)} if name == "gae" else {})}
+        results = [f(**{p: a[p] for p in params}) for f, a in ((namespace[name], given()),
+                                                                (getattr(s3ac, name), given()))]
+        if name == "triton_on_cuda":
+            results = [f(torch.arange(3.0)) for f in results]
+        torch.testing.assert_close(results[0], results[1], rtol=0, atol=0, equal_nan=True, msg=name)
 
 
 def test_pasted_gae_and_decoupled_gae_hand_cases():
@@ -4403,7 +4580,9 @@ def test_mechanisms_tiny_prints_every_experiment_with_finite_figures(tmp_path):
     for line in lines:
         assert line["seeds"] == 2 and line["rows"], line["experiment"]
         for row in line["rows"]:
-            assert row["paper"] and row["holds"] in (True, False, None)
+            # every figure here is finite (below), so a row with a direction is decided: None only without one
+            assert row["paper"] and (isinstance(row["holds"], bool) or row["holds"] is None and
+                                     row["paper"] == "same budget"), row
             for label, s in row["ours"].items():
                 assert s["n"] == 2 and all(math.isfinite(s[k]) for k in ("mean", "se", "min", "max")), (
                     line["experiment"], label, s)
@@ -4411,6 +4590,8 @@ def test_mechanisms_tiny_prints_every_experiment_with_finite_figures(tmp_path):
     table = (tmp_path / "table.md").read_text().splitlines()
     assert table[0].startswith("| experiment | claim | paper's figure |")
     assert len(table) == 2 + sum(len(line["rows"]) for line in lines)
+    verdicts = [{True: "yes", False: "no", None: "-"}[r["holds"]] for line in lines for r in line["rows"]]
+    assert [cells.rsplit("|", 2)[1].strip() for cells in table[2:]] == verdicts  # the table's last column
     assert seconds < 120, seconds  # about 20 s alone on 2 cores; CI may share them
 
 
@@ -4598,16 +4779,18 @@ def test_bench_cli_tiny_cpu_section_and_gpu_check_command():
 def test_bench_gpu_section_rows_on_cpu(monkeypatch):
     """bench_gpu's code at tiny sizes on CPU tensors (Triton's interpreter), with torch.cuda's timers and memory
     counters replaced by fixed numbers: no section fails, each row carries the fields gpu-check runs are compared
-    by, and the percentages and speed-ups follow from the (fake) times."""
+    by, and the percentages and speed-ups follow from the (fake) times: each timing a different number (kernels
+    alone 100 us + the call's index, a whole call 150 us + it), so a ratio of the wrong two, or of a call timed as
+    the wrong kind, shows."""
     bench = load_ci("bench")
     for name, value in _K_GAE_INTERPRETER_BLOCKS.items():
         monkeypatch.setattr(K, name, value)
-    calls = []
+    calls = []  # (kernels_only, us) of each timing
 
-    def fake_time_us(fn, warmup=3, reps=20, kernels_only=False):  # runs fn once; kernels 100 us, a call 150 us
+    def fake_time_us(fn, warmup=3, reps=20, kernels_only=False):  # runs fn once
         fn()
-        calls.append(kernels_only)
-        return 100.0 if kernels_only else 150.0
+        calls.append((kernels_only, (100.0 if kernels_only else 150.0) + len(calls)))
+        return calls[-1][1]
     monkeypatch.setattr(bench, "cuda_time_us", fake_time_us)
     for name, fn in {"get_device_name": lambda *a: "fake", "synchronize": lambda *a: None,
                      "empty_cache": lambda: None, "reset_peak_memory_stats": lambda *a: None,
@@ -4621,8 +4804,9 @@ def test_bench_gpu_section_rows_on_cpu(monkeypatch):
                                        + ["gae_triton"] * (len(sizes["gae_gpu"]) - 1)
                                        + ["cispo_loss", "value_loss", "bce_value_loss"]
                                        + ["logprobs_from_hidden_fwd_bwd"] * 6)
+    kernel_us, call_us = ({us for only, us in calls if only == kind} for kind in (True, False))
     copy = rows[0]
-    assert set(copy) == {"op", "device", "bytes", "us", "GB_s"} and copy["device"] == "fake"
+    assert set(copy) == {"op", "device", "bytes", "us", "GB_s"} and copy["device"] == "fake" and copy["us"] == 150.0
     copy_GB_s = sizes["copy_elements"] * 8 / 150e3
     assert copy["bytes"] == sizes["copy_elements"] * 8 and copy["GB_s"] == round(copy_GB_s, 1)
 
@@ -4637,12 +4821,15 @@ def test_bench_gpu_section_rows_on_cpu(monkeypatch):
     for r, (B, T) in zip(gae_rows, sizes["gae_gpu"]):
         nbytes = B * T * 17
         assert r["shape"] == [B, T] and r["bytes"] == nbytes and r["block_t"] == 32
-        assert (r["us"], r["call_us"], r["pct_of_copy_bw"], r["call_pct_of_copy_bw"]) == (
-            100.0, 150.0, pct(nbytes, 100.0), pct(nbytes, 150.0))
+        assert r["us"] in kernel_us and r["call_us"] in call_us
+        assert (r["pct_of_copy_bw"], r["call_pct_of_copy_bw"]) == (pct(nbytes, r["us"]), pct(nbytes, r["call_us"]))
         assert r["target_pct_of_copy_bw"] == bench.GAE_TARGET_PCT_OF_COPY_BW
-        assert r["meets_target"] == (pct(nbytes, 100.0) >= bench.GAE_TARGET_PCT_OF_COPY_BW)
+        assert r["meets_target"] == (pct(nbytes, r["us"]) >= bench.GAE_TARGET_PCT_OF_COPY_BW)
         assert r["max_abs_diff_vs_ref"] < 1e-5 and 0 < r["valid_frac"] < 1
-    assert gae_rows[0]["speedup_vs_ref"] == 1.5 and gae_rows[0]["speedup_vs_verl_loop"] == 1.5
+    first = gae_rows[0]
+    assert {first["ref_us"], first["verl_loop_us"]} <= call_us and len({first["ref_us"], first["verl_loop_us"]}) == 2
+    assert first["speedup_vs_ref"] == round(first["ref_us"] / first["us"], 1) != 1.0
+    assert first["speedup_vs_verl_loop"] == round(first["verl_loop_us"] / first["us"], 1)
     config = rows[2]
     assert set(config) == {"op", "device", "shape", "block_t", "num_warps", "us", "pct_of_copy_bw"}
     assert (config["block_t"], config["num_warps"]) == sizes["gae_gpu_configs"][0]
@@ -4655,10 +4842,12 @@ def test_bench_gpu_section_rows_on_cpu(monkeypatch):
                           "meets_target", "loss_abs_diff_vs_ref", "grad_max_abs_diff_vs_ref"} | part_keys
         n_in = 2 if r["op"] == "bce_value_loss" else 3
         fwd_bytes = B * T * (4 * n_in + 5)
-        assert r["fwd_pct_of_copy_bw"] == pct(fwd_bytes, 100.0)
-        assert r["fwd_bwd_call_pct_of_copy_bw"] == pct(fwd_bytes + B * T * 8, 150.0)
-        assert r["ref_fwd_us"] == 100.0 and r["ref_fwd_call_us"] == 150.0  # kernels against kernels
-        assert r["speedup_fwd_vs_ref"] == r["speedup_fwd_bwd_vs_ref"] == 1.0
+        assert r["fwd_pct_of_copy_bw"] == pct(fwd_bytes, r["fwd_us"])
+        assert r["fwd_bwd_call_pct_of_copy_bw"] == pct(fwd_bytes + B * T * 8, r["fwd_bwd_call_us"])
+        for part in ("fwd", "fwd_bwd"):  # kernels against kernels, calls against calls, each timed on its own
+            assert {r[f"{part}_us"], r[f"ref_{part}_us"]} <= kernel_us and r[f"{part}_us"] != r[f"ref_{part}_us"]
+            assert {r[f"{part}_call_us"], r[f"ref_{part}_call_us"]} <= call_us
+            assert r[f"speedup_{part}_vs_ref"] == round(r[f"ref_{part}_us"] / r[f"{part}_us"], 2) != 1.0
         assert r["loss_abs_diff_vs_ref"] < 1e-5 and r["grad_max_abs_diff_vs_ref"] < 1e-6
     N, H, V = sizes["logprobs_gpu"]
     lp_keys = {"op", "impl", "device", "N", "H", "V", "dtype", "ms", "peak_extra_MiB", "peak_extra_minus_grads_MiB",
@@ -4669,11 +4858,12 @@ def test_bench_gpu_section_rows_on_cpu(monkeypatch):
     for r in lp_rows:
         extra = {"peak_ratio_vs_naive", "never_held_full_logits", "max_abs_diff_logp_vs_naive"}
         assert set(r) == lp_keys | (set() if r["impl"] == "naive" else extra)
-        assert (r["N"], r["H"], r["V"], r["ms"], r["peak_extra_MiB"]) == (N, H, V, 0.15, 3.0)
+        assert (r["N"], r["H"], r["V"], r["peak_extra_MiB"]) == (N, H, V, 3.0)
+        assert r["ms"] in {round(us / 1e3, 2) for us in call_us}
         if r["impl"] != "naive":
             assert r["peak_ratio_vs_naive"] == 1.0
             assert r["max_abs_diff_logp_vs_naive"] < (1e-5 if r["dtype"] == "float32" else 0.05)
-    assert True in calls and False in calls
+    assert kernel_us and call_us
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -4719,7 +4909,7 @@ def _pretrain_records(out):
 
 def test_critic_algorithms_warm_up_the_critic_by_default(tiny, tmp_path):
     """The default --critic-warmup-steps auto resolves to plateau for s3ac: warm-up records (step 0, actor frozen)
-    come before step 1, at least 2 and at most WARMUP_MAX_BATCHES, and a resume does not repeat them;
+    come before step 1, as many as the plateau rule gives on their losses, and a resume does not repeat them;
     --critic-warmup-steps 0 logs none; a critic-free algorithm warms up nothing."""
     path = tiny[0]
     out = str(tmp_path / "auto")
@@ -4728,11 +4918,11 @@ def test_critic_algorithms_warm_up_the_critic_by_default(tiny, tmp_path):
     records = read_jsonl(os.path.join(out, "metrics.jsonl"))
     warm = [i for i, r in enumerate(records) if "pretrain/warmup_step" in r]
     first_step = next(i for i, r in enumerate(records) if r["step"] == 1)
-    assert 2 <= len(warm) <= s3ac.WARMUP_MAX_BATCHES and max(warm) < first_step
     assert [records[i]["pretrain/warmup_step"] for i in warm] == list(range(1, len(warm) + 1))
     losses = [records[warm[0]]["pretrain/v_loss_before"]] + [records[i]["pretrain/v_loss"] for i in warm]
     assert len(warm) == s3ac.WARMUP_MAX_BATCHES or s3ac.warmup_plateaued(losses)  # it stopped by the rule
     assert not any(s3ac.warmup_plateaued(losses[:j]) for j in range(2, len(losses)))  # and not before
+    assert max(warm) < first_step
     assert records[warm[0]]["time/pretrain"] > 0
     proc = run_s3ac(*smoke_flags(path, out, "--steps", "2", "--critic-warmup-steps", "auto", "--resume"))
     resumed = read_jsonl(os.path.join(out, "metrics.jsonl"))  # a resume past step 0 warms up nothing again
@@ -4878,6 +5068,23 @@ def test_engine_logprobs_must_pair_with_the_token_ids(monkeypatch):
         call(fake_vllm_engine(monkeypatch, [good, other]))
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("-inf"), float("inf")])
+def test_a_non_finite_engine_logprob_stops_the_step_naming_sample_and_position(monkeypatch, bad):
+    """A NaN (or infinite) log mu from the engine would make the TIS weight NaN and skip the optimizer step of the
+    good rows beside it: generate stops in one line naming the sample, its prompt and the position."""
+    lp = lambda t, x: {t: types.SimpleNamespace(logprob=x)}
+    good = types.SimpleNamespace(token_ids=[5, 6, 2], logprobs=[lp(5, -0.5), lp(6, -1.25), lp(2, -0.125)],
+                                 finish_reason="stop")
+    broken = types.SimpleNamespace(token_ids=[7, 8, 9], logprobs=[lp(7, -2.0), lp(8, -0.25), lp(9, bad)],
+                                   finish_reason="length")
+    engine = fake_vllm_engine(monkeypatch, [good, broken])
+    with pytest.raises(ValueError) as error:
+        engine.generate([[3, 4], [3]], [7, 9], {2}, 2, 3, 1.0)
+    assert str(error.value) == (f"rollout engine: sample 1 (prompt 9) has log-prob {bad} at position 2; log mu "
+                                f"must be finite")
+    assert engine.generate([[3, 4], [3]], [7, 9], {2}, 2, 3, 1.0, greedy=True).sampler_logprobs is None  # not read
+
+
 def test_a_non_finite_gradient_skips_the_step_and_the_next_batch_trains(tiny):
     """A NaN in the loss: the actor's weights and AdamW state stay bit for bit as they were, the step is counted in
     actor/skipped_steps; the next finite batch trains. The critic's update counts its own skipped steps."""
@@ -4987,6 +5194,53 @@ def test_context_limit_is_checked_at_start_for_both_engines(tiny, tmp_path):
                            eval_sets)
 
 
+def test_context_limit_covers_the_critic_and_coverage_models(tiny, tmp_path):
+    """Every model that reads the training prompts is checked against its own context: a --critic-model or a
+    --coverage-models entry shorter than the actor's stops the run at start; exactly at its limit passes; the
+    evaluation prompts (the actor's alone) and --vllm-max-model-len (the actor's engine) do not apply to them."""
+    path, _, tok = tiny
+    short = tmp_path / "short"
+    short.mkdir()
+    config = json.loads((Path(path) / "config.json").read_text())
+    assert config["max_position_embeddings"] == 512
+    (short / "config.json").write_text(json.dumps(dict(config, max_position_embeddings=64)))
+    args = s3ac.resolve_args(s3ac.parse_args(smoke_flags(path, str(tmp_path / "run"), "--steps", "1")))
+    train, _ = s3ac.split_problems(s3ac.make_arithmetic(200, 0), "heldout", args)
+    prompts = [s3ac.build_prompt(tok, p.question) for p in train]
+    longest = max(map(len, prompts))
+    eval_sets = [("long", [], [[1] * 300])]  # 300 + 8 tokens: inside the actor's 512, outside the short 64
+    ok = dataclasses.replace(args, max_new_tokens=64 - longest, critic_model=str(short))
+    s3ac.check_context(ok, path, False, prompts, eval_sets)
+    over = dataclasses.replace(ok, max_new_tokens=65 - longest)
+    s3ac.check_context(dataclasses.replace(over, critic_model="auto"), path, False, prompts, eval_sets)
+    s3ac.check_context(dataclasses.replace(over, algo="grpo"), path, False, prompts, eval_sets)  # no critic reads
+    message = (f"--max-new-tokens {65 - longest} + the longest training prompt, {longest} tokens, = 65 > 64, the "
+               f"context of {short} (max_position_embeddings): lower --max-new-tokens or --max-prompt-tokens")
+    for case in (over, dataclasses.replace(over, vllm_max_model_len=1000),
+                 dataclasses.replace(over, critic_model="auto", coverage_models=f"{path},{short}")):
+        with pytest.raises(ValueError) as error:
+            s3ac.check_context(case, path, True, prompts, eval_sets)
+        assert str(error.value) == message
+
+
+def test_resume_refusal_names_the_flag_that_changed_the_problems(tmp_path):
+    """Other training problems on resume: the refusal names the flags behind them that changed (a --reward-fn
+    change alone changes the golds' layout), both values; with the same flags, the files' contents."""
+    problems = [s3ac.Problem(f"What is {i} + 1?", str(i + 1)) for i in range(5)]
+    args = s3ac.Args(model="m", out_dir=str(tmp_path))
+    ckpt = tmp_path / "step_1"
+    ckpt.mkdir()
+    (ckpt / "run.json").write_text(json.dumps(s3ac.run_record(args, problems)))
+    other = [s3ac.Problem(p.question, f"${p.answer}$") for p in problems]
+    assert s3ac.check_resume(str(ckpt), args, problems) == []
+    with pytest.raises(ValueError, match=r"index; resume with the same --reward-fn \(math in the checkpoint, "
+                                         r"r\.py:f now\)$"):
+        s3ac.check_resume(str(ckpt), dataclasses.replace(args, reward_fn="r.py:f"), other)
+    with pytest.raises(ValueError, match=r"index; resume with the same --data contents \(the flags are the same, "
+                                         r"the files are not\)$"):
+        s3ac.check_resume(str(ckpt), args, other)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Readiness: headroom, pass@k, costates, python s3ac.py readiness and .ci/readiness.py (the prediction check)
 # ---------------------------------------------------------------------------------------------------------------
@@ -5009,6 +5263,26 @@ def test_headroom_hand_cases():
     assert s3ac.headroom(rewards, torch.zeros(12, dtype=torch.long), 0.0)[0].item() == 0.0  # alpha 0: q = p
     with pytest.raises(ValueError, match="alpha"):
         s3ac.headroom(rewards, torch.zeros(12, dtype=torch.long), -0.5)
+
+
+def test_headroom_is_finite_at_any_alpha():
+    """Large alpha: exp(alpha (R - 1)) of an all-wrong group underflows to 0 / 0 past alpha ~ 370; the weights are
+    taken relative to each group's best reward, so equal rewards give exactly 0 and a mixed group tends to
+    max R - mean R. Reference: exact decimal arithmetic (40 digits) of the plain formula."""
+    from decimal import Decimal, getcontext
+    getcontext().prec = 40
+
+    def exact(rewards, alpha):
+        w = [(Decimal(alpha) * Decimal(r)).exp() for r in rewards]
+        mean = sum(Decimal(r) for r in rewards) / len(rewards)
+        return float(sum(wi * Decimal(r) for wi, r in zip(w, rewards)) / sum(w) - mean)
+    groups = [[-1.0] * 4, [0.25] * 3, [1.0, -1.0, -1.0], [-1.0, -0.998, -1.0, -0.5], [0.5, 0.499, -1.0]]
+    rewards = torch.tensor([r for g in groups for r in g], dtype=torch.float64)
+    index = torch.tensor([i for i, g in enumerate(groups) for _ in g])
+    for alpha in (1.0, 371.0, 1000.0, 1e5):
+        h, m = s3ac.headroom(rewards, index, alpha)
+        assert h[:2].tolist() == [0.0, 0.0] and math.isfinite(m["readiness/headroom"]), alpha
+        assert h.tolist() == pytest.approx([max(exact(g, alpha), 0.0) for g in groups], rel=1e-12, abs=1e-15)
 
 
 def test_headroom_matches_a_loop_and_is_never_negative():
