@@ -2501,7 +2501,7 @@ sys.path.insert(0, sys.argv[1])
 import s3ac
 rank, world, device = s3ac.init_distributed("cpu")
 data = torch.load(sys.argv[2], weights_only=False)
-args = s3ac.resolve_args(s3ac.Args(micro_batch_size=2, minibatches=1))
+args = s3ac.resolve_args(s3ac.Args(micro_batch_tokens=40, minibatches=1))
 lm = s3ac.load_actor(sys.argv[3], device)
 policy = s3ac.Policy(lm)
 s3ac.shard(policy, lm)
@@ -3390,7 +3390,7 @@ def section_one_arguments():
                 p_c=rand(4), n_c=2.0, p_hat=rand(4), a_min=0.1, prompt_index=torch.tensor([0, 0, 1, 1]),
                 count=torch.full((4,), 2.0), name="grpo", use_std=True, x=randn(4, 5), eps=0.1, ev=0.5, c=4,
                 critic_s=1.0, actor_s=2.0, hidden=hidden, n=10, k=3, costate_norm=rand(2), entropy=rand(2),
-                signal=rand(2), h=rand(2))
+                signal=rand(2), h=rand(2), delta=3e-3, num_sequences=None)
 
 
 def test_every_section_one_function_runs_pasted_with_torch_and_its_needs():
