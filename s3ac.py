@@ -1208,9 +1208,8 @@ def make_rewards(args: Args, reward_fn=None, eval_reward_fn=None):
 
 # --- 3b. The actor: log-probs of the sampled tokens ---
 class Policy(nn.Module):
-    """The actor with one forward call from token ids to log-probs. FSDP2 gathers a module's own parameters (here
-    the embeddings, final norm and output layer) in that module's forward, so the whole log-prob computation has
-    to be one; without FSDP this is a thin wrapper. policy.lm is the Hugging Face causal LM."""
+    """The actor (policy.lm, the Hugging Face causal LM) as one forward from token ids to log-probs: FSDP2 gathers
+    a module's own parameters (embeddings, final norm, output layer) in that module's forward."""
 
     def __init__(self, lm: nn.Module):
         super().__init__()
@@ -1302,14 +1301,11 @@ def unsplit(parts: list, micro: list, batch: Batch):
 # --- 3c. The critic: full model, or the partial trunk ---
 class Critic(nn.Module):
     """V(s_t): a transformer backbone and a linear value head without bias, initialised from N(0, (1/(H+1))^2)
-    with its own seed (S3AC: a large head init lets the head dominate the first gradients, and a global clip then
-    shrinks the backbone's too). --critic-layers k chooses the backbone:
+    with its own seed (S3AC: a large head init would dominate the first gradients). --critic-layers k:
         k = 0   a whole separate model that reads the token ids (the paper's critic);
-        k >= 1  the partial trunk (Baseten's value head on the last k of L layers): `trunk` gives the ACTOR's hidden
-                states after block L - k (the input of block L - k counted from 0), without gradient, into the critic's
-                own trainable copy of the actor's last k blocks and final norm (top_blocks). The critic loss never
-                reaches the actor; the critic fits batch n on the features of the actor that generated it.
-    store_critic_features says where those features come from (recorded while generating, else one trunk pass)."""
+        k >= 1  the partial trunk (Baseten's value head on the last k of L layers): `trunk` feeds the ACTOR's hidden
+                states after block L - k, without gradient, into the critic's own copy of the actor's last k blocks
+                and final norm (top_blocks); the critic loss never reaches the actor (store_critic_features)."""
 
     def __init__(self, backbone: nn.Module, seed: int, trunk=None, block: int = None):
         super().__init__()
@@ -1318,8 +1314,7 @@ class Critic(nn.Module):
         self.value_head = nn.Linear(hidden, 1, bias=False, dtype=torch.float32)
         nn.init.normal_(self.value_head.weight, 0.0, 1.0 / (hidden + 1),
                         generator=torch.Generator().manual_seed(seed))
-        self.trunk = trunk  # k >= 1: (input_ids, attention_mask, position_ids) -> [B, P + T, H], the actor's
-        #                     hidden states (a function, not a submodule: the actor's weights are not the critic's)
+        self.trunk = trunk  # k >= 1: (ids, mask, positions) -> [B, P + T, H]; a function, not a submodule
         self.block = block  # k >= 1: L - k, the actor block whose input the trunk gives; None for k = 0
 
     def forward(self, input_ids, attention_mask, position_ids, features=None):
@@ -1338,11 +1333,10 @@ class Critic(nn.Module):
 
 
 def top_blocks(lm: nn.Module, k: int) -> nn.Module:
-    """The partial-trunk critic's trainable backbone: a Hugging Face base model of the last k of the L blocks
-    and the final norm of the causal LM lm (the Llama / Qwen2 / Mistral layout), their weights copied, reading hidden
-    states through inputs_embeds so that the model's own forward builds the causal mask, sliding windows and rotary
-    embeddings (written against transformers 5.24); config.critic_layers = k marks it. Raises ValueError unless
-    1 <= k <= L, or when the copy does not continue the actor's forward on a left-padded probe (Gemma's sqrt(H))."""
+    """The partial-trunk critic's backbone: a base model of copies of the last k of the L blocks and the final norm
+    of the causal LM lm (Llama / Qwen2 / Mistral layout; transformers 5.24), reading hidden states as inputs_embeds;
+    config.critic_layers = k. Raises ValueError unless 1 <= k <= L, or when the copy does not continue the actor's
+    forward on a left-padded probe (Gemma's sqrt(H))."""
     from transformers import AutoModel
     base, L = lm.base_model, lm.config.num_hidden_layers
     if not 1 <= k <= L:
@@ -1371,9 +1365,8 @@ def top_blocks(lm: nn.Module, k: int) -> nn.Module:
 
 @torch.no_grad()
 def actor_hidden_states(policy: nn.Module, block: int, input_ids, attention_mask, position_ids):
-    """The actor's hidden states after block `block` (0: the token embeddings), [B, P + T, H] fp32,
-    without gradient, from its own forward (recording_block_input; the blocks above run too, their work thrown away).
-    policy: a Policy or a causal LM; under FSDP2 its own parameters are gathered for the call."""
+    """The actor's hidden states after block `block` (0: the embeddings), [B, P + T, H] fp32, without gradient,
+    from its own forward (recording_block_input). policy: a Policy or a causal LM (FSDP2: gathered for the call)."""
     lm = policy.lm if isinstance(policy, Policy) else policy
     with gathered(policy), recording_block_input(lm, block) as calls:
         lm.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
@@ -1382,10 +1375,8 @@ def actor_hidden_states(policy: nn.Module, block: int, input_ids, attention_mask
 
 @contextlib.contextmanager
 def recording_block_input(lm: nn.Module, block: int):
-    """While active, every forward call of the causal LM lm appends the input of its block `block`
-    (0-based; hidden_states[block] of output_hidden_states), [b, s, H] fp32 without gradient, to the list it yields:
-    in generate() the prefill first, then one call per decoding step (s = 1). Raises IndexError unless 0 <= block <
-    L."""
+    """While active, each forward of the causal LM lm appends the input of its block `block` (0-based), [b, s, H]
+    fp32 without gradient, to the list it yields (in generate(): the prefill, then s = 1 per step). IndexError."""
     calls = []
 
     def hook(module, args, kwargs):
@@ -1518,9 +1509,8 @@ class Batch:
 
 
 def response_mask_from_ids(response_ids, eos_ids):
-    """(response_mask [B, T] float, 1 up to and including the first stop token, everywhere when
-    there is none; truncated [B] bool, no stop token) of response_ids [B, T], the generated tokens only. Padding is
-    found from positions, never by comparing ids with the pad id, which may equal a stop id."""
+    """(response_mask [B, T] float, 1 up to and including the first stop token, or everywhere; truncated [B] bool)
+    of response_ids [B, T]. Found from positions, never by comparing with the pad id (which may be a stop id)."""
     B, T = response_ids.shape
     is_stop = torch.isin(response_ids, torch.tensor(sorted(eos_ids), device=response_ids.device))  # [B, T]
     truncated = ~is_stop.any(1)  # [B]
@@ -1546,20 +1536,16 @@ def _pad_prompts(prompts: list, pad_id: int):
 
 def cat_batches(batches: list, pad_id: int) -> Batch:
     """One Batch of the rows of several (prompts re-padded on the left, responses on the right)."""
-    P = max(b.prompt_ids.shape[1] for b in batches)
-    T = max(b.response_ids.shape[1] for b in batches)
+    P, T = (max(getattr(b, name).shape[1] for b in batches) for name in ("prompt_ids", "response_ids"))
 
-    def widen(x, width, value, left):  # [b, w] -> [b, width]
-        pad = (width - x.shape[1], 0) if left else (0, width - x.shape[1])
-        return torch.nn.functional.pad(x, pad, value=value)
+    def cat(name, value, left=False):  # [B, P] on the left, [B, T] on the right; None when a part has none
+        parts, width = [getattr(b, name) for b in batches], P if left else T
+        return None if any(x is None for x in parts) else torch.cat([torch.nn.functional.pad(
+            x, (width - x.shape[1], 0) if left else (0, width - x.shape[1]), value=value) for x in parts])
 
-    return Batch(torch.cat([widen(b.prompt_ids, P, pad_id, True) for b in batches]),  # [B, P]
-                 torch.cat([widen(b.prompt_mask, P, 0, True) for b in batches]),  # [B, P]
-                 torch.cat([widen(b.response_ids, T, pad_id, False) for b in batches]),  # [B, T]
-                 torch.cat([widen(b.response_mask, T, 0.0, False) for b in batches]),  # [B, T]
-                 torch.cat([b.truncated for b in batches]), torch.cat([b.prompt_index for b in batches]),  # [B]
-                 None if any(b.sampler_logprobs is None for b in batches) else
-                 torch.cat([widen(b.sampler_logprobs, T, 0.0, False) for b in batches]),  # [B, T]
+    return Batch(cat("prompt_ids", pad_id, True), cat("prompt_mask", 0, True), cat("response_ids", pad_id),
+                 cat("response_mask", 0.0), torch.cat([b.truncated for b in batches]),  # [B]
+                 torch.cat([b.prompt_index for b in batches]), cat("sampler_logprobs", 0.0),  # [B], [B, T]
                  None if any(b.features is None for b in batches) else
                  torch.cat([pad_features(b.features, b.prompt_ids.shape[1], P, T) for b in batches]))  # [B, P + T, H]
 
@@ -1594,8 +1580,7 @@ class SamplerLogprobs:
 
 
 def blank_generation_config(config):
-    """A transformers GenerationConfig with the special token ids of `config` (eos, pad, bos) and nothing else set,
-    so that generate() takes every other field from the caller or from its neutral defaults."""
+    """A transformers GenerationConfig with only the special token ids (eos, pad, bos) of `config` set."""
     from transformers import GenerationConfig
     return GenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
                             bos_token_id=config.bos_token_id)
@@ -1603,12 +1588,9 @@ def blank_generation_config(config):
 
 @contextlib.contextmanager
 def neutral_generation_config(model):
-    """Context in which model.generation_config carries the special token ids only (blank_generation_config), put
-    back on exit. Written against transformers 5.x: generate() fills every field that the GenerationConfig it is
-    given leaves unset (None) from model.generation_config (_prepare_generation_config, defaults_only), and only
-    then from the library's neutral defaults; a checkpoint's generation_config.json (Qwen2.5-Instruct's carries a
-    repetition_penalty) would otherwise add its processors to the sampling distribution, and min_p, typical_p or
-    epsilon / eta cutoffs would run after the last processor of generate_hf, which records mu."""
+    """Context in which model.generation_config is blank (blank_generation_config), put back on exit. transformers
+    5.x fills a given config's unset fields from model.generation_config, so a checkpoint's defaults (Qwen2.5-Instruct's
+    repetition_penalty, min_p, ...) would otherwise change the sampling distribution after mu is recorded."""
     saved = model.generation_config
     model.generation_config = blank_generation_config(saved)
     try:
@@ -1621,19 +1603,15 @@ def neutral_generation_config(model):
 def generate_hf(model, prompts: list, prompt_index: list, eos_ids, pad_id: int, max_new_tokens: int,
                 temperature: float, batch_size: int, greedy: bool = False, top_p: float = 1.0, top_k: int = 0,
                 record_block: int = None) -> Batch:
-    """Sample one response per prompt (token-id lists; repeat one K times for K rollouts) with transformers'
-    generate: left padding, stop on any eos id, plain temperature sampling (over the full vocabulary unless top_p < 1
-    or top_k > 0) or greedy; the model's generation_config is neutralised for the call (neutral_generation_config), so
-    no checkpoint default (repetition_penalty, no_repeat_ngram_size, min_p, ...) reaches the distribution. A sampled
-    batch carries Batch.sampler_logprobs [B, T], log mu of each token (SamplerLogprobs): softmax(logits / temperature)
-    renormalised over what top-k / top-p keep, the distribution it was drawn from. Under torchrun every rank passes
-    the same number of prompts. record_block = L - k also keeps what the partial-trunk critic reads, the hidden
-    states after block L - k, from generation's own forward passes, in Batch.features [B, P + T, H] fp32 (trunk_features
-    up to float rounding; 0 on padding and at each row's last token, which the critic never reads)."""
+    """One response per prompt (token-id lists; repeat one K times for K rollouts) from transformers' generate:
+    left padding, stop on any eos id, temperature sampling (over the full vocabulary unless top_p < 1 or top_k > 0)
+    or greedy, with no checkpoint default (neutral_generation_config). A sampled batch carries Batch.sampler_logprobs
+    [B, T], log mu of each token (SamplerLogprobs). Under torchrun every rank passes the same number of prompts.
+    record_block = L - k also keeps the hidden states after block L - k from generation's own forwards in
+    Batch.features [B, P + T, H] fp32 (trunk_features up to rounding; 0 on padding and at each row's last token)."""
     from transformers import GenerationConfig, LogitsProcessorList
     from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-    # the sampling distribution mu is built here, not by generate, so that the last processor sees exactly it; every
-    # field left unset here takes transformers' neutral default, never the checkpoint's (neutral_generation_config)
+    # mu is built here, not by generate, so that the last processor (SamplerLogprobs) sees exactly it
     config = GenerationConfig(do_sample=not greedy, temperature=1.0, top_k=None if greedy else 0, top_p=1.0,
                               max_new_tokens=max_new_tokens, eos_token_id=sorted(eos_ids), pad_token_id=pad_id)
     device = next(model.parameters()).device
@@ -1674,9 +1652,8 @@ def generate_hf(model, prompts: list, prompt_index: list, eos_ids, pad_id: int, 
 
 def generate_responses(args: Args, state: TrainState, prompts: list, index: list, max_new_tokens: int,
                        greedy: bool = False, record: bool = False) -> Batch:
-    """The current policy's responses (a Batch) to token-id prompts of problems `index`, at most max_new_tokens
-    tokens each, from vLLM (weights synced first when stale) or Hugging Face generate. record: with HF generate and
-    a partial-trunk critic, keep the critic's input features in Batch.features (generate_hf's record_block)."""
+    """The current policy's responses (a Batch) to token-id prompts of problems `index`, from vLLM (synced first
+    when stale) or HF generate. record: keep a partial-trunk critic's features (generate_hf's record_block)."""
     if state.engine is not None:
         return state.engine.generate(prompts, index, state.eos_ids, state.pad_id, max_new_tokens, args.temperature,
                                      greedy, args.top_p, args.top_k, policy=state.policy if args.vllm_sync else None)
@@ -1693,11 +1670,9 @@ def generate_responses(args: Args, state: TrainState, prompts: list, index: list
 # -----------------------------------------------------------------------------------------------------------------
 # === kernels.py, under its own module name ===
 def _import_kernels_py():
-    """kernels.py beside this file, as module `s3ac_kernels` (`from s3ac import kernels` elsewhere). transformers
-    >= 5.25 imports Hugging Face's kernel-hub package by the name `kernels`, and Python puts this directory first on
-    sys.path, where kernels.py would shadow it (ImportError: cannot import name 'CUDAProperties'); so the hub package,
-    where installed, is imported first with every directory holding a kernels.py hidden. Without it, ours holds both
-    names. Raises ImportError if kernels.py was imported as `kernels` already, or if the hub package is broken."""
+    """kernels.py beside this file as module `s3ac_kernels`: transformers >= 5.25 imports Hugging Face's kernel-hub
+    package as `kernels`, which kernels.py would shadow, so the hub package (where installed) is imported first with
+    kernels.py hidden. Raises ImportError if kernels.py was imported as `kernels` already or the hub one is broken."""
     import importlib.util
     path = os.path.join(os.path.dirname(os.path.realpath(__file__)), "kernels.py")
     earlier = sys.modules.get("kernels")
