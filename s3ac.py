@@ -2390,9 +2390,8 @@ def uses_coverage(args: Args) -> bool:
 # --- Data: problems with gold answers, and prompts ---
 @dataclass
 class Problem:
-    """One math problem: the question text, its gold answer (text, compared by math-verify), and its strata: fields
-    that sort problems into kinds for `python s3ac.py readiness` (builtin:arithmetic: op and digits; a data row's
-    own "strata" object), empty when the data has none."""
+    """One math problem: the question, its gold answer (text), and its strata, the fields that sort problems into
+    kinds for `python s3ac.py readiness` (builtin:arithmetic: op and digits; a data row's "strata" object)."""
     question: str
     answer: str  # gold answer, as text for the verifier
     strata: dict = dataclasses.field(default_factory=dict)  # {field: value}, e.g. {"op": "+", "digits": "1x2"}
@@ -2403,10 +2402,9 @@ ARITHMETIC_DIGITS = ("1x1", "1x2", "2x1", "2x2")  # digits of the first and the 
 
 
 def make_arithmetic(n: int, seed: int, ops: str = ARITHMETIC_OPS, digits: tuple = ARITHMETIC_DIGITS) -> list:
-    """`n` seeded problems "What is a op b?": each operand one digit (0-9) or two (10-99) with probability 1/2, op
-    drawn from +, - and * uniformly; the problems whose op is in `ops` and whose digits (e.g. "1x2": a one-digit a,
-    a two-digit b) are in `digits` are kept, in draw order, until there are n. Strata: op and digits. Raises
-    ValueError for an op or a digits value outside ARITHMETIC_OPS / ARITHMETIC_DIGITS, or none."""
+    """`n` seeded problems "What is a op b?": each operand one digit or two with probability 1/2, op uniform over
+    +, - and *; those with op in `ops` and digits (e.g. "1x2": a one-digit a, a two-digit b) in `digits` are kept, in
+    draw order. Strata: op and digits. Raises ValueError for ops / digits outside ARITHMETIC_OPS / _DIGITS, or none."""
     if not ops or set(ops) - set(ARITHMETIC_OPS) or not digits or set(digits) - set(ARITHMETIC_DIGITS):
         raise ValueError(f"builtin:arithmetic: op={ops!r} digits={','.join(digits)!r}: expected a subset of "
                          f"{ARITHMETIC_OPS!r} and of {','.join(ARITHMETIC_DIGITS)}")
@@ -2445,13 +2443,9 @@ def builtin_problems(spec: str, seed: int) -> list:
 
 def load_problems(spec: str, prompt_key: str = "auto", answer_key: str = "auto", split: str = "train",
                   seed: int = 0, math_golds: bool = True):
-    """Problems from a JSONL or Parquet file, a Hugging Face dataset (`name` or `name:config`, through
-    `datasets`; a dataset of one split uses that one), or builtin:arithmetic (builtin_problems). Layouts: GSM8K (`question`,
-    `answer` after '####'), MATH-500 (`problem`, `answer`), MATH (`problem`, `solution`, a worked solution: the gold is
-    its last \\boxed{}), DAPO-Math-17k-Processed (`prompt`, `solution`), DAPO-Math-17k (chat `prompt`,
-    `reward_model.ground_truth`), or the fields prompt_key / answer_key name ("auto": the first of those present);
-    math_golds False keeps the answer field as written (_row_to_problem). Raises ValueError naming file, line (or row)
-    and field for a bad row (a worked solution without a box too), an empty dataset or a hub dataset that cannot be
+    """Problems from a JSONL or Parquet file, a Hugging Face dataset (`name` or `name:config`; a dataset of one
+    split uses that one) or builtin:arithmetic (builtin_problems), in any layout _row_to_problem reads. Raises
+    ValueError naming file, line (or row) and field for a bad row, an empty dataset or a hub dataset that cannot be
     fetched; FileNotFoundError / ImportError for a missing file or `datasets`."""
     if spec.startswith("builtin:"):
         problems = builtin_problems(spec, seed)
@@ -2511,10 +2505,11 @@ _WORKED_SOLUTION = re.compile(r"\n|(?<!\\)[.?!]\s+[A-Za-z]")  # a line break, or
 
 
 def _row_to_problem(row, prompt_key: str, answer_key: str, where: str, math_golds: bool = True) -> Problem:
-    """One row as a Problem. The gold (math_golds, for the math verifier): a GSM8K answer's text after '####';
-    the last \\boxed{} of a worked solution; else the answer field as it is (always so without math_golds: a reward of
-    one's own reads the field as written). Raises ValueError naming `where` and the field for a bad row, and for a
-    worked solution (a line break, or a sentence end followed by a word) without a box."""
+    """One row as a Problem. Layouts: GSM8K (`question`, `answer` after '####'), MATH-500 (`problem`, `answer`),
+    MATH (`problem`, `solution`: the gold is its last \\boxed{}), DAPO-Math-17k-Processed (`prompt`, `solution`),
+    DAPO-Math-17k (chat `prompt`, `reward_model.ground_truth`), or the fields prompt_key / answer_key name ("auto":
+    the first of those present). math_golds False keeps the answer field as written (a reward of one's own). Raises
+    ValueError naming `where` and the field for a bad row, and for a worked solution without a box."""
     if not isinstance(row, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
     if isinstance(row.get("prompt"), list) and row["prompt"] and isinstance(row["prompt"][-1], dict):
@@ -2532,18 +2527,15 @@ def _row_to_problem(row, prompt_key: str, answer_key: str, where: str, math_gold
     strata = row.get("strata", {})  # optional: fields that sort the problems into kinds (readiness)
     if not isinstance(strata, dict) or not all(isinstance(v, (str, int, float)) for v in strata.values()):
         raise ValueError(f"{where}: field 'strata' must be an object of strings or numbers, got {strata!r}")
-    strata = {str(k): str(v) for k, v in strata.items()}
-    answer = str(row[akey])
-    if not math_golds:  # a --reward-fn of one's own reads the answer field as written
-        return Problem(strip_answer_format(str(row[qkey])), answer, strata)
-    if qkey == "question" and answer_key == "auto" and "####" in answer:  # GSM8K: reasoning, then '#### <gold>'
+    strata, answer = {str(k): str(v) for k, v in strata.items()}, str(row[akey])
+    if math_golds and qkey == "question" and answer_key == "auto" and "####" in answer:  # GSM8K: '#### <gold>'
         answer = answer.rsplit("####", 1)[1].strip()
-    elif _BOX.search(answer):  # a worked solution (MATH's `solution`): the gold is its last box
+    elif math_golds and _BOX.search(answer):  # a worked solution (MATH's `solution`): the gold is its last box
         boxed = last_boxed(answer)
         if boxed is None or not boxed.strip():
             raise ValueError(f"{where}: field {akey!r}: the last \\boxed{{}} of the solution is empty or never closes")
         answer = boxed.strip()
-    elif _WORKED_SOLUTION.search(answer.strip()):
+    elif math_golds and _WORKED_SOLUTION.search(answer.strip()):
         raise ValueError(f"{where}: field {akey!r} holds a worked solution without a \\boxed{{}} answer; name the "
                          f"field of the bare answer with --answer-key")
     return Problem(strip_answer_format(str(row[qkey])), answer, strata)
@@ -2555,9 +2547,8 @@ HELDOUT_SEED = 12345  # --eval-data heldout: the same held-out problems for ever
 
 def split_problems(train: list, eval_spec: str, args: Args, math_golds: bool = True, heldout_golds=None):
     """(train, sources): one (eval_name, problems) per comma-separated source of eval_spec: its first eval_size
-    distinct problems (math_golds: as load_problems), or for `heldout` a sample of train's (HELDOUT_SEED), golds from
-    heldout_golds() when given (train's rows in the evaluation reward's gold layout). Duplicates are dropped, and no
-    evaluation question stays in train. Raises ValueError when too few are left."""
+    distinct problems, or for `heldout` a sample of train's (HELDOUT_SEED; golds from heldout_golds() when given).
+    No evaluation question stays in train. Raises ValueError when too few are left."""
     train = distinct(train)
     sources = []
     for spec in [s.strip() for s in eval_spec.split(",") if s.strip()] or ["heldout"]:
@@ -2584,10 +2575,8 @@ def split_problems(train: list, eval_spec: str, args: Args, math_golds: bool = T
 
 def distinct(problems: list) -> list:
     """The problems with distinct questions, in order, the first of each question kept."""
-    first = {}
-    for p in problems:
-        first.setdefault(p.question, p)
-    return list(first.values())
+    seen = set()
+    return [p for p in problems if p.question not in seen and not seen.add(p.question)]
 
 
 def eval_name(spec: str) -> str:
@@ -2601,9 +2590,8 @@ def eval_name(spec: str) -> str:
 
 
 def drop_long_prompts(problems: list, prompt_ids, max_tokens: int):
-    """(kept, dropped): the problems whose prompt, prompt_ids(question) -> token ids (template included), has at
-    most max_tokens tokens, and the number dropped. Long prompts are dropped rather than truncated: a cut question
-    is another problem with the same gold answer."""
+    """(kept, dropped): the problems whose prompt_ids(question) has at most max_tokens token ids, and the number
+    dropped (not truncated: a cut question is another problem with the same gold answer)."""
     kept = [p for p in problems if len(prompt_ids(p.question)) <= max_tokens]
     return kept, len(problems) - len(kept)
 
@@ -3048,9 +3036,8 @@ def autocast(device, dtype):
 
 
 def config_without_dropout(path: str):
-    """The model config at `path` with every dropout probability set to 0 (attention_dropout, hidden_dropout,
-    resid_pdrop, ...). With dropout on, the training forward pass (train mode) would not compute the policy whose
-    log-probs were taken for the ratio (eval mode), so ratio != 1 and approx_kl != 0 even at lr 0."""
+    """The model config at `path` with every dropout probability 0: with dropout the training forward would not
+    compute the policy whose log-probs the ratio divides by (ratio != 1 even at lr 0)."""
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(path)
     for sub in [config, *(getattr(config, k) for k in ("text_config", "decoder") if hasattr(config, k))]:
@@ -3069,9 +3056,8 @@ def no_dropout(model: nn.Module) -> nn.Module:
 
 
 def load_actor(path: str, device):
-    """The policy as an fp32 causal LM on `device`, dropout off, with a blank generation_config (the special token
-    ids only; generate_hf neutralises any model's for its calls, neutral_generation_config). Raises ValueError for
-    models whose logits are rescaled after the output embedding, which log-probs from hidden states would miss."""
+    """The policy as an fp32 causal LM on `device`, dropout off, generation_config blank (blank_generation_config).
+    Raises ValueError for models whose logits are rescaled after the output layer (log-probs from hidden states)."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(path, config=config_without_dropout(path), dtype=torch.float32)
     model = no_dropout(model).to(device)
@@ -3143,13 +3129,12 @@ def load_models(args: Args, actor_src: str, critic_src: str, ckpt, tokenizer, de
 
 # --- vLLM: the rollout engine and its weight sync ---
 class VLLMRollout:
-    """A vLLM engine in the training process (one per rank under torchrun). Its log-probs (vLLM's processed
-    ones: after temperature, top-p and top-k) come back in Batch.sampler_logprobs, the mu of the TIS weight. On CUDA
-    it sleeps (weights offloaded, KV cache freed) while the trainer runs. Written against vLLM 0.32-0.33."""
+    """A vLLM engine in the training process (one per rank under torchrun); its processed log-probs (after
+    temperature, top-p, top-k) are the mu of the TIS weight. On CUDA it sleeps while the trainer runs. vLLM 0.32-0.33."""
 
     def __init__(self, path: str, args: Args, device, rank: int, world: int, **engine_kwargs):
-        """Start the engine on the Hugging Face checkpoint `path`, in the trainer's compute dtype, seeded
-        args.seed + rank; engine_kwargs go to vllm.LLM as they are. Raises ImportError without vllm."""
+        """Start the engine on checkpoint `path` in the compute dtype, seeded args.seed + rank; engine_kwargs go to
+        vllm.LLM. Raises ImportError without vllm."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process: sync by reference
         from vllm import LLM
         cuda = device.type == "cuda"
@@ -3176,18 +3161,16 @@ class VLLMRollout:
             self.asleep = True
 
     def sync(self, policy: nn.Module):
-        """Wake the weights, copy the actor's in (sync_vllm_weights) and drop the prefix cache, whose KV blocks
-        were computed with the old weights (vLLM clears it on sleep, but on CPU the engine never sleeps)."""
+        """Copy the actor's weights in (sync_vllm_weights) and drop the prefix cache, computed with the old ones."""
         if self.asleep:  # the weights first, the KV cache after the sync: a lower peak
             torch.cuda.empty_cache()
             self.llm.wake_up(tags=["weights"])
-            sync_vllm_weights(self.llm, policy, self.dtype)
+        sync_vllm_weights(self.llm, policy, self.dtype)
+        if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])  # sleeping has already dropped the prefix cache
-            self.asleep = False
         else:
-            sync_vllm_weights(self.llm, policy, self.dtype)
-            self.llm.reset_prefix_cache()
-        self.stale = False
+            self.llm.reset_prefix_cache()  # on CPU the engine never sleeps
+        self.asleep = self.stale = False
 
     def generate(self, prompts: list, prompt_index: list, eos_ids, pad_id: int, max_new_tokens: int,
                  temperature: float, greedy: bool = False, top_p: float = 1.0, top_k: int = 0,
@@ -3259,15 +3242,15 @@ def uses_vllm(args: Args, device) -> bool:
 
 
 def vllm_available() -> bool:
-    """Whether the vllm package is importable in this environment (without importing it)."""
+    """Whether the vllm package is importable (without importing it)."""
     import importlib.util
     return importlib.util.find_spec("vllm") is not None
 
 
 # --- torchrun: data parallel over prompts, actor and critic sharded with FSDP2 ---
 def init_distributed(device_name: str):
-    """(rank, world size, device) of this process. Under torchrun (WORLD_SIZE > 1) the default process group is
-    initialised, nccl on CUDA (one GPU per local rank) and gloo on CPU; a single process needs none."""
+    """(rank, world size, device) of this process; under torchrun (WORLD_SIZE > 1) the process group is
+    initialised, nccl on CUDA (one GPU per local rank), gloo on CPU."""
     import torch.distributed as dist
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     cuda = device_name == "cuda" or (device_name == "auto" and torch.cuda.is_available())
@@ -3283,7 +3266,7 @@ def init_distributed(device_name: str):
 
 
 def distributed() -> bool:
-    """True under torchrun with more than one process (an initialised process group of world size > 1)."""
+    """True under torchrun with more than one process."""
     import torch.distributed as dist
     return dist.is_initialized() and dist.get_world_size() > 1
 
@@ -3388,12 +3371,10 @@ def gather_records(records: list) -> list:
 # --- Checkpoints (atomic) and resume ---
 def save_checkpoint(out_dir: str, step: int, model, tokenizer, critic, actor_opt, critic_opt, sampler, update_gen,
                     keep: int, prompt_counts=None, train_s: float = 0.0, record: dict = None):
-    """Write checkpoints/step_N atomically (a temporary directory renamed when complete, then the
-    `latest` pointer replaced): a kill at any moment leaves the previous one. model: the Policy the actor optimizer was
-    built on; critic / critic_opt may be None; prompt_counts: DAPS's (successes, attempts); train_s: training seconds;
-    record: the run's flags and data identity (run_record), written to run.json for check_resume.
-    Under torchrun every rank calls this: weights and optimizer states are gathered whole (keyed by parameter name), so
-    the checkpoint loads on any number of ranks; rank 0 writes it with every rank's RNG state."""
+    """Write checkpoints/step_N atomically (a temporary directory renamed, then the `latest` pointer replaced): a
+    kill at any moment leaves the previous one. model: the actor's Policy; critic / critic_opt may be None;
+    prompt_counts: DAPS's (successes, attempts); train_s: training seconds; record: run_record, as run.json. Under
+    torchrun every rank calls this; the states are gathered whole, and rank 0 writes them with every rank's RNG."""
     from safetensors.torch import save_file
     policy = model if isinstance(model, Policy) else Policy(model)
     actor_weights, actor_state = full_state_dict(policy), optimizer_state(policy, actor_opt)
@@ -3578,10 +3559,9 @@ COMPETITION_SETS = ("aime", "amc", "hmmt")  # eval names starting so: few proble
 
 
 def evaluate_sources(generate, tokenizer, sources, reward_fn, eval_k: int, rank: int = 0, world: int = 1):
-    """evaluate() on each source (name, problems, prompts): eval/<name>/pass@1 (greedy),
-    eval/<name>/reward, ...; for a competition set (COMPETITION_SETS) with eval_k > 1 also eval/<name>/avg@<eval_k>, the
-    accuracy of eval_k samples per problem at the rollout temperature. eval/pass@1 and the other unnamed keys repeat the
-    first source's. Returns (metrics, the greedy answers' records, each with its source's name)."""
+    """evaluate() on each source (name, problems, prompts): eval/<name>/pass@1 (greedy), eval/<name>/reward, ...,
+    and for a COMPETITION_SETS source with eval_k > 1 eval/<name>/avg@<eval_k> (eval_k samples per problem); the
+    unnamed keys repeat the first source's. Returns (metrics, the greedy records, each with its source's name)."""
     out, samples = {}, []
     sampled = lambda prompts, index, greedy: generate(prompts, index, greedy=False)  # the same, sampled
     for j, (name, problems, prompts) in enumerate(sources):
@@ -3782,19 +3762,16 @@ def block_costates(policy: Policy, batch: Batch, advantages, block: int, tempera
 
 
 def checkpoint_readiness(args: Args, name: str, problems: list, opts, reward_fn, device) -> list:
-    """readiness's JSON lines of checkpoint `name`, one per stratum: per problem opts.k samples at --temperature
-    (generate_hf, call_reward), their share right, pass@k, mixed (right and wrong ones), H (headroom), the token mean
-    of the entropy (estimated by -log mu of the sampled tokens), and for the first opts.costate_prompts problems the
-    token mean of the costate norm (block_costates for GRPO's advantages) and S (usable_signal); greedy pass@1 (one
-    greedy answer); per stratum the mean and population std over its problems (costate and S: over those measured),
-    and impact_score."""
+    """readiness's JSON lines of checkpoint `name`, one per stratum: per problem, of opts.k samples at --temperature,
+    pass@1, pass@k, mixed, H (headroom), the token mean of the entropy, and for the first opts.costate_prompts problems
+    the costate norm (block_costates, GRPO's advantages) and S (usable_signal); greedy pass@1; per stratum the mean
+    and population std over its problems (costate and S: over those measured), and impact_score."""
     from transformers import AutoTokenizer
     path = resolve_model(name, args.cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(path)
     problems, prompts, _ = prepare_prompts(args, tokenizer, problems, [], True)
     args = apply_memory_plan(dataclasses.replace(args, algo="grpo", rollout="hf"), path, device, 1)
-    policy, _, _, eos_ids, pad_id = load_models(dataclasses.replace(args, algo="grpo", rollout="hf"), path, path,
-                                                None, tokenizer, device, 0, 1)
+    policy, _, _, eos_ids, pad_id = load_models(args, path, path, None, tokenizer, device, 0, 1)
     L, n, k, amp = policy.lm.config.num_hidden_layers, len(problems), opts.k, compute_dtype(args.dtype, device)
     block = L // 2 if opts.block == "auto" else int(opts.block)  # auto: the middle (why: departure 13)
     if not 0 <= block < L:
@@ -3906,15 +3883,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["plot"]:
-        plot(sys.argv[2:])
-    elif sys.argv[1:2] == ["readiness"]:
-        readiness(sys.argv[2:])
-    elif sys.argv[1:2] == ["memory"]:
-        memory(sys.argv[2:])
-    elif sys.argv[1:2] == ["compare"]:
-        sys.exit("s3ac.py: the side-by-side comparison is ./run.sh compare (python .ci/compare.py --help)")
-    elif sys.argv[1:2] == ["gpu-check"]:
-        sys.exit("s3ac.py: the GPU check is ./run.sh gpu-check (python .ci/gpu_check.py --help)")
-    else:
-        main()
+    command = sys.argv[1] if len(sys.argv) > 1 else ""
+    if command in ("compare", "gpu-check"):  # the harnesses live in .ci/
+        sys.exit(f"s3ac.py: {command} is ./run.sh {command} (python .ci/{command.replace('-', '_')}.py --help)")
+    {"plot": plot, "readiness": readiness, "memory": memory}.get(command, lambda _: main())(sys.argv[2:])
