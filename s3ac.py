@@ -3224,14 +3224,11 @@ def engine_logprobs(samples, prompt_index: list) -> list:
 
 
 def sync_vllm_weights(llm, policy: nn.Module, dtype):
-    """Copy the actor's weights (a Policy or causal LM, FSDP2-sharded or not: then every rank calls this) into the
-    vLLM engine `llm`, cast to its dtype, in ONE call (2.9 GiB at 1.5B in bf16): vLLM 0.32-0.33's
-    LLM.collective_rpc("reload_weights", kwargs={"weights_iterator": pairs}) reloads the whole model per call from
-    Hugging Face-named tensors, and warns for every layer a call leaves out. lm_head.weight is sent even when tied
-    (vLLM on CPU keeps its own packed copy); the engine is in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0). An
-    error in the engine propagates and stops the run."""
+    """Copy the actor's weights (a Policy or causal LM; under FSDP2 every rank calls this) into the vLLM engine
+    `llm`, cast to its dtype, in ONE call: vLLM 0.32-0.33's collective_rpc("reload_weights") reloads the whole model
+    per call and warns for every layer a call leaves out (the engine is in this process). An engine error propagates."""
     lm = policy.lm if isinstance(policy, Policy) else policy
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": [  # includes lm_head.weight when tied
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": [  # lm_head.weight even when tied (vLLM on CPU)
         (name, (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().to(dtype))  # whole, from FSDP2 shards
         for name, t in lm.state_dict().items()]})
 
