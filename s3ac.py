@@ -3101,8 +3101,7 @@ def load_models(args: Args, actor_src: str, critic_src: str, ckpt, tokenizer, de
     if args.rollout == "vllm" and not vllm_available():
         raise ValueError("--rollout vllm: the vllm package is not installed here (on a CUDA machine: pip install "
                          "vllm; on CPU: run with .venv-vllm/bin/python, which ./run.sh test makes)")
-    vllm = uses_vllm(args, device)
-    engine = VLLMRollout(actor_src, args, device, rank, world) if vllm else None  # before seeding: it seeds
+    engine = VLLMRollout(actor_src, args, device, rank, world) if uses_vllm(args, device) else None  # it seeds
     policy = Policy(model)  # the module the actor trains through (FSDP2's root under torchrun)
     critic = None
     if args.algo in CRITIC_ALGOS:
@@ -3129,8 +3128,8 @@ def load_models(args: Args, actor_src: str, critic_src: str, ckpt, tokenizer, de
 
 # --- vLLM: the rollout engine and its weight sync ---
 class VLLMRollout:
-    """A vLLM engine in the training process (one per rank under torchrun); its processed log-probs (after
-    temperature, top-p, top-k) are the mu of the TIS weight. On CUDA it sleeps while the trainer runs. vLLM 0.32-0.33."""
+    """A vLLM engine (vLLM 0.32-0.33) in the training process, one per rank under torchrun; its processed log-probs
+    (after temperature, top-p, top-k) are the mu of the TIS weight. On CUDA it sleeps while the trainer runs."""
 
     def __init__(self, path: str, args: Args, device, rank: int, world: int, **engine_kwargs):
         """Start the engine on checkpoint `path` in the compute dtype, seeded args.seed + rank; engine_kwargs go to
