@@ -1375,8 +1375,8 @@ def actor_hidden_states(policy: nn.Module, block: int, input_ids, attention_mask
 
 @contextlib.contextmanager
 def recording_block_input(lm: nn.Module, block: int):
-    """While active, each forward of the causal LM lm appends the input of its block `block` (0-based), [b, s, H]
-    fp32 without gradient, to the list it yields (in generate(): the prefill, then s = 1 per step). IndexError."""
+    """While active, each forward of the causal LM lm appends the input of its block `block`, [b, s, H] fp32 without
+    gradient, to the list it yields (generate(): the prefill, then s = 1 a step). IndexError unless 0 <= block < L."""
     calls = []
 
     def hook(module, args, kwargs):
