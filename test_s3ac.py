@@ -2933,8 +2933,8 @@ def test_generate_records_the_trunk_features_of_a_second_pass(tmp_path, kind, k)
     read = torch.cat([batch.prompt_mask, batch.response_mask[:, 1:], torch.zeros(7, 1)], 1).bool()  # [B, P + T]
     assert torch.allclose(batch.features[read], want[read], atol=1e-5)
     assert (batch.features[~read] == 0).all()  # padding, and the last token of each response
-    values, raw = s3ac.value_pass(critic, batch, "mse", 3, want)
-    got, raw_got = s3ac.value_pass(critic, batch, "mse", 3, batch.features)
+    values, raw = s3ac.value_pass(critic, batch, "mse", 60, want)
+    got, raw_got = s3ac.value_pass(critic, batch, "mse", 60, batch.features)
     assert torch.allclose(got, values, atol=1e-5)
 
     def no_trunk(*a):
@@ -2992,11 +2992,12 @@ def test_partial_trunk_critic_loss_reaches_only_its_blocks_norm_and_head(tmp_pat
     args = s3ac.resolve_args(s3ac.Args(micro_batch_tokens=40, critic_epochs=2, critic_layers=2))
     actor_before = copy.deepcopy(actor.state_dict())
     results = []
-    for features in (None, s3ac.trunk_features(critic, batch, 2)):
+    for features in (None, s3ac.trunk_features(critic, batch, 2)):  # computed by update_critic, or stored before
         crit = copy.deepcopy(critic)
         crit.trunk = critic.trunk  # the copy reads the same actor
-        m = s3ac.update_critic(crit, torch.optim.SGD(crit.parameters(), lr=0.1), batch, raw.detach(), returns,
-                               batch.response_mask, args, torch.Generator().manual_seed(0), features)
+        m = s3ac.update_critic(crit, torch.optim.SGD(crit.parameters(), lr=0.1),
+                               dataclasses.replace(batch, features=features), raw.detach(), returns,
+                               batch.response_mask, args, torch.Generator().manual_seed(0))
         results.append((m, crit.state_dict()))
     assert all(torch.equal(actor_before[n], v) for n, v in actor.state_dict().items())
     (m1, s1), (m2, s2) = results
