@@ -2947,13 +2947,10 @@ def saved_bytes(fn, params) -> int:
 @functools.lru_cache(maxsize=4)
 def activation_constants(config_json: str) -> dict:
     """Bytes autograd keeps for backward, measured on the CPU for an architecture (config_json: its config.json):
-    causal LMs of 1 and 2 blocks of its widths (vocabulary 256) run the actor's log-prob forward (actor_logprobs) and
-    the critic's (critic_values) under bf16 autocast on one sequence of S = 8, 16 and 24 tokens; saved_bytes counts.
-    bytes = c + a S + b S^2 is solved exactly for one block (the 2-block count less the 1-block one) and for the rest
-    (embeddings, final norm, log-prob or value head). Returns per token a of a block ("block"), its b ("block_quad",
-    per token and token of the row: attention probabilities where the kernel keeps them, as a CPU math path does;
-    CUDA's flash and memory-efficient SDPA keep O(S)), its c ("block_casts": bf16 copies of its weights), and a of
-    the rest ("actor_rest", "critic_rest")."""
+    1- and 2-block causal LMs of its widths run actor_logprobs and critic_values under bf16 autocast on one sequence
+    of S = 8, 16, 24 tokens (saved_bytes); c + a S + b S^2 is solved for one block (2 blocks less 1) and for the rest.
+    Returns a block's a ("block", bytes a token), b ("block_quad": attention probabilities where kept, as on a CPU
+    math path; CUDA's SDPA keeps O(S)) and c ("block_casts": its bf16 weight copies), and the rest's a."""
     from transformers import AutoConfig, AutoModelForCausalLM
     lengths, counts = (8, 16, 24), {}
     for blocks in (1, 2):
@@ -2990,16 +2987,13 @@ def parameter_counts(config) -> dict:
 
 
 def memory_plan(config, args: Args, device_gib: float, cuda: bool = True, world: int = 1) -> dict:
-    """The plan for training args.model (config: its transformers config) on a device of device_gib GiB: per phase
-    the peak bytes, persistent (fp32 weights of the actor and critic, their AdamW states, the updated model's
-    gradients and bf16 weight casts, sharded over `world` FSDP2 ranks) plus activations (activation_constants per
-    token of a micro-batch, its longest row's S^2 term off CUDA; with gradient checkpointing a block keeps its fp32
-    input and one block is recomputed at a time) plus one block's backward working set and a logits chunk, against
-    (1 - PLAN_MARGIN) of the device less PLAN_RESERVE_GIB. "auto" flags take the fastest setting that fits: no
-    recomputation when a micro-batch of two longest rows fits, else recomputation; micro_batch_tokens the largest
-    that fits, at most MAX_MICRO_BATCH_TOKENS. Returns the plan as a dict (json-able): peak_gib, device_gib, fits,
-    micro_batch_tokens, gradient_checkpointing, the phases and the checkpoint's size; fits is False when no budget
-    holds a longest row (the caller stops, naming what would)."""
+    """The memory plan of training args (config: the model's transformers config) on a device of device_gib GiB.
+    Per phase: fp32 weights and AdamW states of actor and critic (sharded over `world` ranks), the updated model's
+    gradients and bf16 weight casts, activations a token (activation_constants; with recomputation a block keeps its
+    fp32 input) times the micro-batch, and one block's backward working set, against (1 - PLAN_MARGIN) of the device
+    less PLAN_RESERVE_GIB. "auto": no recomputation when two longest rows fit, the largest budget that fits (at most
+    MAX_MICRO_BATCH_TOKENS). Returns a json-able dict: peak_gib, device_gib, fits (False when no budget holds a
+    longest row), micro_batch_tokens, gradient_checkpointing, phases_gib, checkpoint_gib, ..."""
     const = activation_constants(config.to_json_string())
     n = parameter_counts(config)
     L, H = config.num_hidden_layers, config.hidden_size
@@ -3061,9 +3055,8 @@ def plan_line(plan: dict) -> str:
 
 
 def apply_memory_plan(args: Args, model_path: str, device, world: int) -> Args:
-    """args with --micro-batch-tokens and --gradient-checkpointing auto resolved: on CUDA by memory_plan for the
-    device's memory (printed in one line; ValueError naming what would fit when nothing does), on a CPU
-    CPU_MICRO_BATCH_TOKENS and no recomputation."""
+    """args with --micro-batch-tokens and --gradient-checkpointing auto resolved: on CUDA by memory_plan (printed;
+    ValueError naming what would fit when nothing does), on a CPU CPU_MICRO_BATCH_TOKENS and no recomputation."""
     if "auto" not in (args.micro_batch_tokens, args.gradient_checkpointing):
         return args
     if device.type != "cuda":  # host memory is not what limits a CPU run
@@ -3083,9 +3076,8 @@ def apply_memory_plan(args: Args, model_path: str, device, world: int) -> Args:
 
 
 def check_disk(args: Args, models: list):
-    """Stops before step 1 when --out-dir lacks room for (keep_checkpoints + 1) checkpoints (one is written beside
-    the kept ones before the oldest goes) less those already there: a checkpoint holds every model's fp32 weights
-    and the AdamW moments of the trainable ones. Raises OSError with the figures and the flags that change them."""
+    """Before step 1: OSError, with the figures and the flags that change them, when --out-dir lacks room for
+    keep_checkpoints + 1 checkpoints (fp32 weights, the trainable ones' AdamW moments) less those already there."""
     size = sum(4 * p.numel() + (8 * p.numel() if p.requires_grad else 0) for m in models if m is not None
                for p in m.parameters())
     root = os.path.join(args.out_dir, "checkpoints")
@@ -3098,21 +3090,17 @@ def check_disk(args: Args, models: list):
 
 
 def memory(argv=None):
-    """python s3ac.py memory --model M [--gpu-memory GiB] [training flags] [--json]: the memory plan of the training
-    flags from M's config.json alone (no weights, no GPU), for a device of --gpu-memory GiB (default: this machine's
-    CUDA device, else 80)."""
+    """python s3ac.py memory --model M [--gpu-memory GiB] [training flags] [--json]: the memory plan from M's
+    config.json alone (no weights, no GPU), for --gpu-memory GiB (default: this machine's CUDA device, else 80)."""
     from transformers import AutoConfig
-    argv = list(sys.argv[1:] if argv is None else argv)
-    as_json = "--json" in argv
-    argv = [a for a in argv if a != "--json"]
-    gib = 80.0 if not torch.cuda.is_available() else torch.cuda.get_device_properties(0).total_memory / GIB
-    if "--gpu-memory" in argv:
-        i = argv.index("--gpu-memory")
-        gib = float(argv[i + 1])
-        del argv[i: i + 2]
-    args = parse_args(argv)
-    plan = memory_plan(AutoConfig.from_pretrained(resolve_model(args.model, args.cache_dir)), args, gib)
-    print(json.dumps(plan) if as_json else plan_line(plan))
+    parser = argparse.ArgumentParser(prog="s3ac.py memory")
+    parser.add_argument("--gpu-memory", type=float, default=torch.cuda.get_device_properties(0).total_memory / GIB
+                        if torch.cuda.is_available() else 80.0)
+    parser.add_argument("--json", action="store_true")
+    opts, rest = parser.parse_known_args(argv)
+    args = parse_args(rest)
+    plan = memory_plan(AutoConfig.from_pretrained(resolve_model(args.model, args.cache_dir)), args, opts.gpu_memory)
+    print(json.dumps(plan) if opts.json else plan_line(plan))
     return plan
 
 
