@@ -8,7 +8,8 @@
 # ./run.sh mechanisms   the CPU demo's model: each S3AC piece against the effect its paper claims, a table
 #                       (.ci/mechanisms.py; extra args go to it)
 # ./run.sh readiness    the CPU demo's model and checkpoints: does the value-gradient impact score predict RL's gain
-#                       per stratum? Spearman against the paper's 0.60 / 0.73 (.ci/readiness.py; extra args go to it)
+#                       per stratum? Spearman against the paper's 0.60 / 0.73 (.ci/readiness.py; extra args go to it;
+#                       the step-0 table alone: python .ci/readiness.py table --model A,B --data SPEC)
 # ./run.sh gpu-check    on a CUDA GPU: kernel tests and benchmarks, S3AC vs GRPO step times, training steps and
 #                       --resume (.ci/gpu_check.py; extra args go to it); uses $PYTHON, else .venv's python if it
 #                       exists, else python3, and makes no .venv

@@ -51,7 +51,7 @@ Run:
     python s3ac.py --critic-layers 4 --max-minutes 20 --plot           # partial-trunk critic, a time budget, curves
     python s3ac.py --out-dir runs/x --resume                           # continue a killed run
     python s3ac.py plot runs/a runs/b -o curves.png                    # pass@1 against minutes and samples, EV, c
-    python s3ac.py readiness --model A,B --data builtin:arithmetic     # will RL help? task table, headroom, impact
+    python .ci/readiness.py table --model A,B --data builtin:arithmetic   # will RL help? task table, headroom, impact
     python s3ac.py memory --model Qwen/Qwen2.5-Math-1.5B --gpu-memory 80   # the memory plan, from config.json alone
     torchrun --nproc_per_node=8 s3ac.py --batch-prompts 512            # data parallel, FSDP2, vLLM per rank
     ./run.sh gpu-check                           # on CUDA: kernels, step phase times, training (.ci/gpu_check.py)
@@ -3853,154 +3853,6 @@ def plot(argv=None):
     print(plot_runs(**vars(opts)))
 
 
-# --- Readiness (python s3ac.py readiness): the step-0 task table and the impact score, per checkpoint and stratum ---
-def strata_groups(problems: list, spec: str) -> dict:
-    """{stratum: problem indices}: "all", then for spec "auto" each Problem.strata field alone and all together
-    (op=+, ..., digits=1x2, ..., op=+:digits=1x2, ...), for spec "f1,f2" those together. ValueError: unknown field."""
-    seen = list(dict.fromkeys(f for p in problems for f in p.strata))  # the data's fields, first seen first
-    fields = seen if spec == "auto" else spec.split(",")
-    if set(fields) - set(seen):
-        raise ValueError(f"--strata {spec}: no problem has {sorted(set(fields) - set(seen))} (fields: {seen})")
-    groups = {"all": list(range(len(problems)))}
-    alone = [[f] for f in fields] if spec == "auto" else []  # each field alone, then all together (once)
-    for chosen in alone + ([fields] if len(fields) > 1 or spec != "auto" else []):
-        names = [":".join(f"{f}={p.strata[f]}" for f in chosen) if set(chosen) <= set(p.strata) else None
-                 for p in problems]
-        groups.update({name: [i for i, x in enumerate(names) if x == name] for name in sorted(set(names) - {None})})
-    return groups
-
-
-def block_costates(policy: Policy, batch: Batch, advantages, block: int, temperature: float, micro_batch_tokens: int):
-    """costate_norms [B, T] at the OUTPUT of block `block` (the input of block + 1, hooked in the actor's own
-    forward), one forward and backward per micro-batch of the rows whose advantages [B, T] are not all 0; the others
-    have costates 0 (L does not depend on them) and run nothing. No parameter gradient is kept."""
-    norms = torch.zeros(advantages.shape, device=advantages.device)  # [B, T]
-    moving = [i for i, m in enumerate(advantages.ne(0).any(1).tolist()) if m]  # rows with a gradient
-    outputs = []
-    handle = policy.lm.base_model.layers[block].register_forward_hook(
-        lambda module, inputs, out: outputs.append(out[0] if isinstance(out, tuple) else out))
-    try:
-        for rows in micro_batches(batch, micro_batch_tokens, moving) if moving else []:
-            with torch.enable_grad():
-                mbatch = batch.rows(rows)
-                logprobs, _ = actor_logprobs(policy, mbatch, temperature)  # [b, t]
-                t = logprobs.shape[1]
-                norms[rows, :t] = costate_norms(outputs[-1], logprobs, advantages[rows, :t],
-                                                mbatch.response_mask.to(logprobs.device))[0]  # [b, t]
-            outputs.clear()
-    finally:
-        handle.remove()
-    return norms  # [B, T]
-
-
-def checkpoint_readiness(args: Args, name: str, problems: list, opts, reward_fn, device) -> list:
-    """readiness's JSON lines of checkpoint `name`, one per stratum: per problem, of opts.k samples at --temperature,
-    pass@1, pass@k, mixed, H (headroom), the token mean of the entropy, and for the first opts.costate_prompts problems
-    the costate norm (block_costates, GRPO's advantages) and S (usable_signal); greedy pass@1; per stratum the mean
-    and population std over its problems (costate and S: over those measured), and impact_score."""
-    from transformers import AutoTokenizer
-    path = resolve_model(name, args.cache_dir)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    problems, prompts, _ = prepare_prompts(args, tokenizer, problems, [], True)
-    args = apply_memory_plan(dataclasses.replace(args, algo="grpo", rollout="hf"), path, device, 1)
-    policy, _, _, eos_ids, pad_id = load_models(args, path, path, None, tokenizer, device, 0, 1)
-    L, n, k, amp = policy.lm.config.num_hidden_layers, len(problems), opts.k, compute_dtype(args.dtype, device)
-    block = L // 2 if opts.block == "auto" else int(opts.block)  # auto: the middle (why: departure 13)
-    if not 0 <= block < L:
-        raise ValueError(f"--block {opts.block}: {name} has blocks 0 to {L - 1}")
-    print(f"{name}: {n} problems x {k} samples, costates at the output of block {block} of {L}", file=sys.stderr)
-    torch.manual_seed(args.seed)
-    policy.eval()
-
-    def answers(greedy: bool):  # (Batch, rewards [B]) of k samples per problem, or of one greedy answer
-        index = [i for i in range(n) for _ in range(1 if greedy else k)]
-        with autocast(device, amp):
-            batch = generate_hf(policy.lm, [prompts[i] for i in index], index, eos_ids, pad_id, args.max_new_tokens,
-                                args.temperature, args.gen_batch_size, greedy, args.top_p, args.top_k)
-        texts = tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
-        return batch, call_reward(reward_fn, [problems[i].answer for i in index], texts, batch.truncated.tolist())[0]
-
-    t0 = time.time()
-    batch, rewards = answers(greedy=False)
-    t1 = time.time()
-    mask, index = batch.response_mask, batch.prompt_index  # [B, T], [B]
-    advantages, _ = grpo_advantages(rewards, index, mask)  # [B, T] population std, 0 for equal rewards
-    measured = index < opts.costate_prompts  # [B] the samples of the first --costate-prompts problems
-    with autocast(device, amp):
-        norms = block_costates(policy, batch, (advantages * measured[:, None]).to(device), block, args.temperature,
-                               args.micro_batch_tokens)  # [B, T]
-    t2 = time.time()
-    per_problem = lambda x: torch.zeros(n, dtype=torch.float64).index_add(0, index, x.double().cpu())  # [n] sums
-    tokens, right = per_problem(mask.sum(1)), per_problem(succeeded(rewards))  # [n] each
-    # the mean token entropy, estimated by -log mu of the sampled tokens (E_a~pi[-log pi(a|s)] = H(pi(.|s)))
-    ent = per_problem(-(batch.sampler_logprobs * mask).sum(1)) / tokens  # [n] nats
-    costate = torch.where(torch.arange(n) < opts.costate_prompts, per_problem(norms.sum(1)) / tokens, math.nan)  # [n]
-    h, signal = headroom(rewards, index, args.alpha_headroom)[0], usable_signal(costate, ent)  # [n] each
-    measures = {**({"greedy pass@1": succeeded(answers(greedy=True)[1]).double()} if opts.greedy else {}),
-                "pass@1": right / k, f"pass@{k}": right.clone().apply_(lambda c: pass_at_k(k, int(c), k)),
-                "mixed": ((right > 0) & (right < k)).double(), "headroom": h, "entropy": ent, "costate": costate,
-                "S": signal}  # [n] each
-    print(f"{name}: sampling {t1 - t0:.0f} s, costates {t2 - t1:.0f} s, greedy {time.time() - t2:.0f} s",
-          file=sys.stderr)
-    finite = lambda v: v[v.isfinite()]  # costate and S: only the --costate-prompts problems have them
-    return [{"model": name, "stratum": stratum, "n": len(rows), "k": k, "alpha": args.alpha_headroom, "block": block,
-             **{key: {"mean": finite(v[rows]).mean().item(), "std": finite(v[rows]).std(correction=0).item()}
-                for key, v in measures.items()}, "impact": impact_score(finite(signal[rows]), h[rows])}
-            for stratum, rows in strata_groups(problems, opts.strata).items()]
-
-
-def readiness_table(lines: list) -> str:
-    """readiness's JSON lines as one markdown table: a row per checkpoint and stratum, each per-problem measure as
-    its mean ± std over the problems (pass@1's std: the spread of the problems' success rates)."""
-    keys = [key for key, value in lines[0].items() if isinstance(value, dict)]
-    out = [f"| model | stratum | n | {' | '.join(keys)} | impact |", "|---" * (len(keys) + 4) + "|"]
-    for r in lines:  # the model as its last two path parts
-        cells = [f"{r[key]['mean']:.3g} ± {r[key]['std']:.2g}" for key in keys] + [f"{r['impact']:.3g}"]
-        out.append(f"| {'/'.join(os.path.normpath(r['model']).split(os.sep)[-2:])} | {r['stratum']} | {r['n']} | "
-                   + " | ".join(cells) + " |")
-    return "\n".join(out)
-
-
-def readiness(argv=None):
-    """python s3ac.py readiness --model A[,B ...] [flags]: the task table at step 0 and the value-gradient readiness
-    of every checkpoint on every stratum of --data (checkpoint_readiness; our readings: departure 13): one markdown
-    table, JSON lines in --out. Trains nothing; rollouts, rewards and log-probs are training's."""
-    parser = argparse.ArgumentParser(prog="s3ac.py readiness", description="Will RL help these checkpoints, and where?",
-                                     epilog="Other flags (python s3ac.py --help) set the model, data and rollouts.")
-    for flag, default, text in (
-            ("--prompts", 256, "problems, a seeded sample of --data"), ("--k", 16, "samples per problem (>= 2)"),
-            ("--block", "auto", "the block m whose output's costates are measured; auto = L // 2, the middle"),
-            ("--costate-prompts", 32, "the problems (the first of the sample) whose costates are measured: a "
-             "backward pass per mixed group"),
-            ("--strata", "auto", "auto: each field alone and all together | f1,f2: those together (and all)"),
-            ("--out", "readiness.jsonl", "JSON lines, one per checkpoint and stratum")):
-        parser.add_argument(flag, type=type(default), default=default, help=text)
-    parser.add_argument("--no-greedy", dest="greedy", action="store_false", help="no greedy pass@1 (one answer each)")
-    opts, rest = parser.parse_known_args(argv)
-    if opts.k < 2 or opts.prompts < 1:
-        parser.error(f"--k {opts.k} --prompts {opts.prompts}: need K >= 2 samples and at least one problem")
-    args = parse_args(rest)
-    reward_fn, _, owned = make_rewards(args)
-    torch.set_num_threads(args.threads or torch.get_num_threads())
-    try:
-        problems = distinct(load_problems(args.data, args.prompt_key, args.answer_key, args.split, DATA_SEED,
-                                          math_golds=isinstance(reward_fn, Verifier)))
-        problems = random.Random(args.seed).sample(problems, min(opts.prompts, len(problems)))
-        device = init_distributed(args.device)[2]
-        lines = [line for name in args.model.split(",")
-                 for line in checkpoint_readiness(args, name, problems, opts, reward_fn, device)]
-    except (ValueError, OSError, ImportError) as e:
-        if args.debug:
-            raise
-        sys.exit(f"s3ac.py readiness: error: {' '.join(str(e).split()) or type(e).__name__}")
-    finally:
-        for fn in owned:
-            fn.close()
-    _write_atomic(opts.out, "".join(json.dumps(line) + "\n" for line in lines))
-    print(readiness_table(lines))
-    return lines
-
-
 def main(argv=None):
     """`python s3ac.py [flags]`: train. A bad flag stops in parse_args; an error from the data, the model or a
     checkpoint (ValueError, OSError, ImportError), or a streak of non-finite gradients (FloatingPointError), ends the
@@ -4018,4 +3870,6 @@ if __name__ == "__main__":
     command = sys.argv[1] if len(sys.argv) > 1 else ""
     if command in ("compare", "gpu-check"):  # the harnesses live in .ci/
         sys.exit(f"s3ac.py: {command} is ./run.sh {command} (python .ci/{command.replace('-', '_')}.py --help)")
-    {"plot": plot, "readiness": readiness, "memory": memory}.get(command, lambda _: main())(sys.argv[2:])
+    if command == "readiness":
+        sys.exit("s3ac.py: readiness is python .ci/readiness.py table (python .ci/readiness.py table --help)")
+    {"plot": plot, "memory": memory}.get(command, lambda _: main())(sys.argv[2:])

@@ -2154,7 +2154,7 @@ def test_every_readme_command_parses():
             words = words[1:]  # HF_HUB_OFFLINE=1 ...
         if "s3ac.py" in words[:3] and words[0] in ("python", "torchrun"):
             entry, rest = ["s3ac.py"], words[words.index("s3ac.py") + 1:]
-            if rest[:1] in (["plot"], ["readiness"]):
+            if rest[:1] == ["plot"]:
                 entry, rest = ["s3ac.py", rest[0]], rest[1:]
         elif words[:1] == ["./run.sh"]:
             entry, rest = ["s3ac.py"], words[1:]
@@ -2165,6 +2165,8 @@ def test_every_readme_command_parses():
                 entry, rest = [os.path.join(".ci", README_RUN_SH_SCRIPTS[rest[0]])], rest[1:]
         elif words[:1] == ["python"] and words[1:2] and words[1].startswith(".ci/"):
             entry, rest = [words[1]], words[2:]
+            if entry == [".ci/readiness.py"] and rest[:1] == ["table"]:
+                entry, rest = [words[1], "table"], rest[1:]
         else:
             continue  # not one of ours (pip, hf download, python -c)
         if entry == ["s3ac.py"]:
@@ -3184,7 +3186,8 @@ def test_compare_help_runs():
     assert "--grpo-seeds" in proc.stdout and "--minutes" in proc.stdout
 
 
-@pytest.mark.parametrize("word,command", [("compare", "./run.sh compare"), ("gpu-check", "./run.sh gpu-check")])
+@pytest.mark.parametrize("word,command", [("compare", "./run.sh compare"), ("gpu-check", "./run.sh gpu-check"),
+                                          ("readiness", "python .ci/readiness.py table")])
 def test_s3ac_py_points_to_the_harnesses(word, command):
     proc = subprocess.run([sys.executable, os.path.join(HERE, "s3ac.py"), word], capture_output=True, text=True,
                           env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300, cwd=HERE)
@@ -5243,7 +5246,7 @@ def test_resume_refusal_names_the_flag_that_changed_the_problems(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Readiness: headroom, pass@k, costates, python s3ac.py readiness and .ci/readiness.py (the prediction check)
+# Readiness: headroom, pass@k, costates, .ci/readiness.py's step-0 table and its prediction check
 # ---------------------------------------------------------------------------------------------------------------
 def headroom_loop(rewards, alpha):
     """fp64 reference of one prompt's H_alpha: plain Python, exp(alpha R) weights over the samples."""
@@ -5349,7 +5352,7 @@ def test_costate_norms_on_a_linear_model_by_hand():
 
 
 def test_block_costates_hook_block_output_against_hidden_states(tiny):
-    """block_costates on the tiny Llama at block 0 against an fp64 reference from the model's own
+    """.ci/readiness.py's block_costates on the tiny Llama at block 0 against an fp64 reference from the model's own
     output_hidden_states (hidden_states[1]: block 0's output) and full logits."""
     path, model, _ = tiny
     rows = [{"prompt_ids": [20, 21], "response_ids": [22, 2], "prompt_index": 2, "reward": 1.0},
@@ -5363,7 +5366,7 @@ def test_block_costates_hook_block_output_against_hidden_states(tiny):
     adv = torch.tensor([[0.0] * 4, [0.0] * 4, [1.0, -0.5, 2.0, 0.3], [-1.0, 0.7, 9.0, 9.0],
                         [0.2, 0.4, -0.6, 9.0]]) * mask
     temperature = 0.7
-    norms = s3ac.block_costates(s3ac.Policy(model), batch, adv, 0, temperature, micro_batch_tokens=40)
+    norms = load_ci("readiness").block_costates(s3ac.Policy(model), batch, adv, 0, temperature, micro_batch_tokens=40)
     assert all(p.grad is None for p in model.parameters())
     input_ids, attention_mask, position_ids = s3ac.model_inputs(batch)
     out = model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -5388,17 +5391,18 @@ def test_usable_signal_and_impact_hand_cases():
 
 
 def test_strata_groups_auto_named_and_none():
+    strata_groups = load_ci("readiness").strata_groups
     P = lambda op, d: s3ac.Problem("q", "1", {"op": op, "digits": d})  # noqa: E731
     problems = [P("+", "1x1"), P("*", "1x2"), P("+", "1x2"), P("+", "1x1")]
-    assert s3ac.strata_groups(problems, "auto") == {
+    assert strata_groups(problems, "auto") == {
         "all": [0, 1, 2, 3], "op=*": [1], "op=+": [0, 2, 3], "digits=1x1": [0, 3], "digits=1x2": [1, 2],
         "op=*:digits=1x2": [1], "op=+:digits=1x1": [0, 3], "op=+:digits=1x2": [2]}
-    assert s3ac.strata_groups(problems, "digits") == {"all": [0, 1, 2, 3], "digits=1x1": [0, 3], "digits=1x2": [1, 2]}
-    assert list(s3ac.strata_groups(problems, "digits,op")) == ["all", "digits=1x1:op=+", "digits=1x2:op=*",
-                                                               "digits=1x2:op=+"]
-    assert s3ac.strata_groups([s3ac.Problem("q", "1")] * 2, "auto") == {"all": [0, 1]}
+    assert strata_groups(problems, "digits") == {"all": [0, 1, 2, 3], "digits=1x1": [0, 3], "digits=1x2": [1, 2]}
+    assert list(strata_groups(problems, "digits,op")) == ["all", "digits=1x1:op=+", "digits=1x2:op=*",
+                                                          "digits=1x2:op=+"]
+    assert strata_groups([s3ac.Problem("q", "1")] * 2, "auto") == {"all": [0, 1]}
     with pytest.raises(ValueError, match="--strata size"):
-        s3ac.strata_groups(problems, "size")
+        strata_groups(problems, "size")
 
 
 PARITY_REWARD = ("def reward(golds, completions, truncated):\n"  # a random model is never right: a stand-in
@@ -5406,14 +5410,15 @@ PARITY_REWARD = ("def reward(golds, completions, truncated):\n"  # a random mode
                  "    return r, ['correct' if x > 0 else 'wrong' for x in r]\n")
 
 
-def test_readiness_subcommand_two_checkpoints_two_strata(tiny, tmp_path):
+def test_readiness_table_two_checkpoints_two_strata(tiny, tmp_path):
     second = str(tmp_path / "second")
     make_tiny_model(second, seed=1)
     (tmp_path / "parity.py").write_text(PARITY_REWARD)
     out = tmp_path / "ready.jsonl"
-    proc = run_s3ac("readiness", "--model", f"{tiny[0]},{second}", "--data", "builtin:arithmetic:200:op=+-",
-                    "--prompts", "6", "--k", "3", "--strata", "op", "--max-new-tokens", "6", "--threads", "1",
-                    "--reward-fn", f"{tmp_path / 'parity.py'}:reward", "--out", str(out), timeout=300)
+    proc, _ = run_ci("readiness", "table", "--model", f"{tiny[0]},{second}", "--data", "builtin:arithmetic:200:op=+-",
+                     "--prompts", "6", "--k", "3", "--strata", "op", "--max-new-tokens", "6", "--threads", "1",
+                     "--reward-fn", f"{tmp_path / 'parity.py'}:reward", "--out", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     lines = read_jsonl(out)
     assert [(r["model"], r["stratum"]) for r in lines] == [(m, s) for m in (tiny[0], second)
                                                            for s in ("all", "op=+", "op=-")]

@@ -3,10 +3,11 @@
     ./run.sh readiness                          # the CPU demo's model and settings, its checkpoints, four strata
     python .ci/readiness.py --tiny              # two random tiny models x two strata: CI, well under a minute
     python .ci/readiness.py --help              # its own flags; the others go to every s3ac.py run
+    python .ci/readiness.py table --model A,B --data builtin:arithmetic   # the step-0 table alone (table --help)
 
 Points: every checkpoint (--checkpoints) x every stratum (--strata: filters of --data's strata such as
 op=+:digits=2x2). For each point, three figures:
-    readiness  `s3ac.py readiness` of the checkpoint on --readiness-prompts training problems of the stratum (one run
+    readiness  `readiness.py table` of the checkpoint on --readiness-prompts training problems of the stratum (one run
                for every checkpoint and stratum): impact, H (headroom), S (usable signal), pass@1 sampled;
     before     greedy pass@1 on --eval-size held-out problems of the stratum (the RL run's evaluation at step 0);
     after      the same after a short critic-free RL run from the checkpoint on the stratum's training problems
@@ -24,6 +25,7 @@ per run, skipped when its `done` holds the same flags), points.jsonl, table.md, 
 """
 
 import argparse
+import dataclasses
 import glob
 import json
 import math
@@ -34,11 +36,17 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
+
+import torch
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 sys.path.insert(0, HERE)  # s3ac.py
 
-from s3ac import _write_atomic, distinct, load_problems  # noqa: E402
+from s3ac import (DATA_SEED, Args, Batch, Policy, Verifier, _write_atomic, actor_logprobs,  # noqa: E402
+                  apply_memory_plan, autocast, call_reward, compute_dtype, costate_norms, distinct, generate_hf,
+                  grpo_advantages, headroom, impact_score, init_distributed, load_models, load_problems, make_rewards,
+                  micro_batches, parse_args, pass_at_k, prepare_prompts, resolve_model, succeeded, usable_signal)
 
 PAPER = {"impact": 0.60, "combined": 0.73}  # the value-gradient paper's Spearman figures (OLMo-2 1B checkpoints)
 DEMO_TASK = "builtin:arithmetic:op=+*:digits=1x1,1x2,2x1"  # the CPU demo's --data (run.sh)
@@ -137,6 +145,158 @@ def tables(points: list, rows: list) -> str:
 
 
 # -----------------------------------------------------------------------------------------------------------------
+# The step-0 table (python .ci/readiness.py table): readiness per checkpoint and stratum, nothing trained
+# -----------------------------------------------------------------------------------------------------------------
+def strata_groups(problems: list, spec: str) -> dict:
+    """{stratum: problem indices}: "all", then for spec "auto" each Problem.strata field alone and all together
+    (op=+, ..., digits=1x2, ..., op=+:digits=1x2, ...), for spec "f1,f2" those together. ValueError: unknown field."""
+    seen = list(dict.fromkeys(f for p in problems for f in p.strata))  # the data's fields, first seen first
+    fields = seen if spec == "auto" else spec.split(",")
+    if set(fields) - set(seen):
+        raise ValueError(f"--strata {spec}: no problem has {sorted(set(fields) - set(seen))} (fields: {seen})")
+    groups = {"all": list(range(len(problems)))}
+    alone = [[f] for f in fields] if spec == "auto" else []  # each field alone, then all together (once)
+    for chosen in alone + ([fields] if len(fields) > 1 or spec != "auto" else []):
+        names = [":".join(f"{f}={p.strata[f]}" for f in chosen) if set(chosen) <= set(p.strata) else None
+                 for p in problems]
+        groups.update({name: [i for i, x in enumerate(names) if x == name] for name in sorted(set(names) - {None})})
+    return groups
+
+
+def block_costates(policy: Policy, batch: Batch, advantages, block: int, temperature: float, micro_batch_tokens: int):
+    """costate_norms [B, T] at the OUTPUT of block `block` (the input of block + 1, hooked in the actor's own
+    forward), one forward and backward per micro-batch of the rows whose advantages [B, T] are not all 0; the others
+    have costates 0 (L does not depend on them) and run nothing. No parameter gradient is kept."""
+    norms = torch.zeros(advantages.shape, device=advantages.device)  # [B, T]
+    moving = [i for i, m in enumerate(advantages.ne(0).any(1).tolist()) if m]  # rows with a gradient
+    outputs = []
+    handle = policy.lm.base_model.layers[block].register_forward_hook(
+        lambda module, inputs, out: outputs.append(out[0] if isinstance(out, tuple) else out))
+    try:
+        for rows in micro_batches(batch, micro_batch_tokens, moving) if moving else []:
+            with torch.enable_grad():
+                mbatch = batch.rows(rows)
+                logprobs, _ = actor_logprobs(policy, mbatch, temperature)  # [b, t]
+                t = logprobs.shape[1]
+                norms[rows, :t] = costate_norms(outputs[-1], logprobs, advantages[rows, :t],
+                                                mbatch.response_mask.to(logprobs.device))[0]  # [b, t]
+            outputs.clear()
+    finally:
+        handle.remove()
+    return norms  # [B, T]
+
+
+def checkpoint_readiness(args: Args, name: str, problems: list, opts, reward_fn, device) -> list:
+    """readiness's JSON lines of checkpoint `name`, one per stratum: per problem, of opts.k samples at --temperature,
+    pass@1, pass@k, mixed, H (headroom), the token mean of the entropy, and for the first opts.costate_prompts problems
+    the costate norm (block_costates, GRPO's advantages) and S (usable_signal); greedy pass@1; per stratum the mean
+    and population std over its problems (costate and S: over those measured), and impact_score."""
+    from transformers import AutoTokenizer
+    path = resolve_model(name, args.cache_dir)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    problems, prompts, _ = prepare_prompts(args, tokenizer, problems, [], True)
+    args = apply_memory_plan(dataclasses.replace(args, algo="grpo", rollout="hf"), path, device, 1)
+    policy, _, _, eos_ids, pad_id = load_models(args, path, path, None, tokenizer, device, 0, 1)
+    L, n, k, amp = policy.lm.config.num_hidden_layers, len(problems), opts.k, compute_dtype(args.dtype, device)
+    block = L // 2 if opts.block == "auto" else int(opts.block)  # auto: the middle (why: s3ac.py's departure 13)
+    if not 0 <= block < L:
+        raise ValueError(f"--block {opts.block}: {name} has blocks 0 to {L - 1}")
+    print(f"{name}: {n} problems x {k} samples, costates at the output of block {block} of {L}", file=sys.stderr)
+    torch.manual_seed(args.seed)
+    policy.eval()
+
+    def answers(greedy: bool):  # (Batch, rewards [B]) of k samples per problem, or of one greedy answer
+        index = [i for i in range(n) for _ in range(1 if greedy else k)]
+        with autocast(device, amp):
+            batch = generate_hf(policy.lm, [prompts[i] for i in index], index, eos_ids, pad_id, args.max_new_tokens,
+                                args.temperature, args.gen_batch_size, greedy, args.top_p, args.top_k)
+        texts = tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
+        return batch, call_reward(reward_fn, [problems[i].answer for i in index], texts, batch.truncated.tolist())[0]
+
+    t0 = time.time()
+    batch, rewards = answers(greedy=False)
+    t1 = time.time()
+    mask, index = batch.response_mask, batch.prompt_index  # [B, T], [B]
+    advantages, _ = grpo_advantages(rewards, index, mask)  # [B, T] population std, 0 for equal rewards
+    measured = index < opts.costate_prompts  # [B] the samples of the first --costate-prompts problems
+    with autocast(device, amp):
+        norms = block_costates(policy, batch, (advantages * measured[:, None]).to(device), block, args.temperature,
+                               args.micro_batch_tokens)  # [B, T]
+    t2 = time.time()
+    per_problem = lambda x: torch.zeros(n, dtype=torch.float64).index_add(0, index, x.double().cpu())  # [n] sums
+    tokens, right = per_problem(mask.sum(1)), per_problem(succeeded(rewards))  # [n] each
+    # the mean token entropy, estimated by -log mu of the sampled tokens (E_a~pi[-log pi(a|s)] = H(pi(.|s)))
+    ent = per_problem(-(batch.sampler_logprobs * mask).sum(1)) / tokens  # [n] nats
+    costate = torch.where(torch.arange(n) < opts.costate_prompts, per_problem(norms.sum(1)) / tokens, math.nan)  # [n]
+    h, signal = headroom(rewards, index, args.alpha_headroom)[0], usable_signal(costate, ent)  # [n] each
+    measures = {**({"greedy pass@1": succeeded(answers(greedy=True)[1]).double()} if opts.greedy else {}),
+                "pass@1": right / k, f"pass@{k}": right.clone().apply_(lambda c: pass_at_k(k, int(c), k)),
+                "mixed": ((right > 0) & (right < k)).double(), "headroom": h, "entropy": ent, "costate": costate,
+                "S": signal}  # [n] each
+    print(f"{name}: sampling {t1 - t0:.0f} s, costates {t2 - t1:.0f} s, greedy {time.time() - t2:.0f} s",
+          file=sys.stderr)
+    finite = lambda v: v[v.isfinite()]  # costate and S: only the --costate-prompts problems have them
+    return [{"model": name, "stratum": stratum, "n": len(rows), "k": k, "alpha": args.alpha_headroom, "block": block,
+             **{key: {"mean": finite(v[rows]).mean().item(), "std": finite(v[rows]).std(correction=0).item()}
+                for key, v in measures.items()}, "impact": impact_score(finite(signal[rows]), h[rows])}
+            for stratum, rows in strata_groups(problems, opts.strata).items()]
+
+
+def readiness_table(lines: list) -> str:
+    """readiness's JSON lines as one markdown table: a row per checkpoint and stratum, each per-problem measure as
+    its mean ± std over the problems (pass@1's std: the spread of the problems' success rates)."""
+    keys = [key for key, value in lines[0].items() if isinstance(value, dict)]
+    out = [f"| model | stratum | n | {' | '.join(keys)} | impact |", "|---" * (len(keys) + 4) + "|"]
+    for r in lines:  # the model as its last two path parts
+        cells = [f"{r[key]['mean']:.3g} ± {r[key]['std']:.2g}" for key in keys] + [f"{r['impact']:.3g}"]
+        out.append(f"| {'/'.join(os.path.normpath(r['model']).split(os.sep)[-2:])} | {r['stratum']} | {r['n']} | "
+                   + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def readiness(argv=None):
+    """python .ci/readiness.py table --model A[,B ...] [flags]: the task table at step 0 and the value-gradient
+    readiness of every checkpoint on every stratum of --data (checkpoint_readiness; our readings: s3ac.py's
+    departure 13): one markdown table, JSON lines in --out. Trains nothing; rollouts, rewards and log-probs are
+    training's."""
+    parser = argparse.ArgumentParser(prog=".ci/readiness.py table",
+                                     description="Will RL help these checkpoints, and where?",
+                                     epilog="Other flags (python s3ac.py --help) set the model, data and rollouts.")
+    for flag, default, text in (
+            ("--prompts", 256, "problems, a seeded sample of --data"), ("--k", 16, "samples per problem (>= 2)"),
+            ("--block", "auto", "the block m whose output's costates are measured; auto = L // 2, the middle"),
+            ("--costate-prompts", 32, "the problems (the first of the sample) whose costates are measured: a "
+             "backward pass per mixed group"),
+            ("--strata", "auto", "auto: each field alone and all together | f1,f2: those together (and all)"),
+            ("--out", "readiness.jsonl", "JSON lines, one per checkpoint and stratum")):
+        parser.add_argument(flag, type=type(default), default=default, help=text)
+    parser.add_argument("--no-greedy", dest="greedy", action="store_false", help="no greedy pass@1 (one answer each)")
+    opts, rest = parser.parse_known_args(argv)
+    if opts.k < 2 or opts.prompts < 1:
+        parser.error(f"--k {opts.k} --prompts {opts.prompts}: need K >= 2 samples and at least one problem")
+    args = parse_args(rest)
+    reward_fn, _, owned = make_rewards(args)
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    try:
+        problems = distinct(load_problems(args.data, args.prompt_key, args.answer_key, args.split, DATA_SEED,
+                                          math_golds=isinstance(reward_fn, Verifier)))
+        problems = random.Random(args.seed).sample(problems, min(opts.prompts, len(problems)))
+        device = init_distributed(args.device)[2]
+        lines = [line for name in args.model.split(",")
+                 for line in checkpoint_readiness(args, name, problems, opts, reward_fn, device)]
+    except (ValueError, OSError, ImportError) as e:
+        if args.debug:
+            raise
+        sys.exit(f".ci/readiness.py table: error: {' '.join(str(e).split()) or type(e).__name__}")
+    finally:
+        for fn in owned:
+            fn.close()
+    _write_atomic(opts.out, "".join(json.dumps(line) + "\n" for line in lines))
+    print(readiness_table(lines))
+    return lines
+
+
+# -----------------------------------------------------------------------------------------------------------------
 # The experiment: data, runs, points
 # -----------------------------------------------------------------------------------------------------------------
 def parse_stratum(spec: str) -> dict:
@@ -175,8 +335,8 @@ def split_strata(opts) -> list:
     return out
 
 
-def run_once(argv: list, out: str, resume: bool = True):
-    """python s3ac.py argv (out: its directory), unless resume and out/done holds the same argv; then out/done.
+def run_once(argv: list, out: str, resume: bool = True, script: str = "s3ac.py"):
+    """python <script> argv (out: its directory), unless resume and out/done holds the same argv; then out/done.
     Raises SystemExit when out/done holds other flags (resume)."""
     done = os.path.join(out, "done")
     if resume and os.path.exists(done):
@@ -185,7 +345,7 @@ def run_once(argv: list, out: str, resume: bool = True):
                 return
         raise SystemExit(f"{out}: finished with other settings (see {done}); remove it or pick another --out-dir")
     os.makedirs(out, exist_ok=True)
-    subprocess.run([sys.executable, os.path.join(HERE, "s3ac.py"), *argv], check=True)
+    subprocess.run([sys.executable, os.path.join(HERE, script), *argv], check=True)
     shutil.rmtree(os.path.join(out, "checkpoints"), ignore_errors=True)  # a 135M model's weights and optimizer
     _write_atomic(done, json.dumps(argv) + "\n")
 
@@ -217,7 +377,8 @@ def main(argv=None):
     """Parse flags, split the strata, run readiness per checkpoint and one RL run per point, print and write the
     tables. Returns result.json's contents."""
     parser = argparse.ArgumentParser(prog=".ci/readiness.py", description=__doc__.split("\n")[0],
-                                     epilog="Other flags (python s3ac.py --help) go to every s3ac.py run.")
+                                     epilog="Other flags (python s3ac.py --help) go to every s3ac.py run. The step-0 "
+                                     "table alone: python .ci/readiness.py table --help.")
     parser.add_argument("--tiny", action="store_true", help="two random tiny models x two strata, a few steps (CI)")
     for flag, default, text in (
             ("--model", "", "the step-0 checkpoint (the CPU demo's model); --checkpoints auto starts with it"),
@@ -257,9 +418,10 @@ def main(argv=None):
             print(f"stratum {spec}: {n_train} training problems, {n_held} held out", file=sys.stderr)
         data = os.path.join(opts.out_dir, "data")
         out = os.path.join(opts.out_dir, "readiness")  # one run: every checkpoint on every stratum
-        run_once(["readiness", *rest, "--model", ",".join(checkpoints), "--data", os.path.join(data, "readiness.jsonl"),
+        run_once(["table", *rest, "--model", ",".join(checkpoints), "--data", os.path.join(data, "readiness.jsonl"),
                   "--prompts", "1000000", "--k", str(opts.readiness_k), "--strata", "stratum", "--seed", str(opts.seed),
-                  "--out", os.path.join(out, "readiness.jsonl")], out, resume=not opts.tiny)
+                  "--out", os.path.join(out, "readiness.jsonl")], out, resume=not opts.tiny,
+                 script=os.path.join(".ci", "readiness.py"))
         with open(os.path.join(out, "readiness.jsonl")) as f:
             ready = {(r["model"], r["stratum"]): r for r in map(json.loads, f)}
         points = []
@@ -292,4 +454,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["table"]:
+        readiness(sys.argv[2:])
+    else:
+        main()
