@@ -2154,7 +2154,7 @@ def test_every_readme_command_parses():
             words = words[1:]  # HF_HUB_OFFLINE=1 ...
         if "s3ac.py" in words[:3] and words[0] in ("python", "torchrun"):
             entry, rest = ["s3ac.py"], words[words.index("s3ac.py") + 1:]
-            if rest[:1] == ["plot"]:
+            if rest[:1] in (["plot"], ["memory"]):  # memory also takes the training flags
                 entry, rest = ["s3ac.py", rest[0]], rest[1:]
         elif words[:1] == ["./run.sh"]:
             entry, rest = ["s3ac.py"], words[1:]
