@@ -43,21 +43,15 @@ names (none without one; all_reduce is the identity in one process; @triton_on_c
 Run:
     python s3ac.py --model Qwen/Qwen2.5-Math-1.5B          # paper setting, GPU: DAPO-Math, evaluated on MATH-500
     ./run.sh                                               # CPU demo: SmolLM2-135M on builtin arithmetic
-    python s3ac.py --data openai/gsm8k:main --eval-data openai/gsm8k:main           # GSM8K (train / test split)
     python s3ac.py --reward-fn my_reward.py:reward --data my_tasks.jsonl --eval-data heldout   # your own reward
     python s3ac.py --algo grpo --k 8 --dynamic-sampling    # baselines: ppo|grpo|rloo|reinforce_pp|flash_reinforce
-    python s3ac.py --critic-sync pact --critic-loss bce                # PACT's critic (actor lambda 1)
-    python s3ac.py --prompt-selection daps --coverage-temperatures 0.6,1.0,1.3 --critic-warmup-steps 5
-    python s3ac.py --critic-layers 4 --max-minutes 20 --plot           # partial-trunk critic, a time budget, curves
+    python s3ac.py --critic-sync pact --critic-loss bce --prompt-selection daps --critic-layers 4   # PACT, DAPS
     python s3ac.py --out-dir runs/x --resume                           # continue a killed run
     python s3ac.py plot runs/a runs/b -o curves.png                    # pass@1 against minutes and samples, EV, c
-    python .ci/readiness.py table --model A,B --data builtin:arithmetic   # will RL help? task table, headroom, impact
     python s3ac.py memory --model Qwen/Qwen2.5-Math-1.5B --gpu-memory 80   # the memory plan, from config.json alone
     torchrun --nproc_per_node=8 s3ac.py --batch-prompts 512            # data parallel, FSDP2, vLLM per rank
-    ./run.sh gpu-check                           # on CUDA: kernels, step phase times, training (.ci/gpu_check.py)
 
-On CUDA tensors gae, cispo_loss, value_loss and bce_value_loss run their Triton twins in kernels.py (the decorator
-@triton_on_cuda says so at each); on a CPU the functions below run as written.
+On CUDA tensors the functions marked @triton_on_cuda run their Triton twins in kernels.py; on a CPU, as written.
 """
 
 from __future__ import annotations
@@ -709,9 +703,8 @@ def train_step(args: Args, state: TrainState, reward_fn):
 
 
 def sample_rollouts(args: Args, state: TrainState, reward_fn):
-    """choose_prompts, then collect_rollouts, for one round; --dynamic-sampling drops the groups whose successes
-    are all equal (mixed_groups) and refills, for at most max_refills more rounds (a DAPS refill reads the counts of
-    the rounds before it). The DAPS counts decay once here and grow with every round (collect_rollouts). Returns
+    """choose_prompts, then collect_rollouts, a round; --dynamic-sampling drops groups of equal successes and refills
+    (at most max_refills rounds). The DAPS counts decay once here and grow every round (collect_rollouts). Returns
     (batch, rewards [B], statuses, sample records of a few rollouts, metrics)."""
     state.successes, state.attempts = state.successes * args.daps_decay, state.attempts * args.daps_decay  # S, N
     daps_gen = torch.Generator().manual_seed(args.seed * 1_000_003 + state.step)  # resume replays the same draws
@@ -749,9 +742,9 @@ def sample_rollouts(args: Args, state: TrainState, reward_fn):
 
 
 def collect_rollouts(args: Args, state: TrainState, prompt_list: list, reward_fn):
-    """K responses to each prompt index of prompt_list, rewarded by reward_fn (the contract: section 3a). Adds
-    every rank's rollouts to the DAPS counts state.successes / state.attempts, the one place they grow. Returns
-    (batch, rewards [B], statuses, texts, metrics). Raises ValueError when reward_fn breaks the contract."""
+    """K responses to each prompt index of prompt_list, rewarded by reward_fn (section 3a), added to the DAPS counts
+    (every rank's). Returns (batch, rewards [B], statuses, texts, metrics); ValueError when reward_fn breaks its
+    contract."""
     t0 = time.time()
     index = [i for i in prompt_list for _ in range(args.k)]
     batch = generate_responses(args, state, [state.prompts[i] for i in index], index, args.max_new_tokens,
@@ -771,9 +764,8 @@ def collect_rollouts(args: Args, state: TrainState, prompt_list: list, reward_fn
 
 
 def critic_pass(args: Args, state: TrainState, batch: Batch):
-    """The critic's values of a rollout batch, without gradient, for either critic (value_pass): (values [B, T] on
-    the +-1 scale, 0 on padding, what GAE reads; raw [B, T], the head's outputs, V for mse and z for bce). A
-    partial-trunk critic's features are kept in the batch for its update (store_critic_features: one trunk pass)."""
+    """value_pass of a rollout batch: (values [B, T] on the +-1 scale, 0 on padding; raw [B, T], V or z). A partial
+    trunk's features stay in the batch for the update (store_critic_features: one trunk pass)."""
     with autocast(state.device, compute_dtype(args.dtype, state.device)):
         store_critic_features(state.critic, batch, args.micro_batch_tokens)  # [B, P + T, H] in batch.features
         return value_pass(state.critic, batch, args.critic_loss, args.micro_batch_tokens)  # [B, T] each
@@ -792,9 +784,8 @@ def compute_advantages(args: Args, batch: Batch, rewards, values, mask):
 
 
 def old_policy_logprobs(args: Args, state: TrainState, batch: Batch):
-    """log pi_old(a_t | s_t) [B, T] of the batch under the actor before its update: one no-grad pass (the trainer's
-    recomputation; the rollout engine's own log-probs are mu, not pi_old). The ratio's denominator for every
-    optimizer step of the update, and TIS's numerator."""
+    """log pi_old(a_t | s_t) [B, T], the actor's before its update, one no-grad pass (the engine's own are mu): the
+    ratio's denominator in every optimizer step of the update, and TIS's numerator."""
     with autocast(state.device, compute_dtype(args.dtype, state.device)):
         return policy_logprobs(state.policy, batch, args.temperature, args.micro_batch_tokens)  # [B, T]
 
@@ -808,10 +799,9 @@ def actor_loss_mask(args: Args, batch: Batch, mask):
 
 
 def importance_weights(args: Args, batch: Batch, old_logprobs, loss_mask):
-    """(w [B, T], metrics): with --is-correction tis and the engine's log-probs, TIS's weights min(pi_old / mu, C)
-    (tis_weights), else 1 (so for the flash_reinforce loss, whose own ratio is pi / mu). Whenever the engine gave
-    log-probs, the metrics hold the trainer/sampler gap |log pi_old - log mu| and the TIS weights' statistics over
-    loss_mask [B, T] (logged under either setting)."""
+    """(w [B, T], metrics): TIS's min(pi_old / mu, C) (tis_weights) with --is-correction tis and the engine's
+    log-probs, else 1 (and for flash_reinforce, whose loss holds pi / mu). Metrics, whenever the engine gave
+    log-probs: the gap |log pi_old - log mu| and the weights' statistics over loss_mask [B, T]."""
     ones = torch.ones_like(old_logprobs)  # [B, T]
     if batch.sampler_logprobs is None:
         return ones, {}
@@ -874,9 +864,8 @@ def update_actor(model, optimizer, batch: Batch, advantages, old_logprobs, args:
 
 
 def train_critic(args: Args, state: TrainState, batch: Batch, values, returns, mu_logprobs):
-    """update_critic from values [B, T] toward returns [B, T] (s3ac), or toward PACT's targets (--critic-sync pact):
-    the same returns (Monte-Carlo: resolve_args holds PACT's --critic-lam at 1) weighted by rho_t = pi_new / mu, pi_new
-    from one more forward pass of the UPDATED actor, mu_logprobs [B, T] (behaviour_logprobs). Returns metrics."""
+    """update_critic from values [B, T] toward returns [B, T], or PACT's targets (--critic-sync pact): the Monte-Carlo
+    returns weighted by rho_t = pi_new / mu, pi_new from one more pass of the UPDATED actor, mu_logprobs [B, T]."""
     t0 = synced_time(state.device)
     mask = batch.response_mask.to(state.device)  # [B, T]
     targets, critic_mask, metrics = returns, mask, {}  # [B, T] each
@@ -893,10 +882,9 @@ def train_critic(args: Args, state: TrainState, batch: Batch, values, returns, m
 
 
 def update_critic(critic, optimizer, batch: Batch, old_values, targets, critic_mask, args: Args, generator) -> dict:
-    """critic_loss_fn toward `targets` [B, T] (+-1 scale) on the tokens of critic_mask [B, T]: args.critic_epochs
-    passes of args.minibatches steps, token mean over each mini-batch. old_values [B, T]: the values the
-    advantages used (the clip anchor of the mse loss). A partial-trunk critic reads store_critic_features of the
-    batch (computed once, reused by every epoch). All on the critic's device."""
+    """critic_loss_fn toward `targets` [B, T] (+-1 scale) on critic_mask [B, T]: args.critic_epochs passes of
+    args.minibatches steps (optimize). old_values [B, T]: the mse loss's clip anchor. A partial-trunk critic reads
+    store_critic_features (one trunk pass for every epoch). All on the critic's device."""
     device = targets.device
     with autocast(device, compute_dtype(args.dtype, device)):
         store_critic_features(critic, batch, args.micro_batch_tokens)  # [B, P + T, H]; nothing for k = 0
@@ -915,16 +903,12 @@ def update_critic(critic, optimizer, batch: Batch, old_values, targets, critic_m
 
 def optimize(module, optimizer, batch: Batch, loss_fn, token_mask, epochs: int, minibatches: int,
              micro_batch_tokens: int, grad_clip: float, generator, amp_dtype, normaliser: str = "tokens") -> dict:
-    """The update loop shared by actor and critic: `epochs` passes over the batch, each of `minibatches`
-    optimizer steps, each in micro-batches of at most micro_batch_tokens slots (micro_batches) whose gradients
-    accumulate. loss_fn(rows, mbatch, num_tokens) -> (loss, metrics): rows [b] index the batch, mbatch =
-    batch.rows(rows, features=True) (trimmed: its t response columns are the batch's first t), num_tokens = the
-    tokens of token_mask [B, T] in the whole mini-batch, summed over ranks (the normaliser of section 1), or with
-    normaliser "sequences" its rows with a token (FlashREINFORCE's sample mean): the micro-batching changes no sum
-    and no gradient. A step whose gradient norm is not finite (NaN or inf: clip_grad_norm_ cannot rescale it) is
-    skipped: gradients dropped, weights and optimizer state untouched, counted in skipped_steps; the norm is global
-    under FSDP2 (a DTensor made whole), so every rank skips the same steps. Returns metrics averaged over steps, with
-    grad_norm before clipping and the share of clipped steps over the steps taken (NaN when none was)."""
+    """The update loop of actor and critic: `epochs` passes, each of `minibatches` optimizer steps, each accumulating
+    micro-batches (micro_batches). loss_fn(rows, mbatch, num_tokens) -> (loss, metrics): rows [b] index the batch,
+    mbatch = batch.rows(rows, features=True) (its t response columns are the batch's first t), num_tokens the
+    normaliser counted below, so the micro-batching changes no gradient. A step with a non-finite gradient norm is
+    skipped (weights and optimizer state untouched; the norm is global under FSDP2, so every rank skips it). Returns
+    metrics averaged over steps: grad_norm before clipping, the share clipped (NaN when no step was taken)."""
     device = next(module.parameters()).device
     sums, steps, skipped, pads = {"grad_norm": 0.0, "clipped": 0.0}, 0, 0, [0, 0]
     for _ in range(epochs):
@@ -987,9 +971,8 @@ def step_metrics(args: Args, state: TrainState, batch: Batch, rewards, statuses:
 
 
 def choose_prompts(args: Args, state: TrainState, count: int, generator):
-    """`count` training prompt indices, the same on every rank: uniform draws, or DAPS (daps_select, generator its
-    accept/reject draws) once state.step is past daps_start. Advances state.sampler. Returns (indices, DAPS's
-    counters or {})."""
+    """`count` training prompt indices, the same on every rank: uniform, or DAPS (daps_select; generator: its draws)
+    past daps_start. Returns (indices, DAPS's counters or {})."""
     if args.prompt_selection == "uniform" or state.step <= args.daps_start:
         return state.sampler.draw(count), {}
 
@@ -1555,9 +1538,8 @@ def critic_values(critic: Critic, batch: Batch, features=None):
 
 @torch.no_grad()
 def trunk_features(critic: Critic, batch: Batch, micro_batch_tokens: int):
-    """The partial-trunk critic's input for a whole batch, [B, P + T, H] fp32 on the critic's device: the actor's
-    hidden states after block L - k, one trunk pass in micro-batches (4 B (P + T) H bytes, and one micro-batch's
-    no-grad forward while it runs); None for a separate critic (k = 0)."""
+    """The partial-trunk critic's input, [B, P + T, H] fp32 on its device: the actor's hidden states after block
+    L - k, one trunk pass in micro-batches; None for a separate critic (k = 0)."""
     if critic.trunk is None:
         return None
     device = critic.value_head.weight.device
@@ -1573,10 +1555,8 @@ def trunk_features(critic: Critic, batch: Batch, micro_batch_tokens: int):
 
 
 def store_critic_features(critic: Critic, batch: Batch, micro_batch_tokens: int):
-    """Stores in batch.features, once, what the partial-trunk critic reads of this batch (trunk_features, unless
-    generate_hf recorded them already) and returns them, [B, P + T, H]; None for a full critic, which stores nothing.
-    The values and every epoch of the critic update then share one trunk pass: the one place the two critics differ
-    for a step."""
+    """batch.features, computed once (trunk_features, unless generate_hf recorded them), [B, P + T, H]; None for a
+    full critic. The values and every critic epoch then share one trunk pass."""
     if critic.trunk is not None and batch.features is None:
         batch.features = trunk_features(critic, batch, micro_batch_tokens)  # [B, P + T, H]
     return batch.features if critic.trunk is not None else None
@@ -1589,10 +1569,9 @@ def value_from_raw(raw, critic_loss: str):
 
 @torch.no_grad()
 def value_pass(critic: Critic, batch: Batch, critic_loss: str, micro_batch_tokens: int, features=None):
-    """No-grad critic pass in micro-batches: (values [B, T] on the +-1 scale with 0 on padding, raw head outputs
-    [B, T]: the values themselves for mse, the logits z for bce). features [B, P + T, H]: a partial-trunk critic's
-    input, by default batch.features when present (store_critic_features); else its trunk runs per micro-batch and
-    nothing is kept. Leaves critic in eval mode."""
+    """No-grad critic pass in micro-batches: (values [B, T] on the +-1 scale, 0 on padding; raw head outputs [B, T],
+    V for mse, z for bce). features [B, P + T, H]: a partial trunk's input, default batch.features (else its trunk
+    runs per micro-batch). Leaves critic in eval mode."""
     critic.eval()
     batch = batch if features is None else dataclasses.replace(batch, features=features)
     micro = micro_batches(batch, micro_batch_tokens)
@@ -3024,9 +3003,8 @@ def memory_plan(config, args: Args, device_gib: float, cuda: bool = True, world:
         return int(min(MAX_MICRO_BATCH_TOKENS, *((usable - zero[p]) // (one[p] - zero[p]) for p in zero
                                                   if one[p] > zero[p])))
 
-    choices = [args.gradient_checkpointing == "true"] if args.gradient_checkpointing != "auto" else (
-        [False] if budget(False) >= 2 * longest else [True])
-    recompute = choices[0]
+    recompute = (budget(False) < 2 * longest if args.gradient_checkpointing == "auto" else
+                 args.gradient_checkpointing == "true")  # the fastest that fits: recompute only when needed
     tokens = budget(recompute) if args.micro_batch_tokens == "auto" else args.micro_batch_tokens
     phases = peaks(max(tokens, 0), recompute)
     peak = max(phases.values())
@@ -3060,9 +3038,9 @@ def apply_memory_plan(args: Args, model_path: str, device, world: int) -> Args:
     if "auto" not in (args.micro_batch_tokens, args.gradient_checkpointing):
         return args
     if device.type != "cuda":  # host memory is not what limits a CPU run
-        return dataclasses.replace(args, micro_batch_tokens=CPU_MICRO_BATCH_TOKENS if args.micro_batch_tokens == "auto"
-                                   else args.micro_batch_tokens, gradient_checkpointing="false" if
-                                   args.gradient_checkpointing == "auto" else args.gradient_checkpointing)
+        pick = lambda value, default: default if value == "auto" else value
+        return dataclasses.replace(args, micro_batch_tokens=pick(args.micro_batch_tokens, CPU_MICRO_BATCH_TOKENS),
+                                   gradient_checkpointing=pick(args.gradient_checkpointing, "false"))
     from transformers import AutoConfig
     plan = memory_plan(AutoConfig.from_pretrained(model_path), args,
                        torch.cuda.get_device_properties(device).total_memory / GIB, True, world)
