@@ -834,12 +834,10 @@ def train_actor(args: Args, state: TrainState, batch: Batch, advantages, old_log
 
 
 def update_actor(model, optimizer, batch: Batch, advantages, old_logprobs, args: Args, generator, loss_mask=None):
-    """ACTOR_LOSSES[args.actor_loss] on the batch: args.actor_epochs passes of args.minibatches steps, the
-    token mean over loss_mask [B, T] (default batch.response_mask), or flash_reinforce_loss, the sample mean.
-    advantages [B, T], any importance weight already applied (train_step scales them by TIS's w > 0, detached: for
-    PPO too, min(r wA, clip(r) wA) = w min(rA, clip(r) A)); old_logprobs [B, T]: log pi_old (flash_reinforce: log
-    mu), or None for one optimizer step in all (pi_old is then the current policy: the detached log-probs of the same
-    forward pass, so r = 1). Returns metrics."""
+    """ACTOR_LOSSES[args.actor_loss] (token mean over loss_mask [B, T], default batch.response_mask) or
+    flash_reinforce_loss (sample mean): args.actor_epochs passes of args.minibatches steps. advantages [B, T], TIS's
+    w > 0 applied (for PPO too: min(r wA, clip(r) wA) = w min(rA, clip(r) A)); old_logprobs [B, T]: log pi_old
+    (flash_reinforce: log mu), or None: pi_old is the detached current policy, r = 1. Returns metrics."""
     device = advantages.device
     loss_mask = batch.response_mask.to(device) if loss_mask is None else loss_mask  # [B, T]
     flash = args.actor_loss == "flash_reinforce"  # old_logprobs is log mu then, and num_tokens counts responses
@@ -1142,12 +1140,9 @@ def critic_warmup_step(args: Args, state: TrainState, reward_fn, held_out) -> di
 
 
 def critic_pretraining(args: Args, state: TrainState, reward_fn, log, say):
-    """Before step 1, the actor frozen: coverage pretraining when asked for, then on-policy warm-up
-    (--critic-warmup-steps N batches, or plateau: until warmup_plateaued, at most WARMUP_MAX_BATCHES; either way it
-    stops after the first batch that reaches --max-minutes), every update scored on one batch drawn first and never
-    trained on. Each epoch and batch is logged (log) and said (say); their time goes into state.train_s. Returns
-    None; errors of the rollouts or the reward propagate. Source: S3AC, critic pretraining before the online phase
-    (coverage or on-policy); the plateau rule (warmup_plateaued) and its held-out batch are ours."""
+    """Before step 1, the actor frozen (S3AC's critic pretraining): coverage pretraining when asked for, then on-policy
+    warm-up, N batches or plateau (warmup_plateaued, at most WARMUP_MAX_BATCHES; ours), each update scored on one
+    batch drawn first and never trained on; --max-minutes counts it. Logged (log), said (say), timed in state.train_s."""
     if uses_coverage(args):
         epochs = coverage_pretraining(args, state, reward_fn)
         state.train_s += epochs[-1]["time/pretrain"]  # generation (unless --coverage-data) and every epoch
@@ -1183,11 +1178,9 @@ def critic_pretraining(args: Args, state: TrainState, reward_fn, log, say):
 
 
 def train(args: Args, reward_fn=None, eval_reward_fn=None):
-    """Run S3AC (or the --algo baseline) as args say; returns the path of metrics.jsonl. reward_fn and
-    eval_reward_fn (section 3a's contract): the training and the evaluations' reward, by default the flags'
-    (make_rewards); a function given is never closed. Raises ValueError for bad flags, a bad data row, a reward that
-    breaks the contract or a checkpoint that does not fit; FloatingPointError after --max-skipped-steps training steps
-    in a row with a skipped (non-finite) optimizer step."""
+    """Run S3AC (or the --algo baseline) as args say; returns the path of metrics.jsonl. reward_fn, eval_reward_fn:
+    the training and evaluation rewards (section 3a), by default the flags'; one given is never closed. Raises
+    ValueError (flags, data, reward contract, checkpoint) or FloatingPointError (--max-skipped-steps)."""
     with setup_run(args, reward_fn, eval_reward_fn) as run:  # plumbing (section 4): data, models, logs, rewards
         args, state, say = run.args, run.state, run.say
         evaluate_now = functools.partial(run_evaluation, args, state, run.eval_sets, run.eval_reward_fn,
@@ -1685,13 +1678,11 @@ def neutral_generation_config(model):
 def generate_hf(model, prompts: list, prompt_index: list, eos_ids, pad_id: int, max_new_tokens: int,
                 temperature: float, batch_size: int, greedy: bool = False, top_p: float = 1.0, top_k: int = 0,
                 record_block: int = None, progress: str = None) -> Batch:
-    """One response per prompt (token-id lists; repeat one K times for K rollouts) from transformers' generate:
-    left padding, stop on any eos id, temperature sampling (over the full vocabulary unless top_p < 1 or top_k > 0)
-    or greedy, with no checkpoint default (neutral_generation_config). A sampled batch carries Batch.sampler_logprobs
-    [B, T], log mu of each token (SamplerLogprobs). Under torchrun every rank passes the same number of prompts.
-    record_block = L - k also keeps the hidden states after block L - k from generation's own forwards in
-    Batch.features [B, P + T, H] fp32 (trunk_features up to rounding; 0 on padding and at each row's last token).
-    progress: a tqdm bar of that name counts the prompts done (None: no bar)."""
+    """One response per prompt (token-id lists; repeat one K times for K) from transformers' generate: left padding,
+    stop on any eos id, temperature sampling (full vocabulary unless top_p < 1 or top_k > 0) or greedy, no checkpoint
+    default (neutral_generation_config); Batch.sampler_logprobs [B, T], log mu (SamplerLogprobs). Under torchrun
+    every rank passes as many prompts. record_block = L - k keeps the hidden states after block L - k in
+    Batch.features [B, P + T, H] fp32 (0 on padding and each row's last token); progress: a bar's name, or None."""
     from tqdm import tqdm
     from transformers import GenerationConfig, LogitsProcessorList
     from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
@@ -3273,11 +3264,9 @@ class VLLMRollout:
     def generate(self, prompts: list, prompt_index: list, eos_ids, pad_id: int, max_new_tokens: int,
                  temperature: float, greedy: bool = False, top_p: float = 1.0, top_k: int = 0,
                  policy: nn.Module = None, progress: str = None) -> Batch:
-        """As generate_hf (progress: vLLM's own bar), plus Batch.sampler_logprobs [B, T]. policy: when given and the
-        engine is stale (an actor update since the last sync), its weights are copied in first (sync). Each sampled
-        request has its own seed, drawn from torch's RNG (which a checkpoint saves, as for generate_hf), so a resumed
-        run samples what an uninterrupted one does. Raises ValueError when a sample's log-probs do not pair with its
-        token ids or one is not finite (engine_logprobs)."""
+        """As generate_hf, plus Batch.sampler_logprobs [B, T]; policy: synced in first when the engine is stale.
+        Each request's seed comes from torch's RNG (a checkpoint saves it), so a resumed run samples alike. Raises
+        ValueError for log-probs that do not pair with the tokens or are not finite (engine_logprobs)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         if self.stale and policy is not None:
@@ -3304,11 +3293,9 @@ class VLLMRollout:
 
 
 def engine_logprobs(samples, prompt_index: list) -> list:
-    """log mu of every sampled token, one list per sample, from vLLM CompletionOutputs (token_ids; logprobs, one
-    {token id: Logprob} per token, as SamplingParams(logprobs=0) gives them). Raises ValueError naming the sample,
-    its prompt and both lengths when a sample's log-probs do not pair one to one with its token ids (a short row
-    padded with 0.0 would say mu = 1 for a token under a mask of 1), a position without the sampled token, or a
-    log-prob not finite (naming the position: a NaN mu would skip the optimizer step of the good rows too)."""
+    """log mu of every sampled token, one list per sample, from vLLM CompletionOutputs (logprobs=0). Raises
+    ValueError naming the sample and prompt when its log-probs do not pair one to one with its token ids, a position
+    lacks the sampled token, or one is not finite (its position: a NaN mu would skip the good rows' step too)."""
     rows = []
     for i, (c, prompt) in enumerate(zip(samples, prompt_index)):
         ids, logprobs = list(c.token_ids), c.logprobs if c.logprobs is not None else []
