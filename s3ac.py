@@ -554,55 +554,42 @@ def impact_score(signal, h):
 # -----------------------------------------------------------------------------------------------------------------
 # Where this code departs from the papers (README.md points here)
 # -----------------------------------------------------------------------------------------------------------------
-# 1. Rollouts use plain temperature sampling over the full vocabulary by default: the model's generation_config is
-#    replaced by a neutral one (no top-p, top-k or repetition penalty). CISPO's and PPO's ratio is pi / pi_old,
-#    pi_old the trainer's own recomputation; the sampler/trainer mismatch (bf16 vLLM against the fp32 trainer) is
-#    corrected by truncated importance sampling (TIS, --is-correction tis, the default): each token's actor loss is
-#    weighted by min(pi_old / mu, C), mu the engine's own log-prob of the token (vLLM's processed log-probs; HF
-#    generate's from SamplerLogprobs). With --top-p / --top-k, mu is the truncated distribution the token was drawn from,
-#    mu / Z on the kept tokens (Z the kept mass), so the weight is about Z: the update is the policy gradient over
-#    the kept tokens only (no weight can bring back tokens that are never drawn), scaled down by Z. With
-#    --is-correction none the sampler's log-probs only feed the rollout/logprob_gap metrics. PACT's rho =
-#    pi_new / mu uses the same mu.
-# 2. log pi_old always comes from one separate no-grad pass before the update (old_policy_logprobs), as verl's and
-#    OpenRLHF's recomputation: with one optimizer step per rollout batch (--minibatches 1, the CPU demo's) the
-#    ratio is then exactly 1 and CISPO's clip never acts; the paper setting takes DAPO's 16 mini-batches of 32
-#    prompts (--minibatches auto), where it does.
-# 3. Learning rates are constant (no warm-up or decay); AdamW without weight decay (DAPO's recipe warms up for
-#    10 steps and decays weights by 0.1); fp32 weights and optimizer states, bf16 autocast for forward passes on CUDA.
-# 4. The critic is a separate model (default: a copy of the actor's checkpoint) that must share the actor's
-#    tokenizer; --critic-layers k instead trains a copy of the actor's last k blocks on the actor's own hidden
-#    states after block L - k (Baseten's partial-trunk value head; see Critic).
-# 5. Log-probs come from the last hidden state and the output embedding in chunks (kernels.logprobs_from_hidden),
-#    so the [B, T, V] logits are never held, and models that rescale their logits after the output layer (Gemma-2,
-#    Granite, Cohere) are refused.
-# 6. The reward reads one final answer by a stated policy (section 3a: the last \boxed{}, else the number of the
-#    final statement; truncated responses -1; exact comparison) instead of math-verify's default extraction, and
-#    dropout is disabled in the actor and the critic when they are loaded. A verifier check that hangs is
-#    killed after --verify-timeout seconds and counts as a wrong answer (math-verify's own timeouts need the main
-#    thread); the checks run in a "spawn" worker process, so a script that imports s3ac and verifies must guard
-#    its entry point with if __name__ == "__main__".
-# 7. PACT's ratio I_t is the product of per-token ratios from t to the end; this code uses the detached
-#    current-token ratio (PACT's practical choice), exact only for the last token. The ratio weights the
-#    [0, 1]-scale return (R + 1) / 2 for both critic losses, as in PACT: weighting the +-1 return instead
-#    would hand a BCE critic negative targets (1 - rho) / 2 on wrong answers, where soft BCE has no minimum;
-#    for the same reason the BCE critic's soft targets are clamped at 1 (rho_t > 1 on a right answer).
-# 8. REINFORCE++ is used without its per-token KL penalty (no reference model is kept). FlashREINFORCE runs
-#    synchronously (no policy lag: its trust region screens only the sampler/trainer gap); mu is behaviour_logprobs'
-#    (--is-correction none: pi_old, rho = 1); a response cut by --overlong-filter leaves its B; AdamW as departure 3;
-#    --k > 1 runs (its recipes fix one rollout per prompt, its loss refuses none), the mean over every rollout.
-# 9. The DAPS constants (--daps-n-c 4, --daps-a-min 0.1, --daps-decay 0.99, --daps-start 10) are this code's
-#    choices; the paper's are not used.
-# 10. Coverage pretraining uses the online critic update (clipped value loss or BCE, critic_epochs per batch)
-#    toward Monte-Carlo returns, and holds out 10% of the prompts to report its fit; the on-policy warm-up's stop
-#    rule (warmup_plateaued) is ours, scored on one batch of rollouts it never trains on.
-# 11. Under torchrun, metrics are averaged over ranks, counts and throughput summed (critic/explained_var and
-#    critic/adv_explained_var come from global sums; the other critic diagnostics are rank means), and
-#    --dynamic-sampling and coverage pretraining run in a single process only.
-# 12. Training data is DAPO-Math-17k, deduplicated, English (open-r1/DAPO-Math-17k-Processed, config en), not the
-#    paper's 7.5k subset; its answer-format lines are replaced by Qwen2.5-Math's \boxed{} instruction. Where the
-#    S3AC paper gives no figure, the schedule is DAPO's public recipe for Qwen2.5-Math (512 prompts per step,
-#    lr 1e-6, 200 steps, evaluation every 10), with responses cut at 3072 tokens (the model's 4096-token context).
+# 1. Rollouts sample at plain temperature over the full vocabulary (the model's generation_config is replaced by a
+#    neutral one: no top-p, top-k or repetition penalty). CISPO's and PPO's ratio is pi / pi_old, pi_old recomputed by
+#    the trainer; truncated importance sampling (--is-correction tis) corrects the sampler/trainer gap (bf16 vLLM, fp32
+#    trainer): each token's actor loss is weighted by min(pi_old / mu, C), mu the engine's own log-prob of the token
+#    (vLLM's processed log-probs, HF generate's SamplerLogprobs). Under --top-p / --top-k mu is the truncated
+#    distribution, mu / Z on the kept tokens (Z the kept mass), so the weight is about Z: the update is the kept tokens'
+#    policy gradient times Z. --is-correction none: mu only feeds rollout/logprob_gap. PACT's rho = pi_new / mu too.
+# 2. log pi_old always comes from a separate no-grad pass before the update (old_policy_logprobs; verl, OpenRLHF):
+#    with one optimizer step per batch (--minibatches 1, the CPU demo's) the ratio is exactly 1 and CISPO's clip never
+#    acts; the paper setting takes DAPO's 16 mini-batches of 32 prompts (--minibatches auto), where it does.
+# 3. Constant learning rates (DAPO warms up for 10 steps); AdamW without weight decay (DAPO's is 0.1); fp32 weights
+#    and optimizer states, bf16 autocast for forward passes on CUDA.
+# 4. The critic is a separate model (default: the actor's checkpoint; same tokenizer); --critic-layers k trains a copy
+#    of the actor's last k blocks on its hidden states after block L - k (Baseten's partial trunk; see Critic).
+# 5. Log-probs come from the last hidden state and the output embedding in chunks (kernels.logprobs_from_hidden), never
+#    the [B, T, V] logits; models that rescale logits after the output layer (Gemma-2, Granite, Cohere) are refused.
+# 6. The reward reads one final answer by a stated policy (section 4: the last \boxed{}, else the final statement's
+#    number; truncated -1; exact comparison), not math-verify's default extraction. A hung check is killed after
+#    --verify-timeout s and counts as wrong (math-verify's timeouts need the main thread); checks run in a "spawn"
+#    worker, so a script that verifies guards if __name__ == "__main__". Actor and critic load without dropout.
+# 7. PACT's ratio I_t is the product of per-token ratios from t to the end; here the detached current-token ratio
+#    (PACT's practical choice), exact only for the last token. It weights the [0, 1] return (R + 1) / 2 for both critic
+#    losses, as in PACT: on the +-1 return a BCE critic would get targets (1 - rho) / 2 < 0 on wrong answers, where soft
+#    BCE has no minimum; so too the BCE critic's soft targets are clamped at 1 (rho_t > 1 on a right answer).
+# 8. REINFORCE++ has no per-token KL penalty (no reference model). FlashREINFORCE runs synchronously (its trust region
+#    screens only the sampler/trainer gap), mu from behaviour_logprobs (--is-correction none: pi_old, rho = 1); a
+#    response cut by --overlong-filter leaves its B; AdamW as in 3; --k > 1 runs (its recipes fix one rollout per
+#    prompt, its loss refuses none), the mean over every rollout.
+# 9. The DAPS constants (--daps-n-c 4, --daps-a-min 0.1, --daps-decay 0.99, --daps-start 10) are ours, not the paper's.
+# 10. Coverage pretraining is the online critic update (critic_epochs per batch) toward Monte-Carlo returns, 10% of
+#    the prompts held out for its fit; the warm-up's stop rule (warmup_plateaued) is ours, scored on unseen rollouts.
+# 11. Under torchrun metrics are rank means, counts and throughput sums (critic/explained_var and adv_explained_var
+#    from global sums); --dynamic-sampling and coverage pretraining run in a single process only.
+# 12. Data: DAPO-Math-17k, deduplicated, English (open-r1/DAPO-Math-17k-Processed, config en), not the paper's 7.5k
+#    subset; Qwen2.5-Math's \boxed{} instruction replaces its answer-format lines. Without an S3AC figure, DAPO's
+#    Qwen2.5-Math recipe: 512 prompts per step, lr 1e-6, 200 steps, evaluation every 10, responses cut at 3072 tokens.
 # 13. Readiness, our readings (the value-gradient paper's summary gives no exact equation 29): H_alpha self-normalises
 #    q ~ p exp(alpha R) over a prompt's K samples; costates of the SUMMED loss for GRPO's advantages (population std)
 #    at the output of one block, by default the middle one, L // 2 (credit there has crossed the attention of the
