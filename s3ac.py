@@ -1243,19 +1243,17 @@ def train(args: Args, reward_fn=None, eval_reward_fn=None):
 # -----------------------------------------------------------------------------------------------------------------
 # --- 3a. The reward: its contract, call_reward, make_rewards (the math verifier itself is in section 4) ---
 # The reward contract, stated once: reward_fn(golds: list[str], completions: list[str], truncated: list[bool]) ->
-# (rewards: list[float], statuses: list[str]), one each per completion, each R in [-1, 1]; call_reward checks every
-# call, and each status but correct and wrong is counted as verify/<status>. R = +1 alone is a success (succeeded:
-# DAPS's counts, dynamic sampling, pass@1); partial credit reaches the advantages as given, and where a probability
-# is needed (DAPS, PACT, the BCE critic) R is read on the [0, 1] scale (R + 1) / 2. With --reward-fn
-# file.py:function (load_reward_fn) the golds are the data's answer fields as written; the default is the math
-# Verifier (section 4): R = +1 when the response is finished and its final answer equals the gold, R = -1 otherwise
-# (wrong, no answer, an expression where a number is due, cut off at the length limit, a check that failed or hung).
+# (rewards: list[float], statuses: list[str]), one each per completion, each R in [-1, 1] (call_reward checks every
+# call); each status but correct and wrong is counted as verify/<status>. R = +1 alone is a success (succeeded: DAPS's
+# counts, dynamic sampling, pass@1); partial credit reaches the advantages as given; DAPS, PACT and the BCE critic read
+# R as the probability (R + 1) / 2. --reward-fn file.py:function (load_reward_fn) gets the data's answer fields as
+# written; the default, the math Verifier (section 4), gives +1 to a finished response with the gold answer, else -1.
 
 
 def call_reward(reward_fn, golds: list, completions: list, truncated: list):
-    """reward_fn(golds, completions, truncated), checked against the contract of section 3a: (rewards [B] fp32
-    tensor, statuses list[str]). Raises ValueError naming the function and the first bad value: not one reward and
-    one status per completion, a reward outside [-1, 1] (or not a number), a status that is not a string."""
+    """reward_fn(golds, completions, truncated) as (rewards [B] fp32 tensor, statuses list[str]), checked against
+    the contract above: ValueError naming the function and the first bad value (not one reward and one status per
+    completion, a reward not a number in [-1, 1], a status not a string)."""
     name = getattr(reward_fn, "__name__", type(reward_fn).__name__)
     out = reward_fn(golds, completions, truncated)
     if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], (list, tuple))
@@ -1280,9 +1278,8 @@ def call_reward(reward_fn, golds: list, completions: list, truncated: list):
 
 
 def load_reward_fn(spec: str, flag: str = "--reward-fn"):
-    """The reward function `spec` = "path/to/file.py:function" names (verl's custom_reward_function convention),
-    imported from that file. Raises ValueError for a malformed spec, a missing file, a file that fails to import
-    and a missing or non-callable function; the message names the flag and the spec."""
+    """The function `spec` = "path/to/file.py:function" names, imported (verl's custom_reward_function convention).
+    ValueError naming flag and spec: a malformed spec, no such file, a failed import, no such callable."""
     import importlib.util
     path, _, name = spec.rpartition(":")
     if not path or not name:
@@ -1303,10 +1300,9 @@ def load_reward_fn(spec: str, flag: str = "--reward-fn"):
 
 
 def make_rewards(args: Args, reward_fn=None, eval_reward_fn=None):
-    """(reward_fn, eval_reward_fn, owned): each unless given, the flag's: --reward-fn (math: the Verifier of section
-    4, else load_reward_fn), --eval-reward-fn (auto: the training reward); owned: the one Verifier made, for the caller to
-    close. Golds: the Verifier's are parsed from the math layouts (load_problems(math_golds=True): a solution's last
-    \\boxed{}, GSM8K's after '####'); any other function gets the answer fields as written. Raises ValueError."""
+    """(reward_fn, eval_reward_fn, owned): each unless given, its flag's: --reward-fn (math: the Verifier, else
+    load_reward_fn), --eval-reward-fn (auto: the training reward); owned: the Verifier made, for the caller to close.
+    Golds: the Verifier's parsed from the math layouts (load_problems' math_golds), others' as written. ValueError."""
     owned = []
 
     def reward_of(spec: str, flag: str):
