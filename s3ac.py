@@ -1825,8 +1825,7 @@ kernels = _import_kernels_py()
 #   8. Two bracketed lists must agree on their outer brackets: (a, b], [a, b], (a, b) and \{a, b\} differ.
 #   9. A list with an ellipsis (\ldots, \cdots, \dots, ...) compares item by item: as many items, the ellipsis at the
 #      same place, each other item equal; an item holding an ellipsis (1 + \cdots + n) compares as text.
-#  10. A base subscript is part of the number: an answer that writes one (41_6, 41_{6}) must write the gold's digits
-#      and base; one that writes none is read in the gold's base.
+#  10. A base subscript is part of the number: 41_6 (41_{6}) must be the gold's digits and base; none: the gold's base.
 #  11. Degrees are not radians: an answer in degrees (^\circ) against a gold without a degree sign is wrong.
 #  12. Letters are case-sensitive: an answer letter that the gold has only in the other case (r for R) is wrong.
 REL_TOL = 1e-4  # relative tolerance for a decimal answer against an exact value with no finite decimal expansion
@@ -1978,8 +1977,7 @@ def _finite_decimal(denominator: int) -> bool:
 
 
 def _equal_numbers(gold, answer, answer_text: str) -> bool:
-    """Fractions compared exactly, unless the answer is a decimal and the gold has no finite decimal expansion
-    (1/3 against 0.3333): then |a - g| <= REL_TOL * |g|."""
+    """Fractions equal exactly, or for a decimal answer to a gold without finite expansion |a - g| <= REL_TOL * |g|."""
     if "." in answer_text and not _finite_decimal(gold.denominator):
         return abs(answer - gold) <= REL_TOL * abs(gold)
     return answer == gold
@@ -2029,8 +2027,7 @@ def _unit_powers(s: str) -> list:
 
 
 def _as_list(s: str):
-    """(brackets, items) of a comma-separated list: brackets is the outer pair ('(]', '[]', '{}') when one pair
-    encloses the whole text, else ''; items are split at the commas outside any bracket."""
+    """(brackets: the outer pair ('(]', '[]', '{}') enclosing all of s, else '', items split at unbracketed commas)."""
     s = re.sub(r"\\left\s*|\\right\s*", "", s).strip().replace("\\{", "{").replace("\\}", "}")
     depth, closes = 0, []
     for i, ch in enumerate(s):
@@ -2062,13 +2059,9 @@ def _symbolic_status(gold: str, answer: str) -> str:
     if "\\ldots" in gold or "\\ldots" in answer:  # item by item; the ellipses at the same places
         if len(gold_items) != len(items):
             return "wrong"
-        for g, a in zip(gold_items, items):
-            if "\\ldots" in g or "\\ldots" in a:
-                if re.sub(r"\s", "", g) != re.sub(r"\s", "", a):
-                    return "wrong"
-            elif _symbolic_status(g, a) != "correct":
-                return "wrong"
-        return "correct"
+        same = lambda g, a: (re.sub(r"\s", "", g) == re.sub(r"\s", "", a) if "\\ldots" in g or "\\ldots" in a
+                             else _symbolic_status(g, a) == "correct")  # an item with an ellipsis as text
+        return "correct" if all(same(g, a) for g, a in zip(gold_items, items)) else "wrong"
     if _BASE_NUMBER.findall(answer) and _BASE_NUMBER.findall(answer) != _BASE_NUMBER.findall(gold):
         return "wrong"  # 41_7 is not 41_6
     if _DEGREES.search(answer) and not _DEGREES.search(gold):
@@ -2185,7 +2178,6 @@ class Verifier:
 
 # --- Flags ---
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."  # Qwen2.5-Math's prompt
-
 DAPO_MATH = "open-r1/DAPO-Math-17k-Processed:en"  # DAPO-Math-17k, deduplicated, English prompts (config en)
 
 
@@ -2282,8 +2274,7 @@ class Args:
     daps_a_min: float = flag(0.1, "acceptance floor for very easy and very hard prompts, in (0, 1]")
     daps_decay: float = flag(0.99, "per-step decay of the success and attempt counts")
     # updates (actor and critic)
-    minibatches: str = flag("auto", "optimizer steps per pass over the rollout batch; auto: batch_prompts // 32 (DAPO's "
-                            "mini-batches of 32 prompts), at least 1; 1 for flash_reinforce (its paper)")
+    minibatches: str = flag("auto", "optimizer steps per pass | auto: batch_prompts // 32, >= 1 (flash_reinforce: 1)")
     micro_batch_tokens: str = flag("auto", "slots per forward/backward, rows x (longest prompt + response), longest "
                                    "rows first; gradients accumulate over a mini-batch | auto: the memory plan's")
     max_skipped_steps: int = flag(3, "stop after this many steps in a row that skipped an optimizer step (a non-finite "
@@ -2332,7 +2323,6 @@ def parse_args(argv=None) -> Args:
 
 
 CRITIC_ALGOS = ("s3ac", "ppo")  # the algorithms that train a critic; grpo, rloo, reinforce_pp, flash_reinforce do not
-
 NAMED_OR_NUMBER = {  # the fields that take a number or a named value: (named values, number type)
     "actor_lam": (("auto", "adaptive"), float), "critic_lam": (("auto",), float), "eps_low": (("auto",), float),
     "eval_max_new_tokens": (("auto",), int), "critic_warmup_steps": (("auto", "plateau"), int),
@@ -2417,8 +2407,7 @@ def resolve_args(args: Args) -> Args:
 
 
 def _named_or_number(name: str, value, words: tuple, number_type=float):
-    """value itself when it is one of the named values `words`, else value as number_type (float or int; an int
-    field refuses 2.5); ValueError naming --name."""
+    """value if one of the named `words`, else value as number_type (int refuses 2.5); ValueError naming --name."""
     if value in words:
         return value
     try:
@@ -2439,8 +2428,7 @@ def uses_coverage(args: Args) -> bool:
 # --- Data: problems with gold answers, and prompts ---
 @dataclass
 class Problem:
-    """One problem: the question, its gold answer (text), and its strata, the fields that sort problems into kinds
-    (readiness; builtin:arithmetic: op and digits; a data row's "strata" object)."""
+    """One problem: the question, its gold answer (text), and its strata (fields that sort problems into kinds)."""
     question: str
     answer: str  # gold answer, as text for the verifier
     strata: dict = dataclasses.field(default_factory=dict)  # {field: value}, e.g. {"op": "+", "digits": "1x2"}
@@ -3614,8 +3602,7 @@ def evaluate(generate, tokenizer, problems, prompts, reward_fn, rank: int = 0, w
 
 
 def sample_record(problem: Problem, completion: str, truncated: bool, status: str, reward: float, reward_fn) -> dict:
-    """One line of samples.jsonl: the question, the completion, the gold, the status and the reward; with the math
-    Verifier also the answer its answer policy read (extract_answer) and where from."""
+    """A samples.jsonl line: question, completion, gold, status, reward; with the Verifier its answer and whence."""
     record = {"prompt": problem.question, "completion": completion, "truncated": truncated, "gold": problem.answer}
     if isinstance(reward_fn, Verifier):
         numeric = parse_number(problem.answer) is not None
@@ -3689,8 +3676,7 @@ def log_metrics(path: str, metrics: dict, tracker=None):
 
 
 class Tracker:
-    """--report-to: each record's numbers to TensorBoard (<out_dir>/tb) or Weights & Biases at its step, Args as
-    config; purge_step: a resumed run's first step."""
+    """--report-to: records to TensorBoard (<out_dir>/tb) or Weights & Biases; purge_step: a resume's first step."""
 
     def __init__(self, args: Args, purge_step: int = 0):
         self.kind, self.run, config = args.report_to, None, dataclasses.asdict(args)
