@@ -570,18 +570,15 @@ def impact_score(signal, h):
 #    of the actor's last k blocks on its hidden states after block L - k (Baseten's partial trunk; see Critic).
 # 5. Log-probs come from the last hidden state and the output embedding in chunks (kernels.logprobs_from_hidden), never
 #    the [B, T, V] logits; models that rescale logits after the output layer (Gemma-2, Granite, Cohere) are refused.
-# 6. The reward reads one final answer by a stated policy (section 4: the last \boxed{}, else the final statement's
-#    number; truncated -1; exact comparison), not math-verify's default extraction. A hung check is killed after
-#    --verify-timeout s and counts as wrong (math-verify's timeouts need the main thread); checks run in a "spawn"
-#    worker, so a script that verifies guards if __name__ == "__main__". Actor and critic load without dropout.
-# 7. PACT's ratio I_t is the product of per-token ratios from t to the end; here the detached current-token ratio
-#    (PACT's practical choice), exact only for the last token. It weights the [0, 1] return (R + 1) / 2 for both critic
-#    losses, as in PACT: on the +-1 return a BCE critic would get targets (1 - rho) / 2 < 0 on wrong answers, where soft
-#    BCE has no minimum; so too the BCE critic's soft targets are clamped at 1 (rho_t > 1 on a right answer).
+# 6. The reward reads one final answer by section 4's policy (the last \boxed{}, else the final statement's number;
+#    truncated -1; exact comparison), not math-verify's default extraction; a hung check is killed after
+#    --verify-timeout s and is wrong (see Verifier). Actor and critic load without dropout.
+# 7. PACT's ratio I_t, the product of per-token ratios from t to the end, is here the detached current-token ratio
+#    (PACT's practical choice; exact for the last token). It weights the [0, 1] return (R + 1) / 2 for both critics, as
+#    PACT does (on +-1, BCE's targets (1 - rho) / 2 < 0 have no minimum); BCE's soft targets are clamped at 1 (rho > 1).
 # 8. REINFORCE++ has no per-token KL penalty (no reference model). FlashREINFORCE runs synchronously (its trust region
-#    screens only the sampler/trainer gap), mu from behaviour_logprobs (--is-correction none: pi_old, rho = 1); a
-#    response cut by --overlong-filter leaves its B; AdamW as in 3; --k > 1 runs (its recipes fix one rollout per
-#    prompt, its loss refuses none), the mean over every rollout.
+#    screens only the sampler/trainer gap), mu from behaviour_logprobs (--is-correction none: pi_old, rho = 1); a cut
+#    response under --overlong-filter leaves its B; AdamW as in 3; --k > 1 (its recipes: 1) averages every rollout.
 # 9. The DAPS constants (--daps-n-c 4, --daps-a-min 0.1, --daps-decay 0.99, --daps-start 10) are ours, not the paper's.
 # 10. Coverage pretraining is the online critic update (critic_epochs per batch) toward Monte-Carlo returns, 10% of
 #    the prompts held out for its fit; the warm-up's stop rule (warmup_plateaued) is ours, scored on unseen rollouts.
@@ -1251,9 +1248,8 @@ def train(args: Args, reward_fn=None, eval_reward_fn=None):
 
 
 def call_reward(reward_fn, golds: list, completions: list, truncated: list):
-    """reward_fn(golds, completions, truncated) as (rewards [B] fp32 tensor, statuses list[str]), checked against
-    the contract above: ValueError naming the function and the first bad value (not one reward and one status per
-    completion, a reward not a number in [-1, 1], a status not a string)."""
+    """reward_fn(golds, completions, truncated) as (rewards [B] fp32 tensor, statuses list[str]), checked against the
+    contract: ValueError naming the function and its first bad value (count, a reward not in [-1, 1], a status)."""
     name = getattr(reward_fn, "__name__", type(reward_fn).__name__)
     out = reward_fn(golds, completions, truncated)
     if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], (list, tuple))
@@ -1803,18 +1799,16 @@ kernels = _import_kernels_py()
 #   1. A response cut off at --max-new-tokens (no stop token) has no final answer: status "truncated".
 #   2. The answer is the content of the LAST \boxed{...} (or \fbox{...}), braces balanced, a closing period dropped
 #      (\boxed{E.} is E); an unclosed last box is "no_answer", an empty one (the instruction's echo) is ignored.
-#   3. Without a box, and only for a plain-number gold, --answer-fallback final_number reads the last number of the
-#      final statement, after its last "=" (final_statement_number). No answer: a question, a hedge ('41 or -42',
-#      'x = 2 or x = -2'), a negation ('not 42', '1 is not equal to 10'), a list ('1,2,3'), an operand ('6 * 7',
-#      '42 +'), an approximation ('≈ 64', '~ 43', 'about 42', 'approx. 42', \approx in a box), a number in LaTeX, or
-#      one followed by a digit-free closing sentence that retracts it or denies this problem's answer ('The equation
-#      has no solution.'; not 'The other root has none.'). 'approx.' ends no sentence.
-#   4. A plain-number gold needs a plain-number answer (integer, decimal or reduced fraction, with a sign, thousands
-#      separators, LaTeX spacing or a unit): "23 + 19", "6 \times 7", "5!" are "not_a_number", and so is a number
-#      with a power (2^3, 2³), a value word (_VALUE_WORD: '5 thousand', dozen, squared...) or an exponent (1e6, never
-#      1·e·6) after it, boxed or not. Digit groups are one number or none (2,500 and 2\,500 are 2500; 0,500 and
-#      12 500 none). A mixed number is one value on one line: 3 1/4 and 3\frac{1}{4} are 13/4 (-3 1/4 is -13/4), its
-#      fraction proper and reduced (3\frac{5}{4}: "not_a_number"); the fallback never reads part of one ("3.5 1/4").
+#   3. Without a box, for a plain-number gold only, --answer-fallback final_number reads the last number of the final
+#      statement, after its last "=" (final_statement_number). No answer: a question, a hedge ('41 or -42', 'x = 2 or
+#      x = -2'), a negation ('not 42', '1 is not equal to 10'), a list ('1,2,3'), an operand ('6 * 7', '42 +'), an
+#      approximation ('≈ 64', '~ 43', 'about 42', 'approx. 42'), a number in LaTeX, or one followed by a digit-free
+#      closing sentence that retracts it or denies this problem's answer ('The equation has no solution.').
+#   4. A plain-number gold needs a plain-number answer (integer, decimal or reduced fraction; a sign, thousands
+#      separators, LaTeX spacing, a unit): "23 + 19", "6 \times 7", "5!" are "not_a_number", as is a number followed by
+#      a power (2^3, 2³), a value word ('5 thousand', _VALUE_WORD) or an exponent (1e6). Digit groups are one number or
+#      none (2,500 and 2\,500 are 2500; 0,500 and 12 500 none). A mixed number is one value on one line, its fraction
+#      proper and reduced: 3 1/4 and 3\frac{1}{4} are 13/4, -3 1/4 is -13/4; the fallback never reads part of one.
 #   5. Exact values compare exactly (Fraction / sympy); REL_TOL applies only where a side is a decimal approximation
 #      of a value without a finite decimal expansion; an undefined value (1:00 and \frac{1}{0} are 1/0; NaN) equals
 #      nothing. Other golds go to math-verify after rules 7-12 (_symbolic_status), the box parsed whole or not at all.
@@ -1926,9 +1920,8 @@ def parse_number(text: str):
 
 
 def final_statement_number(text: str):
-    """(answer, ok) of a response without a box (rule 3 of the answer policy): the last number of its final statement
-    (the last sentence with a digit) after its last '='; ok False when it is part of an expression or approximation
-    ('6 * 7.', '1,2,3', 'about 42'); (None, True) for no final answer (a question, a retraction, '41 or 42')."""
+    """(answer, ok) by rule 3: the last number of the last sentence with a digit, after its last '='; ok False in an
+    expression or approximation ('6 * 7.', 'about 42'); (None, True): no final answer ('41 or 42', a question)."""
     text = _ASCII_APPROX.sub("\u2248", text)  # before _normalise turns LaTeX's '~' (and \quad, \text{}) into spaces
     sentences = [s for s in re.split(r"\n+|(?<=[.!?])\s+", _ABBREVIATION.sub(r"\1", _normalise(text))) if s.strip()]
     while sentences and not re.search(r"\d", sentences[-1]):
@@ -1959,8 +1952,7 @@ def final_statement_number(text: str):
 
 
 def extract_answer(completion: str, numeric_gold: bool, fallback: str = "final_number"):
-    """(answer text or None, its source: 'boxed' | 'final_statement' | 'expression' | 'none'): the last
-    \\boxed{}, else for a plain-number gold with fallback 'final_number' the number of the final statement."""
+    """(answer text or None, its source: 'boxed' | 'final_statement' | 'expression' | 'none'), by rules 2-3 above."""
     completion = re.sub(r"\\(?:boxed|fbox)\s*\{\s*\}", " ", completion)  # an empty box echoes the instruction
     if _BOX.search(completion):
         boxed = re.sub(r"(?<!\.)\.\s*$", "", last_boxed(completion) or "")  # \boxed{E.}: a closing period
@@ -2048,8 +2040,7 @@ def _letters(s: str) -> set:
 
 
 def _symbolic_status(gold: str, answer: str) -> str:
-    """'correct' | 'wrong' | 'no_answer' | 'bad_gold' for a gold that is not a plain number: rules 7-12 of the
-    answer policy, then math-verify's parse and verify (through _equal_exact_or_verify)."""
+    """'correct' | 'wrong' | 'no_answer' | 'bad_gold' of a non-number gold: rules 7-12, then _equal_exact_or_verify."""
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
     gold, answer = (_E_NOTATION.sub(r"\1\\times 10^{\2}", _ELLIPSIS.sub(r"\\ldots", _CONSTANT.sub(r"\1", x)))
                     for x in (gold, answer))
@@ -2305,9 +2296,8 @@ class Args:
 
 
 def parse_args(argv=None) -> Args:
-    """Args from the command line by transformers.HfArgumentParser, one --field-name flag per field with its help (a
-    bool takes --flag or --flag false, one that defaults to true --no-flag); NAMED_OR_NUMBER fields parsed, the
-    combination checked (resolve_args): a bad value stops in one line, exit status 2."""
+    """Args from the command line (transformers.HfArgumentParser: --flag, --flag false, --no-flag for a true bool),
+    NAMED_OR_NUMBER fields parsed, resolve_args checked: a bad value stops in one line, exit status 2."""
     from transformers import HfArgumentParser
     parser = HfArgumentParser(Args, description=__doc__.split("\n")[0], epilog="python s3ac.py plot --help: "
                               "training curves; ./run.sh compare: side-by-side runs (.ci/compare.py)")
@@ -2439,9 +2429,8 @@ ARITHMETIC_DIGITS = ("1x1", "1x2", "2x1", "2x2")  # digits of the first and the 
 
 
 def make_arithmetic(n: int, seed: int, ops: str = ARITHMETIC_OPS, digits: tuple = ARITHMETIC_DIGITS) -> list:
-    """`n` seeded problems "What is a op b?" (strata op and digits): operands of one or two digits (p 1/2), op uniform
-    over +-*, kept in draw order when op is in `ops` and digits ("1x2": a one-digit a, a two-digit b) in `digits`.
-    Raises ValueError for ops / digits outside ARITHMETIC_OPS / _DIGITS, or none."""
+    """`n` seeded problems "What is a op b?" (strata op, digits: "1x2" a one-digit a, two-digit b), operands of 1 or 2
+    digits (p 1/2), op uniform over +-*, those in `ops` and `digits` kept; ValueError for other or no ops / digits."""
     if not ops or set(ops) - set(ARITHMETIC_OPS) or not digits or set(digits) - set(ARITHMETIC_DIGITS):
         raise ValueError(f"builtin:arithmetic: op={ops!r} digits={','.join(digits)!r}: expected a subset of "
                          f"{ARITHMETIC_OPS!r} and of {','.join(ARITHMETIC_DIGITS)}")
@@ -2458,8 +2447,7 @@ def make_arithmetic(n: int, seed: int, ops: str = ARITHMETIC_OPS, digits: tuple 
 
 
 def builtin_problems(spec: str, seed: int) -> list:
-    """The problems of `builtin:arithmetic[:N][:op=OPS][:digits=D,D...]` (make_arithmetic; N 5000 by default),
-    e.g. builtin:arithmetic:5000:op=+-:digits=1x1,1x2,2x1. Raises ValueError naming the spec for a bad part."""
+    """make_arithmetic's problems of `builtin:arithmetic[:N=5000][:op=OPS][:digits=D,D...]`; ValueError naming spec."""
     name, *parts = spec.split(":")[1:]
     if name != "arithmetic":
         raise ValueError(f"{spec}: the builtin task is builtin:arithmetic[:N][:op=OPS][:digits=D,D]")
@@ -2541,10 +2529,9 @@ _WORKED_SOLUTION = re.compile(r"\n|(?<!\\)[.?!]\s+[A-Za-z]")  # a line break, or
 
 
 def _row_to_problem(row, prompt_key: str, answer_key: str, where: str, math_golds: bool = True) -> Problem:
-    """One row as a Problem. Layouts: GSM8K (`question`, `answer` after '####'), MATH-500 (`problem`, `answer`), MATH
-    (`problem`, `solution`: its last \\boxed{}), DAPO-Math-17k-Processed (`prompt`, `solution`), DAPO-Math-17k (chat
-    `prompt`, `reward_model.ground_truth`), or prompt_key / answer_key ("auto": the first present). math_golds False
-    keeps the answer as written. ValueError naming `where` and the field: a bad row, a worked solution without a box."""
+    """One row as a Problem: GSM8K (question, answer after '####'), MATH-500 (problem, answer), MATH (problem, its
+    solution's last \\boxed{}), DAPO-Math-17k[-Processed] (prompt, maybe chat; solution or reward_model.ground_truth),
+    or prompt_key / answer_key; math_golds False: answer as written. ValueError at `where`: bad row, boxless solution."""
     if not isinstance(row, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
     if isinstance(row.get("prompt"), list) and row["prompt"] and isinstance(row["prompt"][-1], dict):
@@ -2581,9 +2568,8 @@ HELDOUT_SEED = 12345  # --eval-data heldout: the same held-out problems for ever
 
 
 def split_problems(train: list, eval_spec: str, args: Args, math_golds: bool = True, heldout_golds=None):
-    """(train less every evaluation question, sources): one (eval_name, problems) per source of eval_spec, its first
-    eval_size distinct problems, or for `heldout` a sample of train's (HELDOUT_SEED; golds from heldout_golds()).
-    Raises ValueError when too few are left."""
+    """(train less the evaluation questions, sources: (eval_name, its first eval_size distinct problems) per source of
+    eval_spec; `heldout`: a HELDOUT_SEED sample of train, golds from heldout_golds()). ValueError: too few left."""
     train = distinct(train)
     sources = []
     for spec in [s.strip() for s in eval_spec.split(",") if s.strip()] or ["heldout"]:
@@ -3514,9 +3500,8 @@ def run_record(args: Args, problems: list) -> dict:
 
 
 def check_resume(ckpt: str, args: Args, problems: list) -> list:
-    """The resume rule against ckpt's run.json (run_record): flags take the values given now, but FIXED_ON_RESUME and
-    the training problems (data_identity) must be the checkpoint's. Returns the changed flags ("--name old -> new"),
-    or None without run.json. Raises ValueError naming each changed fixed or DATA_FLAGS flag with both values."""
+    """The changed flags ("--name old -> new") against ckpt's run.json (None without one); ValueError names, with both
+    values, each changed FIXED_ON_RESUME flag, or the DATA_FLAGS behind other training problems (data_identity)."""
     path = os.path.join(ckpt, "run.json")
     if not os.path.isfile(path):
         return None
@@ -3629,9 +3614,8 @@ def evaluate_sources(generate, tokenizer, sources, reward_fn, eval_k: int, rank:
 
 
 def run_evaluation(args: Args, state: TrainState, eval_sets: list, reward_fn, samples_path: str, say) -> dict:
-    """The eval/* metrics of evaluate_sources on eval_sets [(name, problems, prompts)]; rank 0 logs every completion
-    to samples_path and says one line. At K = 1 also readiness/headroom: H_alpha of --headroom-k answers to each of
-    the first --headroom-prompts problems of the first source, drawn with their own seed (training's draws intact)."""
+    """The eval/* metrics of evaluate_sources on eval_sets (rank 0 logs completions to samples_path, says one line);
+    at K = 1 also readiness/headroom of --headroom-k own-seeded answers to the first --headroom-prompts problems."""
     t0 = time.time()
     bar = f"step {state.step} eval" if state.rank == 0 else None  # the name of a progress bar of the prompts done
     generate = functools.partial(generate_responses, args, state, max_new_tokens=args.eval_max_new_tokens, progress=bar)
