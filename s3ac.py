@@ -554,18 +554,15 @@ def impact_score(signal, h):
 # -----------------------------------------------------------------------------------------------------------------
 # Where this code departs from the papers (README.md points here)
 # -----------------------------------------------------------------------------------------------------------------
-# 1. Rollouts sample at plain temperature over the full vocabulary (the model's generation_config is replaced by a
-#    neutral one: no top-p, top-k or repetition penalty). CISPO's and PPO's ratio is pi / pi_old, pi_old recomputed by
-#    the trainer; truncated importance sampling (--is-correction tis) corrects the sampler/trainer gap (bf16 vLLM, fp32
-#    trainer): each token's actor loss is weighted by min(pi_old / mu, C), mu the engine's own log-prob of the token
-#    (vLLM's processed log-probs, HF generate's SamplerLogprobs). Under --top-p / --top-k mu is the truncated
-#    distribution, mu / Z on the kept tokens (Z the kept mass), so the weight is about Z: the update is the kept tokens'
+# 1. Rollouts sample at plain temperature over the full vocabulary (a neutral generation_config: no top-p, top-k or
+#    repetition penalty). CISPO's and PPO's ratio is pi / pi_old, pi_old recomputed by the trainer; truncated importance
+#    sampling (--is-correction tis) corrects the sampler/trainer gap (bf16 vLLM, fp32 trainer), weighting each token's
+#    actor loss by min(pi_old / mu, C), mu the engine's own log-prob (vLLM's processed log-probs, HF's SamplerLogprobs).
+#    Under --top-p / --top-k mu is mu / Z on the kept tokens (Z the kept mass): the weight is about Z, the update their
 #    policy gradient times Z. --is-correction none: mu only feeds rollout/logprob_gap. PACT's rho = pi_new / mu too.
-# 2. log pi_old always comes from a separate no-grad pass before the update (old_policy_logprobs; verl, OpenRLHF):
-#    with one optimizer step per batch (--minibatches 1, the CPU demo's) the ratio is exactly 1 and CISPO's clip never
-#    acts; the paper setting takes DAPO's 16 mini-batches of 32 prompts (--minibatches auto), where it does.
-# 3. Constant learning rates (DAPO warms up for 10 steps); AdamW without weight decay (DAPO's is 0.1); fp32 weights
-#    and optimizer states, bf16 autocast for forward passes on CUDA.
+# 2. log pi_old always comes from a separate no-grad pass (old_policy_logprobs; verl, OpenRLHF): at --minibatches 1 (the
+#    CPU demo's) the ratio is exactly 1 and CISPO's clip never acts; at auto (the paper's: DAPO's 16 of 32) it does.
+# 3. Constant lr, AdamW without weight decay (DAPO: 10 warm-up steps, 0.1); fp32 weights/states, bf16 autocast on CUDA.
 # 4. The critic is a separate model (default: the actor's checkpoint; same tokenizer); --critic-layers k trains a copy
 #    of the actor's last k blocks on its hidden states after block L - k (Baseten's partial trunk; see Critic).
 # 5. Log-probs come from the last hidden state and the output embedding in chunks (kernels.logprobs_from_hidden), never
@@ -1240,11 +1237,10 @@ def train(args: Args, reward_fn=None, eval_reward_fn=None):
 # -----------------------------------------------------------------------------------------------------------------
 # --- 3a. The reward: its contract, call_reward, make_rewards (the math verifier itself is in section 4) ---
 # The reward contract, stated once: reward_fn(golds: list[str], completions: list[str], truncated: list[bool]) ->
-# (rewards: list[float], statuses: list[str]), one each per completion, each R in [-1, 1] (call_reward checks every
-# call); each status but correct and wrong is counted as verify/<status>. R = +1 alone is a success (succeeded: DAPS's
-# counts, dynamic sampling, pass@1); partial credit reaches the advantages as given; DAPS, PACT and the BCE critic read
-# R as the probability (R + 1) / 2. --reward-fn file.py:function (load_reward_fn) gets the data's answer fields as
-# written; the default, the math Verifier (section 4), gives +1 to a finished response with the gold answer, else -1.
+# (rewards: list[float], statuses: list[str]), one each per completion, R in [-1, 1], checked by call_reward; each
+# status but correct and wrong counts as verify/<status>. R = +1 alone is a success (succeeded: DAPS, dynamic sampling,
+# pass@1); partial credit reaches the advantages as given; DAPS, PACT and the BCE critic read (R + 1) / 2 as a
+# probability. --reward-fn gets answer fields as written; the default Verifier (section 4): +1 for the gold, else -1.
 
 
 def call_reward(reward_fn, golds: list, completions: list, truncated: list):
@@ -1274,8 +1270,7 @@ def call_reward(reward_fn, golds: list, completions: list, truncated: list):
 
 
 def load_reward_fn(spec: str, flag: str = "--reward-fn"):
-    """The function `spec` = "path/to/file.py:function" names, imported (verl's custom_reward_function convention).
-    ValueError naming flag and spec: a malformed spec, no such file, a failed import, no such callable."""
+    """The function "path/to/file.py:function" names (verl's custom_reward_function); else ValueError naming flag."""
     import importlib.util
     path, _, name = spec.rpartition(":")
     if not path or not name:
@@ -1296,9 +1291,8 @@ def load_reward_fn(spec: str, flag: str = "--reward-fn"):
 
 
 def make_rewards(args: Args, reward_fn=None, eval_reward_fn=None):
-    """(reward_fn, eval_reward_fn, owned): each unless given, its flag's: --reward-fn (math: the Verifier, else
-    load_reward_fn), --eval-reward-fn (auto: the training reward); owned: the Verifier made, for the caller to close.
-    Golds: the Verifier's parsed from the math layouts (load_problems' math_golds), others' as written. ValueError."""
+    """(reward_fn, eval_reward_fn, owned) unless given: --reward-fn (math: the Verifier, whose golds load_problems
+    parses; else load_reward_fn), --eval-reward-fn (auto: the training one); owned: the Verifier to close."""
     owned = []
 
     def reward_of(spec: str, flag: str):
@@ -1794,8 +1788,7 @@ def _import_kernels_py():
 kernels = _import_kernels_py()
 
 
-# === The math verifier, the default reward (section 3a's contract): the answer policy, its rules, grade, Verifier ===
-# Answer policy (what counts as the answer), applied before any comparison:
+# === The math verifier, the default reward (section 3a). Its answer policy, applied before any comparison: ===
 #   1. A response cut off at --max-new-tokens (no stop token) has no final answer: status "truncated".
 #   2. The answer is the content of the LAST \boxed{...} (or \fbox{...}), braces balanced, a closing period dropped
 #      (\boxed{E.} is E); an unclosed last box is "no_answer", an empty one (the instruction's echo) is ignored.
@@ -1809,16 +1802,14 @@ kernels = _import_kernels_py()
 #      a power (2^3, 2³), a value word ('5 thousand', _VALUE_WORD) or an exponent (1e6). Digit groups are one number or
 #      none (2,500 and 2\,500 are 2500; 0,500 and 12 500 none). A mixed number is one value on one line, its fraction
 #      proper and reduced: 3 1/4 and 3\frac{1}{4} are 13/4, -3 1/4 is -13/4; the fallback never reads part of one.
-#   5. Exact values compare exactly (Fraction / sympy); REL_TOL applies only where a side is a decimal approximation
-#      of a value without a finite decimal expansion; an undefined value (1:00 and \frac{1}{0} are 1/0; NaN) equals
-#      nothing. Other golds go to math-verify after rules 7-12 (_symbolic_status), the box parsed whole or not at all.
+#   5. Exact values compare exactly (Fraction / sympy), REL_TOL only for a decimal against one without finite decimal
+#      expansion; undefined (1:00, \frac{1}{0}, NaN) equals nothing. Other golds: rules 7-12, math-verify on the box.
 #   6. Units: when gold and answer both write a unit after a number, its power must agree (m^2 is not m^3; "square"
 #      2, "cubic" 3, none 1); else a unit, %, ^\circ or currency is ignored (4 4/9% is 40/9, a gold 50\% is 50).
 #   Golds that are not plain numbers, before math-verify (which drops subscripts, units and case, and reads a part):
 #   7. \mathrm{e} and \mathrm{i} (or \operatorname{}) are the constants e and i, as plain e and i are.
 #   8. Two bracketed lists must agree on their outer brackets: (a, b], [a, b], (a, b) and \{a, b\} differ.
-#   9. A list with an ellipsis (\ldots, \cdots, \dots, ...) compares item by item: as many items, the ellipsis at the
-#      same place, each other item equal; an item holding an ellipsis (1 + \cdots + n) compares as text.
+#   9. Lists with an ellipsis (\ldots, ...) compare item by item: as many, ellipses alike, an item holding one as text.
 #  10. A base subscript is part of the number: 41_6 (41_{6}) must be the gold's digits and base; none: the gold's base.
 #  11. Degrees are not radians: an answer in degrees (^\circ) against a gold without a degree sign is wrong.
 #  12. Letters are case-sensitive: an answer letter that the gold has only in the other case (r for R) is wrong.
@@ -1881,8 +1872,7 @@ def last_boxed(text: str):
 
 
 def _normalise(s: str) -> str:
-    """LaTeX, unicode and markdown noise out of an answer: math delimiters, spacing, \\text{}, degree and percent
-    signs, currency, bold, a final period; unicode minus and dashes become '-', \\frac12 becomes \\frac{1}{2}."""
+    """An answer without LaTeX, unicode and markdown noise (delimiters, spacing, \\text{}, signs, a final period)."""
     s = s.replace("{,}", ",").replace("\\!", "").replace("\\,", "").replace("\\;", "").replace("\\:", "")
     s = re.sub(r"\\q?quad\b", " ", s)
     s = s.replace("\u2212", "-").replace("\u2013", "-").replace("\u2217", "*").replace("\u22c5", "*")
@@ -2070,8 +2060,7 @@ def _symbolic_status(gold: str, answer: str) -> str:
 
 
 def grade(gold: str, completion: str, truncated: bool = False, fallback: str = "final_number") -> str:
-    """Status of one response under the answer policy above: 'correct' | 'wrong' | 'not_a_number' | 'no_answer'
-    | 'truncated' | 'bad_gold' | 'error'. Reward +1 for 'correct' only."""
+    """The answer policy's status: correct (+1) | wrong | not_a_number | no_answer | truncated | bad_gold | error."""
     if truncated:
         return "truncated"
     try:
@@ -2149,8 +2138,7 @@ class Verifier:
         return "timeout"
 
     def __call__(self, golds: list, completions: list, truncated=None):
-        """(rewards list[float] of +-1, statuses list[str]), one per completion. truncated: a bool per completion
-        (True: cut off at the length limit, status 'truncated') or None (all finished). ValueError: lengths differ."""
+        """(rewards list[float] of +-1, statuses), one per completion; truncated: bools or None. ValueError: lengths."""
         truncated = [False] * len(completions) if truncated is None else [bool(t) for t in truncated]
         if not len(golds) == len(completions) == len(truncated):
             raise ValueError(f"{len(golds)} golds, {len(completions)} completions, {len(truncated)} truncated flags")
@@ -2320,9 +2308,8 @@ NAMED_OR_NUMBER = {  # the fields that take a number or a named value: (named va
 
 
 def resolve_args(args: Args) -> Args:
-    """A copy of args, the combination checked, each "auto" flag replaced by its value (its help says which) but
-    --critic-model, --prompt-key and --answer-key (resolved where used). Idempotent. ValueError: an unknown choice, a
-    number outside its domain, a combination that cannot run (a critic feature without a critic, groups with K < 2)."""
+    """A checked copy of args, each "auto" replaced as its help says (but --critic-model, --prompt-key, --answer-key);
+    idempotent. ValueError: an unknown choice, a number out of domain, a critic feature and no critic, K < 2 groups."""
     choices = {"algo": tuple(ALGO_DEFAULTS),
                "actor_loss": ("auto", "cispo", "ppo", "flash_reinforce"),
                "rollout": ("auto", "vllm", "hf"), "report_to": ("none", "tensorboard", "wandb"),
@@ -2468,9 +2455,8 @@ def builtin_problems(spec: str, seed: int) -> list:
 
 def load_problems(spec: str, prompt_key: str = "auto", answer_key: str = "auto", split: str = "train",
                   seed: int = 0, math_golds: bool = True):
-    """Problems from a JSONL or Parquet file, a hub dataset (`name[:config]`; one of a single split uses it) or
-    builtin:arithmetic, in any layout _row_to_problem reads. ValueError naming file, line (row) and field for a bad
-    row, an empty dataset or a hub fetch that fails; FileNotFoundError / ImportError: no file / no `datasets`."""
+    """Problems of a .jsonl/.parquet file, a hub dataset (`name[:config]`) or builtin:arithmetic (_row_to_problem's
+    layouts). ValueError naming file, row, field: a bad row, no data, a failed fetch; FileNotFoundError; ImportError."""
     if spec.startswith("builtin:"):
         problems = builtin_problems(spec, seed)
     elif spec.endswith((".jsonl", ".parquet")) or os.path.exists(spec):
@@ -2659,8 +2645,7 @@ class PromptSampler:
 
 
 def prepare_prompts(args: Args, tokenizer, train_problems: list, eval_sources: list, main: bool):
-    """(train_problems, their prompt ids, eval_sets [(name, problems, prompts)]), prompts over --max-prompt-tokens
-    dropped; ValueError when a source has none left."""
+    """(train_problems, prompt ids, eval_sets [(name, problems, prompts)]) within --max-prompt-tokens; ValueError."""
     ids = functools.lru_cache(maxsize=None)(lambda q: build_prompt(tokenizer, q, args.prompt_template,
                                                                    args.instruction))
     train_problems, dropped = drop_long_prompts(train_problems, ids, args.max_prompt_tokens)
@@ -2722,8 +2707,7 @@ class Run:
 
 
 def setup_run(args: Args, reward_fn=None, eval_reward_fn=None) -> Run:
-    """Everything before step 1: flags, processes, rewards, data, tokenizer and prompts, models and optimizers, the
-    checkpoint to resume, the logs. Raises ValueError / OSError, one line naming the flag, file or model at fault."""
+    """Everything before step 1 (flags, ranks, rewards, data, models, optimizers, resume, logs); ValueError, OSError."""
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # one tqdm bar: the training steps
@@ -3467,8 +3451,7 @@ def _write_atomic(path: str, text: str):
 
 
 def latest_checkpoint(out_dir: str):
-    """Path of the newest complete checkpoints/step_N of out_dir (all a resume reads: trainer_state.pt, actor/ and
-    any critic/ with config, weights, tokenizer, value head), or None. Not `latest`: a rolled-back run may lack it."""
+    """The newest checkpoints/step_N of out_dir holding all a resume reads, or None (`latest` unread)."""
     root = os.path.join(out_dir, "checkpoints")
     steps = [int(d[5:]) for d in (os.listdir(root) if os.path.isdir(root) else []) if re.fullmatch(r"step_\d+", d)]
     for path in [os.path.join(root, f"step_{step}") for step in sorted(steps, reverse=True)]:
@@ -3567,9 +3550,8 @@ def _drop_records_after(path: str, step: int):
 
 # --- Evaluation, logging, tracking ---
 def evaluate(generate, tokenizer, problems, prompts, reward_fn, rank: int = 0, world: int = 1):
-    """(metrics: greedy pass@1 (share of R = +1) and mean reward by reward_fn, records: a sample_record per problem
-    this rank answered). generate(prompts, prompt_index, greedy=True) -> Batch. Under torchrun each rank answers every
-    world-th problem (padded to equal counts, padding not scored) and the counts are summed over ranks."""
+    """(metrics: greedy pass@1 (share of R = +1), mean reward; records: sample_records) by generate(prompts, index,
+    greedy=True) -> Batch. Under torchrun rank r answers problems r, r + world, ... (padded), the counts summed."""
     mine = list(range(rank, len(prompts), world))
     share = -(-len(prompts) // world)  # ceil: every rank generates the same number of sequences
     index = mine + [mine[0] if mine else 0] * (share - len(mine))
@@ -3599,8 +3581,7 @@ COMPETITION_SETS = ("aime", "amc", "hmmt")  # eval names starting so: few proble
 
 
 def evaluate_sources(generate, tokenizer, sources, reward_fn, eval_k: int, rank: int = 0, world: int = 1):
-    """(metrics, greedy records with their source's name) of evaluate() on each (name, problems, prompts):
-    eval/<name>/pass@1, ..., with eval_k > 1 a COMPETITION_SETS source's avg@<eval_k>; unnamed keys: the first's."""
+    """(eval/<name>/* metrics, the first's also unnamed, COMPETITION_SETS' avg@eval_k; records) of each evaluate()."""
     out, samples = {}, []
     sampled = lambda prompts, index, greedy: generate(prompts, index, greedy=False)  # the same, sampled
     for j, (name, problems, prompts) in enumerate(sources):
@@ -3689,8 +3670,7 @@ class Tracker:
 
 # --- Curves (python s3ac.py plot RUN_DIR ... -o F.png) and main ---
 def read_records(run_dir: str) -> list:
-    """The records of <run_dir>/metrics.jsonl, each with "minutes" of training so far (perf/step_s less time/eval,
-    plus time/pretrain: evaluations left out, as --max-minutes does) and "samples", the rollouts generated so far."""
+    """<run_dir>/metrics.jsonl's records, with "minutes" of training (evaluations left out) and "samples" so far."""
     records, seconds, samples = [], 0.0, 0
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         for r in map(json.loads, f):
@@ -3710,8 +3690,7 @@ PLOT_PANELS = [("minutes", "eval/pass@1", "greedy pass@1 against training minute
 
 
 def curves_figure(run_dirs: list):
-    """A matplotlib figure, a panel per PLOT_PANELS entry (x, y, title), a line per run in its colour, labelled by its
-    directory's name (the path when two names are the same); null values skipped (no critic: no critic lines)."""
+    """A matplotlib figure: a panel per PLOT_PANELS (x, y, title), a line per run (its directory); nulls skipped."""
     import matplotlib.pyplot as plt
     names = [os.path.basename(os.path.normpath(d)) for d in run_dirs]
     labels = names if len(set(names)) == len(names) else list(run_dirs)
