@@ -548,55 +548,36 @@ def impact_score(signal, h):
 # -----------------------------------------------------------------------------------------------------------------
 # Where this code departs from the papers (README.md points here)
 # -----------------------------------------------------------------------------------------------------------------
-# 1. Rollouts use plain temperature sampling over the full vocabulary by default: the model's generation_config is
-#    replaced by a neutral one (no top-p, top-k or repetition penalty). CISPO's and PPO's ratio is pi / pi_old,
-#    pi_old the trainer's own recomputation; the sampler/trainer mismatch (bf16 vLLM against the fp32 trainer) is
-#    corrected by truncated importance sampling (TIS, --is-correction tis, the default): each token's actor loss is
-#    weighted by min(pi_old / mu, C), mu the engine's own log-prob of the token (vLLM's processed log-probs; HF
-#    generate's from SamplerLogprobs). With --top-p / --top-k, mu is the truncated distribution the token was drawn from,
-#    mu / Z on the kept tokens (Z the kept mass), so the weight is about Z: the update is the policy gradient over
-#    the kept tokens only (no weight can bring back tokens that are never drawn), scaled down by Z. With
-#    --is-correction none the sampler's log-probs only feed the rollout/logprob_gap metrics. PACT's rho =
-#    pi_new / mu uses the same mu.
-# 2. log pi_old always comes from one separate no-grad pass before the update (old_policy_logprobs), as verl's and
-#    OpenRLHF's recomputation: with one optimizer step per rollout batch (--minibatches 1, the CPU demo's) the
-#    ratio is then exactly 1 and CISPO's clip never acts; the paper setting takes DAPO's 16 mini-batches of 32
-#    prompts (--minibatches auto), where it does.
-# 3. Learning rates are constant (no warm-up or decay); AdamW without weight decay (DAPO's recipe warms up for
-#    10 steps and decays weights by 0.1); fp32 weights and optimizer states, bf16 autocast for forward passes on CUDA.
-# 4. The critic is a separate model (default: a copy of the actor's checkpoint) that must share the actor's
-#    tokenizer; --critic-layers k instead trains a copy of the actor's last k blocks on the actor's own hidden
-#    states after block L - k (Baseten's partial-trunk value head; see Critic).
-# 5. Log-probs come from the last hidden state and the output embedding in chunks (kernels.logprobs_from_hidden),
-#    so the [B, T, V] logits are never held, and models that rescale their logits after the output layer (Gemma-2,
-#    Granite, Cohere) are refused.
-# 6. The reward reads one final answer by a stated policy (section 3a: the last \boxed{}, else the number of the
-#    final statement; truncated responses -1; exact comparison) instead of math-verify's default extraction, and
-#    dropout is disabled in the actor and the critic when they are loaded. A verifier check that hangs is
-#    killed after --verify-timeout seconds and counts as a wrong answer (math-verify's own timeouts need the main
-#    thread); the checks run in a "spawn" worker process, so a script that imports s3ac and verifies must guard
-#    its entry point with if __name__ == "__main__".
-# 7. PACT's ratio I_t is the product of per-token ratios from t to the end; this code uses the detached
-#    current-token ratio (PACT's practical choice), exact only for the last token. The ratio weights the
-#    [0, 1]-scale return (R + 1) / 2 for both critic losses, as in PACT: weighting the +-1 return instead
-#    would hand a BCE critic negative targets (1 - rho) / 2 on wrong answers, where soft BCE has no minimum;
-#    for the same reason the BCE critic's soft targets are clamped at 1 (rho_t > 1 on a right answer).
-# 8. REINFORCE++ is used without its per-token KL penalty (no reference model is kept). FlashREINFORCE runs
-#    synchronously (no policy lag: its trust region screens only the sampler/trainer gap); mu is behaviour_logprobs'
-#    (--is-correction none: pi_old, rho = 1); a response cut by --overlong-filter leaves its B; AdamW as departure 3;
-#    --k > 1 runs (its recipes fix one rollout per prompt, its loss refuses none), the mean over every rollout.
-# 9. The DAPS constants (--daps-n-c 4, --daps-a-min 0.1, --daps-decay 0.99, --daps-start 10) are this code's
-#    choices; the paper's are not used.
-# 10. Coverage pretraining uses the online critic update (clipped value loss or BCE, critic_epochs per batch)
-#    toward Monte-Carlo returns, and holds out 10% of the prompts to report its fit; the on-policy warm-up's stop
-#    rule (warmup_plateaued) is ours, scored on one batch of rollouts it never trains on.
-# 11. Under torchrun, metrics are averaged over ranks, counts and throughput summed (critic/explained_var and
-#    critic/adv_explained_var come from global sums; the other critic diagnostics are rank means), and
-#    --dynamic-sampling and coverage pretraining run in a single process only.
-# 12. Training data is DAPO-Math-17k, deduplicated, English (open-r1/DAPO-Math-17k-Processed, config en), not the
-#    paper's 7.5k subset; its answer-format lines are replaced by Qwen2.5-Math's \boxed{} instruction. Where the
-#    S3AC paper gives no figure, the schedule is DAPO's public recipe for Qwen2.5-Math (512 prompts per step,
-#    lr 1e-6, 200 steps, evaluation every 10), with responses cut at 3072 tokens (the model's 4096-token context).
+# 1. Rollouts sample at plain temperature over the full vocabulary (a neutral generation_config: no top-p, top-k or
+#    repetition penalty). CISPO's and PPO's ratio is pi / pi_old, pi_old recomputed by the trainer; truncated importance
+#    sampling (--is-correction tis) corrects the sampler/trainer gap (bf16 vLLM, fp32 trainer), weighting each token's
+#    actor loss by min(pi_old / mu, C), mu the engine's own log-prob (vLLM's processed log-probs, HF's SamplerLogprobs).
+#    Under --top-p / --top-k mu is mu / Z on the kept tokens (Z the kept mass): the weight is about Z, the update their
+#    policy gradient times Z. --is-correction none: mu only feeds rollout/logprob_gap. PACT's rho = pi_new / mu too.
+# 2. log pi_old always comes from a separate no-grad pass (old_policy_logprobs; verl, OpenRLHF): at --minibatches 1 (the
+#    CPU demo's) the ratio is exactly 1 and CISPO's clip never acts; at auto (the paper's: DAPO's 16 of 32) it does.
+# 3. Constant lr, AdamW without weight decay (DAPO: 10 warm-up steps, 0.1); fp32 weights/states, bf16 autocast on CUDA.
+# 4. The critic is a separate model (default: the actor's checkpoint; same tokenizer); --critic-layers k trains a copy
+#    of the actor's last k blocks on its hidden states after block L - k (Baseten's partial trunk; see Critic).
+# 5. Log-probs come from the last hidden state and the output embedding in chunks (kernels.logprobs_from_hidden), never
+#    the [B, T, V] logits; models that rescale logits after the output layer (Gemma-2, Granite, Cohere) are refused.
+# 6. The reward reads one final answer by section 4's policy (the last \boxed{}, else the final statement's number;
+#    truncated -1; exact comparison), not math-verify's default extraction; a hung check is killed after
+#    --verify-timeout s and is wrong (see Verifier). Actor and critic load without dropout.
+# 7. PACT's ratio I_t, the product of per-token ratios from t to the end, is here the detached current-token ratio
+#    (PACT's practical choice; exact for the last token). It weights the [0, 1] return (R + 1) / 2 for both critics, as
+#    PACT does (on +-1, BCE's targets (1 - rho) / 2 < 0 have no minimum); BCE's soft targets are clamped at 1 (rho > 1).
+# 8. REINFORCE++ has no per-token KL penalty (no reference model). FlashREINFORCE runs synchronously (its trust region
+#    screens only the sampler/trainer gap), mu from behaviour_logprobs (--is-correction none: pi_old, rho = 1); a cut
+#    response under --overlong-filter leaves its B; AdamW as in 3; --k > 1 (its recipes: 1) averages every rollout.
+# 9. The DAPS constants (--daps-n-c 4, --daps-a-min 0.1, --daps-decay 0.99, --daps-start 10) are ours, not the paper's.
+# 10. Coverage pretraining is the online critic update (critic_epochs per batch) toward Monte-Carlo returns, 10% of
+#    the prompts held out for its fit; the warm-up's stop rule (warmup_plateaued) is ours, scored on unseen rollouts.
+# 11. Under torchrun metrics are rank means, counts and throughput sums (critic/explained_var and adv_explained_var
+#    from global sums); --dynamic-sampling and coverage pretraining run in a single process only.
+# 12. Data: DAPO-Math-17k, deduplicated, English (open-r1/DAPO-Math-17k-Processed, config en), not the paper's 7.5k
+#    subset; Qwen2.5-Math's \boxed{} instruction replaces its answer-format lines. Without an S3AC figure, DAPO's
+#    Qwen2.5-Math recipe: 512 prompts per step, lr 1e-6, 200 steps, evaluation every 10, responses cut at 3072 tokens.
 # 13. Readiness, our readings (the value-gradient paper's summary gives no exact equation 29): H_alpha self-normalises
 #    q ~ p exp(alpha R) over a prompt's K samples; costates of the SUMMED loss for GRPO's advantages (population std)
 #    at the output of one block, by default the middle one, L // 2 (credit there has crossed the attention of the
@@ -1232,19 +1213,15 @@ def train(args: Args, reward_fn=None, eval_reward_fn=None):
 # -----------------------------------------------------------------------------------------------------------------
 # --- 3a. The reward: its contract, call_reward, make_rewards (the math verifier itself is in section 4) ---
 # The reward contract, stated once: reward_fn(golds: list[str], completions: list[str], truncated: list[bool]) ->
-# (rewards: list[float], statuses: list[str]), one each per completion, each R in [-1, 1]; call_reward checks every
-# call, and each status but correct and wrong is counted as verify/<status>. R = +1 alone is a success (succeeded:
-# DAPS's counts, dynamic sampling, pass@1); partial credit reaches the advantages as given, and where a probability
-# is needed (DAPS, PACT, the BCE critic) R is read on the [0, 1] scale (R + 1) / 2. With --reward-fn
-# file.py:function (load_reward_fn) the golds are the data's answer fields as written; the default is the math
-# Verifier (section 4): R = +1 when the response is finished and its final answer equals the gold, R = -1 otherwise
-# (wrong, no answer, an expression where a number is due, cut off at the length limit, a check that failed or hung).
+# (rewards: list[float], statuses: list[str]), one each per completion, R in [-1, 1], checked by call_reward; each
+# status but correct and wrong counts as verify/<status>. R = +1 alone is a success (succeeded: DAPS, dynamic sampling,
+# pass@1); partial credit reaches the advantages as given; DAPS, PACT and the BCE critic read (R + 1) / 2 as a
+# probability. --reward-fn gets answer fields as written; the default Verifier (section 4): +1 for the gold, else -1.
 
 
 def call_reward(reward_fn, golds: list, completions: list, truncated: list):
-    """reward_fn(golds, completions, truncated), checked against the contract of section 3a: (rewards [B] fp32
-    tensor, statuses list[str]). Raises ValueError naming the function and the first bad value: not one reward and
-    one status per completion, a reward outside [-1, 1] (or not a number), a status that is not a string."""
+    """reward_fn(golds, completions, truncated) as (rewards [B] fp32 tensor, statuses list[str]), checked against the
+    contract: ValueError naming the function and its first bad value (count, a reward not in [-1, 1], a status)."""
     name = getattr(reward_fn, "__name__", type(reward_fn).__name__)
     out = reward_fn(golds, completions, truncated)
     if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], (list, tuple))
@@ -1269,9 +1246,7 @@ def call_reward(reward_fn, golds: list, completions: list, truncated: list):
 
 
 def load_reward_fn(spec: str, flag: str = "--reward-fn"):
-    """The reward function `spec` = "path/to/file.py:function" names (verl's custom_reward_function convention),
-    imported from that file. Raises ValueError for a malformed spec, a missing file, a file that fails to import
-    and a missing or non-callable function; the message names the flag and the spec."""
+    """The function "path/to/file.py:function" names (verl's custom_reward_function); else ValueError naming flag."""
     import importlib.util
     path, _, name = spec.rpartition(":")
     if not path or not name:
@@ -1292,10 +1267,8 @@ def load_reward_fn(spec: str, flag: str = "--reward-fn"):
 
 
 def make_rewards(args: Args, reward_fn=None, eval_reward_fn=None):
-    """(reward_fn, eval_reward_fn, owned): each unless given, the flag's: --reward-fn (math: the Verifier of section
-    4, else load_reward_fn), --eval-reward-fn (auto: the training reward); owned: the one Verifier made, for the caller to
-    close. Golds: the Verifier's are parsed from the math layouts (load_problems(math_golds=True): a solution's last
-    \\boxed{}, GSM8K's after '####'); any other function gets the answer fields as written. Raises ValueError."""
+    """(reward_fn, eval_reward_fn, owned) unless given: --reward-fn (math: the Verifier, whose golds load_problems
+    parses; else load_reward_fn), --eval-reward-fn (auto: the training one); owned: the Verifier to close."""
     owned = []
 
     def reward_of(spec: str, flag: str):
@@ -1785,103 +1758,69 @@ def _import_kernels_py():
 kernels = _import_kernels_py()
 
 
-# === The math verifier, the default reward (section 3a's contract): the answer policy, its symbolic rules, grade and
-#     the Verifier. The rest of the plumbing follows it. ===
-# Answer policy (what counts as the answer), applied before any comparison:
+# === The math verifier, the default reward (section 3a). Its answer policy, applied before any comparison: ===
 #   1. A response cut off at --max-new-tokens (no stop token) has no final answer: status "truncated".
 #   2. The answer is the content of the LAST \boxed{...} (or \fbox{...}), braces balanced, a closing period dropped
 #      (\boxed{E.} is E); an unclosed last box is "no_answer", an empty one (the instruction's echo) is ignored.
-#   3. Without a box, and only when the gold is a plain number, --answer-fallback final_number reads the last number
-#      of the final statement, after its last "=" (final_statement_number); a question, a hedge ('41 or -42',
-#      'x = 2 or x = -2'), a negation ('not 42', '1 is not equal to 10'), a list ('1,2,3'), an operand ('6 * 7',
-#      '42 +'), an approximation ('≈ 64', '≅ 43', '~ 43', 'about 42', 'approx. 42', \approx in a box), a number in
-#      LaTeX, or one followed by a closing sentence without a digit that retracts it or denies this problem's answer
-#      ('The equation has no solution.'; not 'The other root has none.') is no answer. 'approx.' ends no sentence.
-#   4. A plain-number gold needs a plain-number answer (integer, decimal or reduced fraction, with a sign,
-#      thousands separators, LaTeX spacing or a unit): "23 + 19", "6 \times 7" or "5!" are "not_a_number". A number
-#      is read with all that follows it, boxed or not: a power (2^3, 2³), a word that changes its value (_VALUE_WORD:
-#      dozen, thousand, squared, halves...) or an exponent (1e6: 1 \times 10^6, never 1·e·6) makes an expression
-#      ("5 thousand" is "not_a_number" against 5 and 5000). Digit groups are one number or none (2,500 and 2\,500
-#      are 2500; 0,500 and 12 500 none). A mixed number is one value on one line: 3 1/4 and 3\frac{1}{4} are 13/4
-#      (-3 1/4 is -13/4), its fraction proper and reduced (3\frac{5}{4} is "not_a_number"); the fallback never reads
-#      a fragment of one (the 1/4 of "3 1/4 cups" or of "3.5 1/4").
-#   5. Exact values compare exactly (Fraction / sympy); a relative tolerance of REL_TOL applies only where a side
-#      is a decimal approximation of a value without a finite decimal expansion; an undefined value (1:00 and
-#      \frac{1}{0} are 1/0; NaN) equals nothing. Other golds go to math-verify's verify after rules 7-12
-#      (_symbolic_status), the box read whole by its LaTeX parser or not at all (never its last number).
-#   6. Units: when gold and answer both write a unit after a number, its power must agree (m^2 is not m^3; no
-#      exponent counts 1, "square" 2, "cubic" 3). Otherwise a unit, %, ^\circ or currency after a number is ignored
-#      (4 4/9% is 40/9, as a gold 50\% is 50: golds write percent either way).
+#   3. Without a box, for a plain-number gold only, --answer-fallback final_number reads the last number of the final
+#      statement, after its last "=" (final_statement_number). No answer: a question, a hedge ('41 or -42', 'x = 2 or
+#      x = -2'), a negation ('not 42', '1 is not equal to 10'), a list ('1,2,3'), an operand ('6 * 7', '42 +'), an
+#      approximation ('≈ 64', '~ 43', 'about 42', 'approx. 42'), a number in LaTeX, or one followed by a digit-free
+#      closing sentence that retracts it or denies this problem's answer ('The equation has no solution.').
+#   4. A plain-number gold needs a plain-number answer (integer, decimal or reduced fraction; a sign, thousands
+#      separators, LaTeX spacing, a unit): "23 + 19", "6 \times 7", "5!" are "not_a_number", as is a number followed by
+#      a power (2^3, 2³), a value word ('5 thousand', _VALUE_WORD) or an exponent (1e6). Digit groups are one number or
+#      none (2,500 and 2\,500 are 2500; 0,500 and 12 500 none). A mixed number is one value on one line, its fraction
+#      proper and reduced: 3 1/4 and 3\frac{1}{4} are 13/4, -3 1/4 is -13/4; the fallback never reads part of one.
+#   5. Exact values compare exactly (Fraction / sympy), REL_TOL only for a decimal against one without finite decimal
+#      expansion; undefined (1:00, \frac{1}{0}, NaN) equals nothing. Other golds: rules 7-12, math-verify on the box.
+#   6. Units: when gold and answer both write a unit after a number, its power must agree (m^2 is not m^3; "square"
+#      2, "cubic" 3, none 1); else a unit, %, ^\circ or currency is ignored (4 4/9% is 40/9, a gold 50\% is 50).
 #   Golds that are not plain numbers, before math-verify (which drops subscripts, units and case, and reads a part):
 #   7. \mathrm{e} and \mathrm{i} (or \operatorname{}) are the constants e and i, as plain e and i are.
-#   8. When both are bracketed lists, the outer brackets must agree: (a, b], [a, b], (a, b) and \{a, b\} are
-#      different objects (half-open interval, closed interval, tuple or open interval, set).
-#   9. A list with an ellipsis (\ldots, \cdots, \dots, ...) is compared item by item: as many items, the ellipsis
-#      at the same place, each other item equal; an item holding an ellipsis inside (1 + \cdots + n) as text.
-#  10. A base subscript is part of the number: an answer that writes one (41_6, 41_{6}) must write the gold's
-#      digits and base; one that writes none is read in the gold's base.
+#   8. Two bracketed lists must agree on their outer brackets: (a, b], [a, b], (a, b) and \{a, b\} differ.
+#   9. Lists with an ellipsis (\ldots, ...) compare item by item: as many, ellipses alike, an item holding one as text.
+#  10. A base subscript is part of the number: 41_6 (41_{6}) must be the gold's digits and base; none: the gold's base.
 #  11. Degrees are not radians: an answer in degrees (^\circ) against a gold without a degree sign is wrong.
 #  12. Letters are case-sensitive: an answer letter that the gold has only in the other case (r for R) is wrong.
 REL_TOL = 1e-4  # relative tolerance for a decimal answer against an exact value with no finite decimal expansion
-
 ANSWER_FALLBACKS = ("final_number", "none")
-
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
-
 _WHOLE = r"[1-9]\d{0,2}(?:,\d{3})+|\d+"  # 2,500 | 2500; the whole part of a mixed number (3 in 3 1/4); not 0,500
-
 _NUMBER = rf"(?:{_WHOLE})(?:\.\d+)?|\.\d+"  # 2,500 | 2500 | 2500.5 | .5 (after normalisation)
-
 _UNIT_STOP = {"is", "not", "or", "and", "minus", "plus", "times", "over", "divided", "multiplied", "pi", "wrong",
               "incorrect", "correct", "equals", "to"}  # words that make a boxed '42 is wrong' no number
-
 _VALUE_WORD = re.compile(  # one of the next three words after a number changes its value: '5 thousand', '5 dozen eggs'
     r"^(?:\s*[A-Za-z]+'?s?\s){0,2}\s*(?:dozens?|hundreds?|thousands?|millions?|billions?|trillions?|squared|cubed|"
     r"factorial|halfs?|halves|thirds?|quarters?|(?:four|fif|six|seven|eigh|nin|ten|hundred|thousand)ths?)\b", re.I)
-
 _PLAIN_NUMBER = re.compile(  # a whole answer: sign, a number, a fraction or a mixed number (on one line), then a unit
     rf"(?P<sign>[-+]?)\s*(?:(?P<whole>{_WHOLE})(?:[ \t]*(?=\\frac)|[ \t]+(?=\d+\s*/)))?"  # of 0-3 words and its power
     rf"(?:\\frac\{{\s*(?P<fn>-?\d+)\s*\}}\{{\s*(?P<fd>\d+)\s*\}}|(?P<sn>\d+)\s*/\s*(?P<sd>\d+)"
     rf"|(?P<num>{_NUMBER}))(?P<unit>(?:(?:\s+[A-Za-z]{{2,}}'?s?){{1,3}}(?:\s*\^\s*\{{?\d\}}?)?)?(?:/[A-Za-z]+)?)")
-
 _NUMBER_IN_TEXT = re.compile(  # a mixed number first (one value), then a fraction or a number
     rf"(?<![A-Za-z_\d.,])(?:{_WHOLE})(?:\s*\\frac\{{\s*\d+\s*\}}\{{\s*\d+\s*\}}|\s+\d+/\d+(?!\d|\.\d))"
     rf"|\\frac\{{\s*-?\d+\s*\}}\{{\s*\d+\s*\}}|(?<![A-Za-z_\d.])(?:\d+/\d+(?!\d|\.\d)|{_NUMBER})")
-
 _OPERATOR_BEFORE = re.compile(r"(?:[\d)}]\s*[-+*/^x]|#|\\times|\\cdot|\\div|\d\s+and|"
                               r"\b(?:plus|minus|times|by|over|from|add|subtract|multiply|divide))\s*$", re.IGNORECASE)
-
 _OPERATOR_AFTER = re.compile(r"^\s*(?:[-+*/^]|x\s*\d|\\times|\\cdot|\\div|\b(?:plus|minus|times)\b)")
-
 _LATEX_AROUND = (re.compile(r"(?:[{^_]|\\[A-Za-z]+(?:_\{?\w+\}?)?)\s*$"), re.compile(r"^(?:\s*\\[A-Za-z]|[\^_{}A-Za-z])"))
-
 _LIST_AROUND = (re.compile(r"\d\s*,?\s*$"), re.compile(r"^\s*,\s*-?\d"))  # '1,2,3'; digit groups '12 500', '3.5 1/4'
-
 _NOT_AN_ANSWER = re.compile(r"\b(?:or|nor)\s*\(?\s*(?:[-+]\s*)?$", re.IGNORECASE)  # '41 or 42', '13 or (- 2)': none
-
 _HEDGED_EQUATION = re.compile(r"\d[^=]*\b(?:or|nor)\s+\w*\s*$", re.IGNORECASE)  # '13, or x = -2': no answer
-
 # ≈ ≃ ≅ ≊ ≒ ∼ ～ (almost, asymptotically, approximately equal; the tilde operator, the full-width tilde), their LaTeX
 _APPROX_SIGN = r"(?:[\u2248\u2243\u2245\u224a\u2252\u223c\uff5e]|\\(?:approx|simeq|sim|cong)(?![A-Za-z]))"
-
 _APPROXIMATE = re.compile(  # an approximation just before the number read: '1 + 63 ≈ 64', 'about 42'
     r"(?:" + _APPROX_SIGN + r"|\b(?:approx(?:imately)?|roughly|about|around|nearly|almost)\b\.?)\s*(?:[-+]\s*)?$",
     re.IGNORECASE)
-
 _NOT_A_VALUE = re.compile(r"[<>]|!=|\\(?:[lg]eq?|neq?|[lg]t)\b|" + _APPROX_SIGN)  # a boxed inequality or approximation
-
 _RETRACTION = re.compile(r"\b(?:wrong|incorrect|not correct|mistake|redo|recalculate)\b", re.IGNORECASE)
-
 _ASCII_APPROX = re.compile(r"(?<=\s)~(?=\s*[-+]?\s*\d)")  # '42 + 1 ~ 43' (raw text: 'is~43', '}~43' are spacing)
-
 _DENIAL = re.compile(  # a whole closing sentence, its subject the problem or its answer, that denies the answer
     r"^\W*(?:(?:so|thus|hence|therefore)\b\W*)?(?:(?:the|this|that)\s+(?:(?!other\b)\w+\s+)?(?:equation|problem|"
     r"system|answer|solution|result|limit)|it|this|that|there)?\s*(?:(?:(?:has|have|is|are)\s+)?no\s+"
     r"(?:real\s+|valid\s+|integer\s+)?(?:solutions?|answers?)(?:\s+exists?)?|(?:is|was)\s+(?:impossible|undefined)"
     r"|(?:does\s*(?:not|n['\u2019]?t)|cannot)\s+exist)\W*$", re.I)  # 'The equation has no solution.'; not 'The other ...'
-
 _ABBREVIATION = re.compile(r"\b(approx|ca|cf|vs|e\.g|i\.e|eqs?|figs?)\.(?=\s)", re.IGNORECASE)  # no sentence end
-
 _NOT_EQUAL = re.compile(  # an inequality just before the number read: '1 is not equal to 10', '9 \neq 10'
     r"(?:(?:\bnot|\bcannot|n['\u2019]?t)\s+(?:equal(?:s|led)?|the\s+same|equivalent|identical)(?:\s+(?:to|as|with))?"
     r"|\bunequal\s+to|(?<![\d)}!])!=|=/=|<>|[\u2260\u2249]|\\neq?|\\not\s*=)"  # ≠ ≉; not 5!=120
@@ -1903,8 +1842,7 @@ def last_boxed(text: str):
 
 
 def _normalise(s: str) -> str:
-    """LaTeX, unicode and markdown noise out of an answer: math delimiters, spacing, \\text{}, degree and percent
-    signs, currency, bold, a final period; unicode minus and dashes become '-', \\frac12 becomes \\frac{1}{2}."""
+    """An answer without LaTeX, unicode and markdown noise (delimiters, spacing, \\text{}, signs, a final period)."""
     s = s.replace("{,}", ",").replace("\\!", "").replace("\\,", "").replace("\\;", "").replace("\\:", "")
     s = re.sub(r"\\q?quad\b", " ", s)
     s = s.replace("\u2212", "-").replace("\u2013", "-").replace("\u2217", "*").replace("\u22c5", "*")
@@ -1942,10 +1880,8 @@ def parse_number(text: str):
 
 
 def final_statement_number(text: str):
-    """(answer, ok) of a response without a box (rule 3 of the answer policy): the last number of its final
-    statement, the last sentence that holds a digit, after its last '='. ok is False when that number is part of an
-    expression or an approximation ('6 * 7.', '\\sqrt{42}', '1,2,3', 'about 42'); (None, True) when there is no final
-    answer (a question, a retraction or denial, 'not 42', '41 or 42', '1 is not equal to 10')."""
+    """(answer, ok) by rule 3: the last number of the last sentence with a digit, after its last '='; ok False in an
+    expression or approximation ('6 * 7.', 'about 42'); (None, True): no final answer ('41 or 42', a question)."""
     text = _ASCII_APPROX.sub("\u2248", text)  # before _normalise turns LaTeX's '~' (and \quad, \text{}) into spaces
     sentences = [s for s in re.split(r"\n+|(?<=[.!?])\s+", _ABBREVIATION.sub(r"\1", _normalise(text))) if s.strip()]
     while sentences and not re.search(r"\d", sentences[-1]):
@@ -1976,8 +1912,7 @@ def final_statement_number(text: str):
 
 
 def extract_answer(completion: str, numeric_gold: bool, fallback: str = "final_number"):
-    """(answer text or None, its source: 'boxed' | 'final_statement' | 'expression' | 'none'): the last
-    \\boxed{}, else for a plain-number gold with fallback 'final_number' the number of the final statement."""
+    """(answer text or None, its source: 'boxed' | 'final_statement' | 'expression' | 'none'), by rules 2-3 above."""
     completion = re.sub(r"\\(?:boxed|fbox)\s*\{\s*\}", " ", completion)  # an empty box echoes the instruction
     if _BOX.search(completion):
         boxed = re.sub(r"(?<!\.)\.\s*$", "", last_boxed(completion) or "")  # \boxed{E.}: a closing period
@@ -1994,17 +1929,15 @@ def _finite_decimal(denominator: int) -> bool:
 
 
 def _equal_numbers(gold, answer, answer_text: str) -> bool:
-    """Fractions compared exactly, unless the answer is a decimal and the gold has no finite decimal expansion
-    (1/3 against 0.3333): then |a - g| <= REL_TOL * |g|."""
+    """Fractions equal exactly, or for a decimal answer to a gold without finite expansion |a - g| <= REL_TOL * |g|."""
     if "." in answer_text and not _finite_decimal(gold.denominator):
         return abs(answer - gold) <= REL_TOL * abs(gold)
     return answer == gold
 
 
 def _equal_exact_or_verify(gold_parsed, pred_parsed) -> bool:
-    """sympy numbers compared exactly: a decimal (Float) is taken at its written value, and a relative tolerance
-    REL_TOL applies only when the other side is exact with no finite decimal expansion (1/3, sqrt(2), pi).
-    Anything else goes through math-verify's verify (sets, intervals, tuples, expressions with symbols, text)."""
+    """sympy numbers compared exactly, a decimal (Float) at its written value, REL_TOL only against an exact value
+    with no finite decimal expansion (1/3, sqrt(2), pi); anything else by math-verify's verify (sets, symbols, text)."""
     import sympy
     from math_verify import verify
     g, p = gold_parsed[0], pred_parsed[0]
@@ -2028,17 +1961,11 @@ def _equal_exact_or_verify(gold_parsed, pred_parsed) -> bool:
 
 _UNIT = re.compile(r"\d\s*(?:\\(?:text|mbox|mathrm)\s*\{([A-Za-z .]*[A-Za-z][A-Za-z .]*)\}"  # a unit after a number,
                    r"|([A-Za-z]{2,}(?:\s+[A-Za-z]{2,})?))\s*(?:\^\s*\{?\s*(\d)\s*\}?)?")  # and its exponent
-
 _CONSTANT = re.compile(r"\\(?:mathrm|operatorname|mathit|text)\s*\{\s*([ei])\s*\}")  # \mathrm{e}: Euler's e
-
 _ELLIPSIS = re.compile(r"\\(?:[lcv]dots|dots[cbmio]?)(?![A-Za-z])|\.\.\.|\u2026")
-
 _BASE_NUMBER = re.compile(r"(?<![\\A-Za-z0-9])([0-9A-Z]*[0-9][0-9A-Z]*)_\{?\s*(\d+)\s*\}?")  # 41_6, 41_{6}
-
 _E_NOTATION = re.compile(r"(?<![\\A-Za-z\d.])(\d+(?:\.\d+)?)[eE]([-+]?\d+)(?![\d.])")  # 1e6: 1 \times 10^{6}
-
 _DEGREES = re.compile(r"\^\s*\{?\s*\\circ|\\degree|\u00b0|\bdeg(?:ree)?s?\b")
-
 _TEXT_OR_COMMAND = re.compile(r"\\(?:text\w*|mbox|mathrm|operatorname|begin|end)\s*\{[^{}]*\}|\\[A-Za-z]+")
 
 
@@ -2052,8 +1979,7 @@ def _unit_powers(s: str) -> list:
 
 
 def _as_list(s: str):
-    """(brackets, items) of a comma-separated list: brackets is the outer pair ('(]', '[]', '{}') when one pair
-    encloses the whole text, else ''; items are split at the commas outside any bracket."""
+    """(brackets: the outer pair ('(]', '[]', '{}') enclosing all of s, else '', items split at unbracketed commas)."""
     s = re.sub(r"\\left\s*|\\right\s*", "", s).strip().replace("\\{", "{").replace("\\}", "}")
     depth, closes = 0, []
     for i, ch in enumerate(s):
@@ -2074,8 +2000,7 @@ def _letters(s: str) -> set:
 
 
 def _symbolic_status(gold: str, answer: str) -> str:
-    """'correct' | 'wrong' | 'no_answer' | 'bad_gold' for a gold that is not a plain number: rules 7-12 of the
-    answer policy, then math-verify's parse and verify (through _equal_exact_or_verify)."""
+    """'correct' | 'wrong' | 'no_answer' | 'bad_gold' of a non-number gold: rules 7-12, then _equal_exact_or_verify."""
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
     gold, answer = (_E_NOTATION.sub(r"\1\\times 10^{\2}", _ELLIPSIS.sub(r"\\ldots", _CONSTANT.sub(r"\1", x)))
                     for x in (gold, answer))
@@ -2085,13 +2010,9 @@ def _symbolic_status(gold: str, answer: str) -> str:
     if "\\ldots" in gold or "\\ldots" in answer:  # item by item; the ellipses at the same places
         if len(gold_items) != len(items):
             return "wrong"
-        for g, a in zip(gold_items, items):
-            if "\\ldots" in g or "\\ldots" in a:
-                if re.sub(r"\s", "", g) != re.sub(r"\s", "", a):
-                    return "wrong"
-            elif _symbolic_status(g, a) != "correct":
-                return "wrong"
-        return "correct"
+        same = lambda g, a: (re.sub(r"\s", "", g) == re.sub(r"\s", "", a) if "\\ldots" in g or "\\ldots" in a
+                             else _symbolic_status(g, a) == "correct")  # an item with an ellipsis as text
+        return "correct" if all(same(g, a) for g, a in zip(gold_items, items)) else "wrong"
     if _BASE_NUMBER.findall(answer) and _BASE_NUMBER.findall(answer) != _BASE_NUMBER.findall(gold):
         return "wrong"  # 41_7 is not 41_6
     if _DEGREES.search(answer) and not _DEGREES.search(gold):
@@ -2109,8 +2030,7 @@ def _symbolic_status(gold: str, answer: str) -> str:
 
 
 def grade(gold: str, completion: str, truncated: bool = False, fallback: str = "final_number") -> str:
-    """Status of one response under the answer policy above: 'correct' | 'wrong' | 'not_a_number' | 'no_answer'
-    | 'truncated' | 'bad_gold' | 'error'. Reward +1 for 'correct' only."""
+    """The answer policy's status: correct (+1) | wrong | not_a_number | no_answer | truncated | bad_gold | error."""
     if truncated:
         return "truncated"
     try:
@@ -2145,11 +2065,9 @@ def _verify_worker(conn):
 
 
 class Verifier:
-    """The default reward function (the contract of section 3a): +1 when `grade` says 'correct', else -1.
-    Checks run in one worker process: math-verify's own timeouts use signal.alarm, which works only in a main
-    thread, so a hung check is instead killed from here after `timeout` seconds and counted as 'timeout'. Safe to
-    call from any thread. The worker is started with multiprocessing's "spawn", so a script that uses it must
-    guard its entry point with `if __name__ == "__main__":`."""
+    """The default reward function (section 3a's contract): +1 when `grade` says 'correct', else -1. Checks run in a
+    "spawn" worker process (a script that uses it guards `if __name__ == "__main__":`), killed after `timeout` seconds
+    and counted as 'timeout' (math-verify's own alarm works only in a main thread). Safe to call from any thread."""
 
     STATUSES = ("correct", "wrong", "not_a_number", "no_answer", "truncated", "bad_gold", "error", "timeout")
 
@@ -2190,9 +2108,7 @@ class Verifier:
         return "timeout"
 
     def __call__(self, golds: list, completions: list, truncated=None):
-        """(rewards list[float] of +-1, statuses list[str]), one per completion. truncated: one bool per completion
-        (True: cut off at the length limit, status 'truncated'), or None for all finished. Raises ValueError when
-        the lengths differ."""
+        """(rewards list[float] of +-1, statuses), one per completion; truncated: bools or None. ValueError: lengths."""
         truncated = [False] * len(completions) if truncated is None else [bool(t) for t in truncated]
         if not len(golds) == len(completions) == len(truncated):
             raise ValueError(f"{len(golds)} golds, {len(completions)} completions, {len(truncated)} truncated flags")
@@ -2211,7 +2127,6 @@ class Verifier:
 
 # --- Flags ---
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."  # Qwen2.5-Math's prompt
-
 DAPO_MATH = "open-r1/DAPO-Math-17k-Processed:en"  # DAPO-Math-17k, deduplicated, English prompts (config en)
 
 
@@ -2229,8 +2144,7 @@ class Args:
     dtype: str = flag("auto", "autocast: auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16; weights stay fp32")
     device: str = flag("auto", "auto | cpu | cuda")
     cache_dir: str = flag("~/.cache/s3ac", "where .gguf models are converted to safetensors, once")
-    gradient_checkpointing: str = flag("auto", "recompute activations in backward: true | false | auto (the memory "
-                                       "plan's choice: false when two longest rows fit a micro-batch without it)")
+    gradient_checkpointing: str = flag("auto", "recompute activations in backward: true | false | auto (memory plan)")
     # data
     data: str = flag(DAPO_MATH, "training problems: hub name[:config], .jsonl/.parquet file, or builtin:arithmetic[:N]")
     eval_data: str = flag("HuggingFaceH4/MATH-500", "sources like --data, comma-separated, or heldout (out of --data)")
@@ -2280,8 +2194,8 @@ class Args:
     actor_epochs: int = flag(1, "passes over each rollout batch")
     is_correction: str = flag("tis", "tis: each token's actor loss times min(pi_old / mu_sampler, is_cap) | none")
     is_cap: float = flag(2.0, "tis: the cap C of the weight")
-    trust_delta: float = flag(3e-3, "flash_reinforce loss: a response whose mean Bernoulli KL(mu(a_t) || pi(a_t)) "
-                              "exceeds this leaves the loss (FlashREINFORCE's Qwen2.5-Math recipe; inf: no region)")
+    trust_delta: float = flag(3e-3, "flash_reinforce: a response with mean Bernoulli KL(mu || pi) above this leaves "
+                              "the loss (FlashREINFORCE's Qwen2.5-Math recipe; inf: no region)")
     # critic (s3ac and ppo only; the critic-free algorithms load no critic)
     critic_loss: str = flag("mse", "mse: clipped value loss | bce: sigmoid critic, soft BCE toward (target + 1) / 2")
     critic_sync: str = flag("s3ac", "s3ac: fit the returns | pact: fit rho_t-weighted ones after the actor update")
@@ -2295,9 +2209,8 @@ class Args:
     critic_layers: int = flag(0, "0: a separate critic model | k: a copy of the actor's last k blocks on its trunk")
     credit_eps: float = flag(0.05, "critic/credit_sparsity counts token credits |C_i| > credit_eps ([0, 1] scale)")
     # critic pretraining (before step 1; the actor is frozen)
-    critic_warmup_steps: str = flag("auto", "on-policy warm-up: critic updates on fresh rollout batches before step 1: N "
-                                    "| plateau: until the held-out fit stops improving (at most 8) | auto: plateau "
-                                    "with a critic and no coverage pretraining, else 0")
+    critic_warmup_steps: str = flag("auto", "critic updates on fresh rollouts before step 1: N | plateau: until "
+                                    "the held-out fit stops improving (<= 8) | auto: plateau (0: coverage, no critic)")
     coverage_models: str = flag("", "coverage: comma-separated checkpoints/names of other policies (same tokenizer)")
     coverage_temperatures: str = flag("", "comma-separated; each temperature is one more policy (empty = temperature)")
     coverage_prompts: int = flag(256, "prompts each coverage policy answers (k responses each)")
@@ -2310,13 +2223,11 @@ class Args:
     daps_a_min: float = flag(0.1, "acceptance floor for very easy and very hard prompts, in (0, 1]")
     daps_decay: float = flag(0.99, "per-step decay of the success and attempt counts")
     # updates (actor and critic)
-    minibatches: str = flag("auto", "optimizer steps per pass over the rollout batch; auto: batch_prompts // 32 (DAPO's "
-                            "mini-batches of 32 prompts), at least 1; 1 for flash_reinforce (its paper)")
+    minibatches: str = flag("auto", "optimizer steps per pass | auto: batch_prompts // 32, >= 1 (flash_reinforce: 1)")
     micro_batch_tokens: str = flag("auto", "slots per forward/backward, rows x (longest prompt + response), longest "
                                    "rows first; gradients accumulate over a mini-batch | auto: the memory plan's")
-    max_skipped_steps: int = flag(3, "stop after this many training steps in a row that skipped an optimizer step "
-                                  "(actor or critic: a non-finite gradient norm leaves weights and optimizer state "
-                                  "as they were; counted in actor/ and critic/skipped_steps); 0 = never stop")
+    max_skipped_steps: int = flag(3, "stop after this many steps in a row that skipped an optimizer step (a non-finite "
+                                  "grad norm; counted in actor/ and critic/skipped_steps); 0 = never stop")
     # run
     steps: int = flag(200, "training steps (one rollout batch each)")
     seed: int = flag(0, "seed of sampling, data order and rollouts")
@@ -2331,9 +2242,8 @@ class Args:
     eval_max_new_tokens: str = flag("auto", "response length limit of evaluations, tokens; auto = max_new_tokens")
     save_every: int = flag(10, "steps between checkpoints (0 = only at the end)")
     keep_checkpoints: int = flag(2, "newest checkpoints kept on disk")
-    resume: bool = flag(False, "continue from the newest checkpoint in out_dir: the flags given now apply (changes "
-                        "printed), but --model, --critic-model, --algo, --critic-loss, --critic-layers, --seed and the "
-                        "training problems must be the checkpoint's")
+    resume: bool = flag(False, "continue from the newest checkpoint in out_dir; changed flags apply (printed), but "
+                        "--model, --critic-model, --algo, --critic-loss, --critic-layers, --seed, the data must stay")
     report_to: str = flag("none", "none | tensorboard (<out_dir>/tb) | wandb; metrics.jsonl is always written")
     debug: bool = flag(False, "show the traceback of a data, model or flag error (default: one line)")
     plot: bool = flag(False, "at the end, draw <out_dir>/curves.png from metrics.jsonl (python s3ac.py plot)")
@@ -2344,10 +2254,8 @@ class Args:
 
 
 def parse_args(argv=None) -> Args:
-    """Args from the command line, by transformers.HfArgumentParser: one --field-name flag per field with its help
-    (a bool takes --flag or --flag false, and one that defaults to true --no-flag). The named-or-number flags
-    (NAMED_OR_NUMBER) are parsed to numbers and the combination is checked (resolve_args): a bad value stops in
-    one line, exit status 2."""
+    """Args from the command line (transformers.HfArgumentParser: --flag, --flag false, --no-flag for a true bool),
+    NAMED_OR_NUMBER fields parsed, resolve_args checked: a bad value stops in one line, exit status 2."""
     from transformers import HfArgumentParser
     parser = HfArgumentParser(Args, description=__doc__.split("\n")[0], epilog="python s3ac.py plot --help: "
                               "training curves; ./run.sh compare: side-by-side runs (.ci/compare.py)")
@@ -2363,7 +2271,6 @@ def parse_args(argv=None) -> Args:
 
 
 CRITIC_ALGOS = ("s3ac", "ppo")  # the algorithms that train a critic; grpo, rloo, reinforce_pp, flash_reinforce do not
-
 NAMED_OR_NUMBER = {  # the fields that take a number or a named value: (named values, number type)
     "actor_lam": (("auto", "adaptive"), float), "critic_lam": (("auto",), float), "eps_low": (("auto",), float),
     "eval_max_new_tokens": (("auto",), int), "critic_warmup_steps": (("auto", "plateau"), int),
@@ -2371,10 +2278,8 @@ NAMED_OR_NUMBER = {  # the fields that take a number or a named value: (named va
 
 
 def resolve_args(args: Args) -> Args:
-    """A copy of args with every "auto" flag replaced by its value (the help of each says which; train()
-    prints the algorithm's), after checking the combination. --critic-model, --prompt-key and --answer-key keep "auto"
-    (it is resolved where they are used). Raises ValueError for an unknown choice, a number outside its domain or a
-    combination that cannot run (a critic feature without a critic, groups with K < 2). Idempotent."""
+    """A checked copy of args, each "auto" replaced as its help says (but --critic-model, --prompt-key, --answer-key);
+    idempotent. ValueError: an unknown choice, a number out of domain, a critic feature and no critic, K < 2 groups."""
     choices = {"algo": tuple(ALGO_DEFAULTS),
                "actor_loss": ("auto", "cispo", "ppo", "flash_reinforce"),
                "rollout": ("auto", "vllm", "hf"), "report_to": ("none", "tensorboard", "wandb"),
@@ -2449,8 +2354,7 @@ def resolve_args(args: Args) -> Args:
 
 
 def _named_or_number(name: str, value, words: tuple, number_type=float):
-    """value itself when it is one of the named values `words`, else value as number_type (float or int; an int
-    field refuses 2.5); ValueError naming --name."""
+    """value if one of the named `words`, else value as number_type (int refuses 2.5); ValueError naming --name."""
     if value in words:
         return value
     try:
@@ -2471,8 +2375,7 @@ def uses_coverage(args: Args) -> bool:
 # --- Data: problems with gold answers, and prompts ---
 @dataclass
 class Problem:
-    """One math problem: the question, its gold answer (text), and its strata, the fields that sort problems into
-    kinds for `python s3ac.py readiness` (builtin:arithmetic: op and digits; a data row's "strata" object)."""
+    """One problem: the question, its gold answer (text), and its strata (fields that sort problems into kinds)."""
     question: str
     answer: str  # gold answer, as text for the verifier
     strata: dict = dataclasses.field(default_factory=dict)  # {field: value}, e.g. {"op": "+", "digits": "1x2"}
@@ -2483,9 +2386,8 @@ ARITHMETIC_DIGITS = ("1x1", "1x2", "2x1", "2x2")  # digits of the first and the 
 
 
 def make_arithmetic(n: int, seed: int, ops: str = ARITHMETIC_OPS, digits: tuple = ARITHMETIC_DIGITS) -> list:
-    """`n` seeded problems "What is a op b?": each operand one digit or two with probability 1/2, op uniform over
-    +, - and *; those with op in `ops` and digits (e.g. "1x2": a one-digit a, a two-digit b) in `digits` are kept, in
-    draw order. Strata: op and digits. Raises ValueError for ops / digits outside ARITHMETIC_OPS / _DIGITS, or none."""
+    """`n` seeded problems "What is a op b?" (strata op, digits: "1x2" a one-digit a, two-digit b), operands of 1 or 2
+    digits (p 1/2), op uniform over +-*, those in `ops` and `digits` kept; ValueError for other or no ops / digits."""
     if not ops or set(ops) - set(ARITHMETIC_OPS) or not digits or set(digits) - set(ARITHMETIC_DIGITS):
         raise ValueError(f"builtin:arithmetic: op={ops!r} digits={','.join(digits)!r}: expected a subset of "
                          f"{ARITHMETIC_OPS!r} and of {','.join(ARITHMETIC_DIGITS)}")
@@ -2502,8 +2404,7 @@ def make_arithmetic(n: int, seed: int, ops: str = ARITHMETIC_OPS, digits: tuple 
 
 
 def builtin_problems(spec: str, seed: int) -> list:
-    """The problems of `builtin:arithmetic[:N][:op=OPS][:digits=D,D...]` (make_arithmetic; N 5000 by default),
-    e.g. builtin:arithmetic:5000:op=+-:digits=1x1,1x2,2x1. Raises ValueError naming the spec for a bad part."""
+    """make_arithmetic's problems of `builtin:arithmetic[:N=5000][:op=OPS][:digits=D,D...]`; ValueError naming spec."""
     name, *parts = spec.split(":")[1:]
     if name != "arithmetic":
         raise ValueError(f"{spec}: the builtin task is builtin:arithmetic[:N][:op=OPS][:digits=D,D]")
@@ -2524,10 +2425,8 @@ def builtin_problems(spec: str, seed: int) -> list:
 
 def load_problems(spec: str, prompt_key: str = "auto", answer_key: str = "auto", split: str = "train",
                   seed: int = 0, math_golds: bool = True):
-    """Problems from a JSONL or Parquet file, a Hugging Face dataset (`name` or `name:config`; a dataset of one
-    split uses that one) or builtin:arithmetic (builtin_problems), in any layout _row_to_problem reads. Raises
-    ValueError naming file, line (or row) and field for a bad row, an empty dataset or a hub dataset that cannot be
-    fetched; FileNotFoundError / ImportError for a missing file or `datasets`."""
+    """Problems of a .jsonl/.parquet file, a hub dataset (`name[:config]`) or builtin:arithmetic (_row_to_problem's
+    layouts). ValueError naming file, row, field: a bad row, no data, a failed fetch; FileNotFoundError; ImportError."""
     if spec.startswith("builtin:"):
         problems = builtin_problems(spec, seed)
     elif spec.endswith((".jsonl", ".parquet")) or os.path.exists(spec):
@@ -2586,11 +2485,9 @@ _WORKED_SOLUTION = re.compile(r"\n|(?<!\\)[.?!]\s+[A-Za-z]")  # a line break, or
 
 
 def _row_to_problem(row, prompt_key: str, answer_key: str, where: str, math_golds: bool = True) -> Problem:
-    """One row as a Problem. Layouts: GSM8K (`question`, `answer` after '####'), MATH-500 (`problem`, `answer`),
-    MATH (`problem`, `solution`: the gold is its last \\boxed{}), DAPO-Math-17k-Processed (`prompt`, `solution`),
-    DAPO-Math-17k (chat `prompt`, `reward_model.ground_truth`), or the fields prompt_key / answer_key name ("auto":
-    the first of those present). math_golds False keeps the answer field as written (a reward of one's own). Raises
-    ValueError naming `where` and the field for a bad row, and for a worked solution without a box."""
+    """One row as a Problem: GSM8K (question, answer after '####'), MATH-500 (problem, answer), MATH (problem, its
+    solution's last \\boxed{}), DAPO-Math-17k[-Processed] (prompt, maybe chat; solution or reward_model.ground_truth),
+    or prompt_key / answer_key; math_golds False: answer as written. ValueError at `where`: bad row, boxless solution."""
     if not isinstance(row, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
     if isinstance(row.get("prompt"), list) and row["prompt"] and isinstance(row["prompt"][-1], dict):
@@ -2627,9 +2524,8 @@ HELDOUT_SEED = 12345  # --eval-data heldout: the same held-out problems for ever
 
 
 def split_problems(train: list, eval_spec: str, args: Args, math_golds: bool = True, heldout_golds=None):
-    """(train, sources): one (eval_name, problems) per comma-separated source of eval_spec: its first eval_size
-    distinct problems, or for `heldout` a sample of train's (HELDOUT_SEED; golds from heldout_golds() when given).
-    No evaluation question stays in train. Raises ValueError when too few are left."""
+    """(train less the evaluation questions, sources: (eval_name, its first eval_size distinct problems) per source of
+    eval_spec; `heldout`: a HELDOUT_SEED sample of train, golds from heldout_golds()). ValueError: too few left."""
     train = distinct(train)
     sources = []
     for spec in [s.strip() for s in eval_spec.split(",") if s.strip()] or ["heldout"]:
@@ -2661,8 +2557,7 @@ def distinct(problems: list) -> list:
 
 
 def eval_name(spec: str) -> str:
-    """The metric name of an evaluation source: 'HuggingFaceH4/MATH-500' -> 'math500', 'HuggingFaceH4/aime_2024'
-    -> 'aime_2024', 'data/gsm8k_test.jsonl' -> 'gsm8k_test', 'builtin:arithmetic:200' -> 'arithmetic'."""
+    """An evaluation source's metric name: 'HuggingFaceH4/MATH-500' -> 'math500', 'data/gsm8k.jsonl' -> 'gsm8k'."""
     if spec.startswith("builtin:"):
         return spec.split(":")[1]
     if spec.endswith((".jsonl", ".parquet")) or os.path.exists(spec):
@@ -2671,15 +2566,13 @@ def eval_name(spec: str) -> str:
 
 
 def drop_long_prompts(problems: list, prompt_ids, max_tokens: int):
-    """(kept, dropped): the problems whose prompt_ids(question) has at most max_tokens token ids, and the number
-    dropped (not truncated: a cut question is another problem with the same gold answer)."""
+    """(kept, dropped): the problems with at most max_tokens prompt_ids(question), and the count dropped (never cut)."""
     kept = [p for p in problems if len(prompt_ids(p.question)) <= max_tokens]
     return kept, len(problems) - len(kept)
 
 
 def build_prompt(tokenizer, question: str, template: str = "", instruction: str = INSTRUCTION) -> list:
-    """Token ids of the prompt: `template` with {question} replaced if given, else the tokenizer's chat template
-    asking for a \\boxed{} answer, else a plain 'Question: ... Answer:' text."""
+    """Prompt token ids: `template` with {question} replaced, else the chat template, else 'Question: ... Answer:'."""
     if template:
         return tokenizer(template.replace("{question}", question))["input_ids"]  # not str.format: \\boxed{}
     if tokenizer.chat_template:
@@ -2690,8 +2583,7 @@ def build_prompt(tokenizer, question: str, template: str = "", instruction: str 
 
 
 def chat_stop_ids(tokenizer) -> set:
-    """The special token that closes an assistant turn in the chat template (e.g. <|im_end|> for Qwen, whose base
-    models name <|endoftext|> as EOS), or an empty set without a chat template."""
+    """{the special token that closes an assistant turn in the chat template} (Qwen's <|im_end|>), or set()."""
     if not tokenizer.chat_template:
         return set()
     text = tokenizer.apply_chat_template([{"role": "user", "content": "1"}, {"role": "assistant", "content": "@@"}],
@@ -2723,8 +2615,7 @@ class PromptSampler:
 
 
 def prepare_prompts(args: Args, tokenizer, train_problems: list, eval_sources: list, main: bool):
-    """Token ids of every prompt, those over --max-prompt-tokens dropped. Returns (train_problems, their prompts,
-    eval_sets [(name, problems, prompts)]); ValueError when a source has none left."""
+    """(train_problems, prompt ids, eval_sets [(name, problems, prompts)]) within --max-prompt-tokens; ValueError."""
     ids = functools.lru_cache(maxsize=None)(lambda q: build_prompt(tokenizer, q, args.prompt_template,
                                                                    args.instruction))
     train_problems, dropped = drop_long_prompts(train_problems, ids, args.max_prompt_tokens)
@@ -2758,8 +2649,7 @@ class Run:
     record: dict = None  # the flags and data identity each checkpoint records (run_record)
 
     def steps(self):
-        """The training steps still to run, under one tqdm bar on rank 0 at progress_position: training minutes
-        under --max-minutes (so its estimate is the time left; the steps done beside them), else steps."""
+        """The training steps still to run, under one tqdm bar on rank 0 at progress_position (minutes or steps)."""
         from tqdm import tqdm
         a, s = self.args, self.state
         n, total, unit = progress_position(s.step, s.train_s, a.steps, a.max_minutes)
@@ -2787,9 +2677,7 @@ class Run:
 
 
 def setup_run(args: Args, reward_fn=None, eval_reward_fn=None) -> Run:
-    """Everything before step 1: flags resolved, processes, data (before any model loads), tokenizer and prompts,
-    models and optimizers, the checkpoint to resume, the logs, the reward functions. Raises ValueError / OSError
-    with one line that names the flag, file or model at fault."""
+    """Everything before step 1 (flags, ranks, rewards, data, models, optimizers, resume, logs); ValueError, OSError."""
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # one tqdm bar: the training steps
@@ -3516,9 +3404,7 @@ def _write_atomic(path: str, text: str):
 
 
 def latest_checkpoint(out_dir: str):
-    """Path of the newest complete checkpoints/step_N of out_dir, or None; complete: it holds all a resume reads
-    (trainer_state.pt, actor/ and any critic/ with config and weights, the tokenizer, the value head). The `latest`
-    pointer is not read: a rolled-back run (its newest folder removed) or a copied one may lack it."""
+    """The newest checkpoints/step_N of out_dir holding all a resume reads, or None (`latest` unread)."""
     root = os.path.join(out_dir, "checkpoints")
     steps = [int(d[5:]) for d in (os.listdir(root) if os.path.isdir(root) else []) if re.fullmatch(r"step_\d+", d)]
     for path in [os.path.join(root, f"step_{step}") for step in sorted(steps, reverse=True)]:
@@ -3550,10 +3436,8 @@ def run_record(args: Args, problems: list) -> dict:
 
 
 def check_resume(ckpt: str, args: Args, problems: list) -> list:
-    """The resume rule, against the checkpoint's run.json (run_record): every flag takes the value given now; the
-    FIXED_ON_RESUME flags and the training problems (data_identity) must be the checkpoint's. Returns the changed
-    flags, "--name old -> new" each (restore_checkpoint re-applies the learning rates), or None for a checkpoint
-    without run.json. Raises ValueError naming, with both values, each fixed flag or DATA_FLAGS flag that changed."""
+    """The changed flags ("--name old -> new") against ckpt's run.json (None without one); ValueError names, with both
+    values, each changed FIXED_ON_RESUME flag, or the DATA_FLAGS behind other training problems (data_identity)."""
     path = os.path.join(ckpt, "run.json")
     if not os.path.isfile(path):
         return None
@@ -3577,9 +3461,8 @@ def check_resume(ckpt: str, args: Args, problems: list) -> list:
 
 
 def restore_checkpoint(state: TrainState, ckpt: str, args: Args) -> bool:
-    """Load ckpt's trainer state into state and this rank's RNGs (another number of ranks: sampling reseeded), the
-    optimizer states with the learning rates of args (--lr, --critic-lr-ratio: the flags are the one source).
-    Returns whether the ranks matched. ValueError: an older format, a critic-free run, other data."""
+    """Load ckpt's trainer state, this rank's RNGs (another number of ranks: reseeded) and the optimizer states with
+    args' learning rates. Returns whether the ranks matched. ValueError: older format, critic-free run, other data."""
     saved = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False, map_location="cpu")
     if isinstance(saved["rng"], dict) or any(isinstance(k, int) for k in saved["actor_opt"]["state"]):
         raise ValueError(f"{ckpt}: written by an older s3ac.py (optimizer states keyed by position); "
@@ -3620,10 +3503,8 @@ def _drop_records_after(path: str, step: int):
 
 # --- Evaluation, logging, tracking ---
 def evaluate(generate, tokenizer, problems, prompts, reward_fn, rank: int = 0, world: int = 1):
-    """Greedy pass@1 (the share of R = +1, succeeded) and mean reward on held-out problems, graded by reward_fn:
-    (metrics, records), one sample_record per problem this rank answered. generate(prompts, prompt_index,
-    greedy=True) -> Batch. Under torchrun each rank answers every world-th problem (padded to equal counts, the
-    padding not scored) and the counts are summed over ranks."""
+    """(metrics: greedy pass@1 (share of R = +1), mean reward; records: sample_records) by generate(prompts, index,
+    greedy=True) -> Batch. Under torchrun rank r answers problems r, r + world, ... (padded), the counts summed."""
     mine = list(range(rank, len(prompts), world))
     share = -(-len(prompts) // world)  # ceil: every rank generates the same number of sequences
     index = mine + [mine[0] if mine else 0] * (share - len(mine))
@@ -3641,8 +3522,7 @@ def evaluate(generate, tokenizer, problems, prompts, reward_fn, rank: int = 0, w
 
 
 def sample_record(problem: Problem, completion: str, truncated: bool, status: str, reward: float, reward_fn) -> dict:
-    """One line of samples.jsonl: the question, the completion, the gold, the status and the reward; with the math
-    Verifier also the answer its answer policy read (extract_answer) and where from."""
+    """A samples.jsonl line: question, completion, gold, status, reward; with the Verifier its answer and whence."""
     record = {"prompt": problem.question, "completion": completion, "truncated": truncated, "gold": problem.answer}
     if isinstance(reward_fn, Verifier):
         numeric = parse_number(problem.answer) is not None
@@ -3654,9 +3534,7 @@ COMPETITION_SETS = ("aime", "amc", "hmmt")  # eval names starting so: few proble
 
 
 def evaluate_sources(generate, tokenizer, sources, reward_fn, eval_k: int, rank: int = 0, world: int = 1):
-    """evaluate() on each source (name, problems, prompts): eval/<name>/pass@1 (greedy), eval/<name>/reward, ...,
-    and for a COMPETITION_SETS source with eval_k > 1 eval/<name>/avg@<eval_k> (eval_k samples per problem); the
-    unnamed keys repeat the first source's. Returns (metrics, the greedy records, each with its source's name)."""
+    """(eval/<name>/* metrics, the first's also unnamed, COMPETITION_SETS' avg@eval_k; records) of each evaluate()."""
     out, samples = {}, []
     sampled = lambda prompts, index, greedy: generate(prompts, index, greedy=False)  # the same, sampled
     for j, (name, problems, prompts) in enumerate(sources):
@@ -3670,10 +3548,8 @@ def evaluate_sources(generate, tokenizer, sources, reward_fn, eval_k: int, rank:
 
 
 def run_evaluation(args: Args, state: TrainState, eval_sets: list, reward_fn, samples_path: str, say) -> dict:
-    """evaluate_sources on eval_sets [(name, problems, prompts)]; rank 0 logs every completion to samples_path and
-    says one line. At K = 1 also readiness/headroom: H_alpha of --headroom-k answers at --temperature to each of the
-    first --headroom-prompts problems of the first source, drawn with their own seed (with HF generate, the run's
-    own draws are those it makes without them). Returns the eval/* metrics (and that one)."""
+    """The eval/* metrics of evaluate_sources on eval_sets (rank 0 logs completions to samples_path, says one line);
+    at K = 1 also readiness/headroom of --headroom-k own-seeded answers to the first --headroom-prompts problems."""
     t0 = time.time()
     bar = f"step {state.step} eval" if state.rank == 0 else None  # the name of a progress bar of the prompts done
     generate = functools.partial(generate_responses, args, state, max_new_tokens=args.eval_max_new_tokens, progress=bar)
@@ -3718,8 +3594,7 @@ def log_metrics(path: str, metrics: dict, tracker=None):
 
 
 class Tracker:
-    """--report-to: each record's numbers to TensorBoard (<out_dir>/tb) or Weights & Biases at its step, with the
-    Args as the run's config; each library imported only when asked for. purge_step: a resumed run's first step."""
+    """--report-to: records to TensorBoard (<out_dir>/tb) or Weights & Biases; purge_step: a resume's first step."""
 
     def __init__(self, args: Args, purge_step: int = 0):
         self.kind, self.run, config = args.report_to, None, dataclasses.asdict(args)
@@ -3748,9 +3623,7 @@ class Tracker:
 
 # --- Curves (python s3ac.py plot RUN_DIR ... -o F.png) and main ---
 def read_records(run_dir: str) -> list:
-    """The records of <run_dir>/metrics.jsonl, each with "minutes" of training so far (every step's perf/step_s
-    less its time/eval, plus time/pretrain: evaluations cost every algorithm the same and are left out, as
-    --max-minutes leaves them out) and "samples", the rollouts generated so far."""
+    """<run_dir>/metrics.jsonl's records, with "minutes" of training (evaluations left out) and "samples" so far."""
     records, seconds, samples = [], 0.0, 0
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         for r in map(json.loads, f):
@@ -3770,9 +3643,7 @@ PLOT_PANELS = [("minutes", "eval/pass@1", "greedy pass@1 against training minute
 
 
 def curves_figure(run_dirs: list):
-    """A matplotlib figure with one panel per PLOT_PANELS entry (x, y, title) and one line per run, in one colour
-    per run in every panel, labelled by its directory's name (the whole path when two names are the same).
-    Missing and null values are skipped: a critic-free run has no line in the critic panels."""
+    """A matplotlib figure: a panel per PLOT_PANELS (x, y, title), a line per run (its directory); nulls skipped."""
     import matplotlib.pyplot as plt
     names = [os.path.basename(os.path.normpath(d)) for d in run_dirs]
     labels = names if len(set(names)) == len(names) else list(run_dirs)
@@ -3795,7 +3666,6 @@ def curves_figure(run_dirs: list):
 
 def plot_runs(run_dirs: list, out: str) -> str:
     """Training curves of several runs in one PNG, one colour per run.
-
     Draws curves_figure(run_dirs) into `out`; returns out."""
     import matplotlib
     matplotlib.use("Agg")  # a file, no display
