@@ -614,9 +614,8 @@ class Batch:
     #                                until recorded (generate_hf) or first used
 
     def rows(self, idx, features: bool = False):
-        """The sub-batch of the sequences `idx` (a list or a [b] index tensor), trimmed to its own longest prompt
-        and response (no column that is padding in every row), by default without the features (the actor's
-        micro-batches need no copy of them)."""
+        """The sub-batch of the sequences `idx` (a list or [b] index tensor), trimmed to its own longest prompt and
+        response, with the features only when asked (the actor's micro-batches need no copy)."""
         p, t = (int(m.sum(1).max()) if len(m) else 0 for m in (self.prompt_mask[idx], self.response_mask[idx]))
         P = self.prompt_ids.shape[1]
         cols = {"prompt_ids": slice(P - p, P), "prompt_mask": slice(P - p, P), "features": slice(P - p, P + t)}
@@ -929,9 +928,8 @@ def optimize(module, optimizer, batch: Batch, loss_fn, token_mask, epochs: int, 
 
 
 def step_metrics(args: Args, state: TrainState, batch: Batch, rewards, statuses: list, advantages, metrics: dict):
-    """The step's rollout/, verify/, adv/, prompts/ and readiness/ metrics, and perf/padding: pad slots / computed
-    slots over the step's passes (the no-grad ones over the whole batch, and the updates' pad_slots and slots, which
-    it takes out of metrics)."""
+    """The step's rollout/, verify/, adv/, prompts/, readiness/ metrics and perf/padding: pad / computed slots over
+    its passes (no-grad ones over the batch, and the updates' pad_slots and slots, taken out of metrics)."""
     mask = batch.response_mask.to(advantages.device)  # [B, T]
     passes = 1 + (state.critic is not None) + (args.critic_sync == "pact")  # no-grad: log pi_old, values, PACT's
     pad, slots = (passes * n for n in padding_counts(batch, micro_batches(batch, args.micro_batch_tokens)))
@@ -1005,10 +1003,9 @@ def coverage_pretraining(args: Args, state: TrainState, reward_fn) -> list:
 
 def generate_coverage(actor, prompts: list, prompt_index: list, golds: list, tokenizer, reward_fn, eos_ids, pad_id,
                       args: Args, amp_dtype, device) -> list:
-    """Trajectories of every coverage policy, K per prompt: rows {policy, prompt_index, prompt_ids, response_ids
-    (stop token included, no padding), reward (reward_fn's, section 3a's contract)}. Policies: every --coverage-models
-    entry (the actor when empty; the others are loaded one at a time and must share the actor's tokenizer) at every
-    --coverage-temperatures entry (--temperature when empty)."""
+    """Trajectories, K per prompt, rows {policy, prompt_index, prompt_ids, response_ids (stop included), reward}, of
+    every --coverage-models entry (default the actor; others loaded in turn, same tokenizer) at every
+    --coverage-temperatures entry (default --temperature)."""
     models = [m for m in args.coverage_models.split(",") if m] or [args.model]
     temperatures = [float(t) for t in args.coverage_temperatures.split(",") if t] or [args.temperature]
     rows = []
@@ -1047,9 +1044,8 @@ def critic_fit(values, raw, returns, response_mask, critic_loss: str) -> dict:
 
 
 def pretrain_critic(critic, optimizer, rows: list, args: Args, pad_id: int, generator) -> list:
-    """Coverage pretraining: args.coverage_epochs passes over the trajectories of 90% of the prompts, in batches of
-    batch_prompts * k rows, each with the online critic update toward Monte-Carlo returns; 10% of the prompts are
-    held out. Returns one metrics dict per epoch with the held-out explained variance and loss."""
+    """Coverage pretraining: coverage_epochs passes over 90% of the prompts' trajectories, the online critic update
+    toward Monte-Carlo returns per batch_prompts * k rows. Returns per epoch the fit (EV, loss) on the 10% held out."""
     prompts = sorted({r["prompt_index"] for r in rows})
     random.Random(args.seed + 4242).shuffle(prompts)
     held = set(prompts[: max(1, len(prompts) // 10)] if len(prompts) > 1 else [])
@@ -1083,9 +1079,8 @@ WARMUP_MIN_GAIN = 0.1  # ... and it stops at the first update whose held-out los
 
 
 def warmup_plateaued(held_out_losses: list) -> bool:
-    """Whether on-policy warm-up stops (--critic-warmup-steps plateau): the value loss on the FIXED held-out
-    rollouts after the newest update is not WARMUP_MIN_GAIN below the lowest before it (the first entry: the fit
-    before any update). One set of rollouts for every entry: the rule compares fits, not draws."""
+    """Whether warm-up stops (plateau): the value loss on the FIXED held-out rollouts after the newest update is not
+    WARMUP_MIN_GAIN below the lowest before it (the first: before any update), so the rule compares fits, not draws."""
     *before, last = held_out_losses
     return bool(before) and last > (1.0 - WARMUP_MIN_GAIN) * min(before)
 
@@ -1341,10 +1336,9 @@ MAX_PADDING = 0.1  # micro_batches: a row joins a micro-batch only while its pad
 
 
 def micro_batches(batch: Batch, max_tokens: int, rows=None) -> list:
-    """The rows (default all) of batch in micro-batches by tokens, as verl's dynamic batch size: longest first, each
-    row joins the current micro-batch while its slots, rows x (longest prompt + longest response), which Batch.rows
-    trims it to, stay within max_tokens and its pad slots within MAX_PADDING of them; else it opens the next (a row
-    longer than the budget gets one of its own). Returns [b] index tensors."""
+    """The rows (default all) in micro-batches by tokens (verl's dynamic batch size): longest first, a row joins the
+    current one while its slots, rows x (longest prompt + response: Batch.rows trims to it), stay within max_tokens
+    and its padding within MAX_PADDING, else opens the next (a row over the budget: alone). [b] index tensors."""
     rows = torch.arange(batch.response_ids.shape[0]) if rows is None else torch.as_tensor(rows, dtype=torch.long)
     p, t = batch.prompt_mask.sum(1).long()[rows].tolist(), batch.response_mask.sum(1).long()[rows].tolist()
     out, width_p, width_t, real = [], 0, 0, 0
@@ -1360,16 +1354,14 @@ def micro_batches(batch: Batch, max_tokens: int, rows=None) -> list:
 
 
 def padding_counts(batch: Batch, micro: list) -> tuple:
-    """(pad slots, computed slots) of one pass over batch in the micro-batches `micro`: each computes rows x (its
-    longest prompt + its longest response) slots, of which the rows' own tokens are the real ones (perf/padding)."""
+    """(pad slots, computed slots) of one pass in the micro-batches `micro`: rows x (longest prompt + response) each."""
     pm, rm = batch.prompt_mask.sum(1), batch.response_mask.sum(1)  # [B] each
     slots = sum(len(mb) * int(pm[mb].max() + rm[mb].max()) for mb in micro)
     return slots - int(sum(pm[mb].sum() + rm[mb].sum() for mb in micro)), slots
 
 
 def unsplit(parts: list, micro: list, batch: Batch):
-    """The [b, t] outputs of the micro-batches `micro` (trimmed by Batch.rows) back in batch order, [B, T], 0 where
-    a micro-batch was trimmed."""
+    """The micro-batches' outputs [b, t] (trimmed by Batch.rows) back in batch order, [B, T], 0 where trimmed."""
     out = parts[0].new_zeros(batch.response_mask.shape)  # [B, T]
     for mb, x in zip(micro, parts):
         out[mb.to(out.device), :x.shape[1]] = x
@@ -1411,10 +1403,9 @@ class Critic(nn.Module):
 
 
 def top_blocks(lm: nn.Module, k: int) -> nn.Module:
-    """The partial-trunk critic's backbone: a base model of copies of the last k of the L blocks and the final norm
-    of the causal LM lm (Llama / Qwen2 / Mistral layout; transformers 5.24), reading hidden states as inputs_embeds;
-    config.critic_layers = k. Raises ValueError unless 1 <= k <= L, or when the copy does not continue the actor's
-    forward on a left-padded probe (Gemma's sqrt(H))."""
+    """The partial-trunk critic's backbone: copies of lm's last k of L blocks and final norm (Llama / Qwen2 / Mistral
+    layout; transformers 5.24) reading inputs_embeds; config.critic_layers = k. ValueError unless 1 <= k <= L, or
+    when the copy does not continue the actor's forward on a left-padded probe (Gemma's sqrt(H))."""
     from transformers import AutoModel
     base, L = lm.base_model, lm.config.num_hidden_layers
     if not 1 <= k <= L:
@@ -2247,7 +2238,7 @@ class Args:
     report_to: str = flag("none", "none | tensorboard (<out_dir>/tb) | wandb; metrics.jsonl is always written")
     debug: bool = flag(False, "show the traceback of a data, model or flag error (default: one line)")
     plot: bool = flag(False, "at the end, draw <out_dir>/curves.png from metrics.jsonl (python s3ac.py plot)")
-    # readiness (python s3ac.py readiness; readiness/headroom: every step's groups at K >= 2, else each evaluation)
+    # readiness/headroom (.ci/readiness.py table has the rest): every step's groups at K >= 2, else each evaluation
     alpha_headroom: float = flag(1.0, "alpha of the headroom H_alpha: the K samples reweighted by exp(alpha R)")
     headroom_k: int = flag(4, "K = 1: samples per problem each evaluation draws for readiness/headroom; 0 = none")
     headroom_prompts: int = flag(32, "K = 1: the first this many problems of the first evaluation source; 0 = none")
@@ -2317,7 +2308,7 @@ def resolve_args(args: Args) -> Args:
         "critic_warmup_steps": (not isinstance(args.critic_warmup_steps, int) or args.critic_warmup_steps >= 0,
                                 ">= 0, or plateau, or auto"),
         "minibatches": (args.minibatches == "auto" or args.minibatches >= 1, "at least 1, or auto"),
-        "micro_batch_tokens": (args.micro_batch_tokens == "auto" or args.micro_batch_tokens >= 1, "at least 1, or auto"),
+        "micro_batch_tokens": (args.micro_batch_tokens == "auto" or args.micro_batch_tokens >= 1, ">= 1, or auto"),
         "rho_max": (args.rho_max > args.rho_min, f"above --rho-min {args.rho_min}"),
         "headroom_k": (args.headroom_k == 0 or args.headroom_k >= 2, "0 (none) or at least 2")}
     for name, (holds, rule) in domains.items():
@@ -2345,7 +2336,8 @@ def resolve_args(args: Args) -> Args:
     actor_loss = own_loss if args.actor_loss == "auto" else args.actor_loss
     auto = lambda value, resolved: resolved if value == "auto" else value
     return dataclasses.replace(
-        args, actor_loss=actor_loss, actor_lam=auto(args.actor_lam, actor_lam), critic_lam=auto(args.critic_lam, critic_lam),
+        args, actor_loss=actor_loss, actor_lam=auto(args.actor_lam, actor_lam),
+        critic_lam=auto(args.critic_lam, critic_lam),
         eps_low=auto(args.eps_low, 0.2 if actor_loss == "ppo" else 1.0),
         eval_max_new_tokens=auto(args.eval_max_new_tokens, args.max_new_tokens),
         critic_warmup_steps=auto(args.critic_warmup_steps, "plateau" if args.algo in CRITIC_ALGOS and
@@ -2792,14 +2784,13 @@ def saved_bytes(fn, params) -> int:
     """Bytes of the distinct storages autograd saves for backward while fn() runs, the tensors params left out."""
     skip, seen = {p.untyped_storage().data_ptr() for p in params}, {}
 
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in skip:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    def pack(t):  # each storage once, by its address
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
         fn()
-    return sum(seen.values())
+    return sum(n for address, n in seen.items() if address not in skip)
 
 
 @functools.lru_cache(maxsize=4)
@@ -2845,13 +2836,11 @@ def parameter_counts(config) -> dict:
 
 
 def memory_plan(config, args: Args, device_gib: float, cuda: bool = True, world: int = 1) -> dict:
-    """The memory plan of training args (config: the model's transformers config) on a device of device_gib GiB.
-    Per phase: fp32 weights and AdamW states of actor and critic (sharded over `world` ranks), the updated model's
-    gradients and bf16 weight casts, activations a token (activation_constants; with recomputation a block keeps its
-    fp32 input) times the micro-batch, and one block's backward working set, against (1 - PLAN_MARGIN) of the device
-    less PLAN_RESERVE_GIB. "auto": no recomputation when two longest rows fit, the largest budget that fits (at most
-    MAX_MICRO_BATCH_TOKENS). Returns a json-able dict: peak_gib, device_gib, fits (False when no budget holds a
-    longest row), micro_batch_tokens, gradient_checkpointing, phases_gib, checkpoint_gib, ..."""
+    """The memory plan of training args (config: the model's) on device_gib GiB. Per phase: fp32 weights and AdamW
+    states (over `world` ranks), the updated model's gradients and bf16 casts, activations a token
+    (activation_constants; recomputing, a block keeps its fp32 input) x the micro-batch, one block's backward working
+    set, against (1 - PLAN_MARGIN) of the device less PLAN_RESERVE_GIB. "auto": recompute only when two longest rows
+    do not fit; the largest budget that fits. Returns a dict: peak_gib, device_gib, fits, micro_batch_tokens, ..."""
     const = activation_constants(config.to_json_string())
     n = parameter_counts(config)
     L, H = config.num_hidden_layers, config.hidden_size
@@ -2885,16 +2874,15 @@ def memory_plan(config, args: Args, device_gib: float, cuda: bool = True, world:
     recompute = (budget(False) < 2 * longest if args.gradient_checkpointing == "auto" else
                  args.gradient_checkpointing == "true")  # the fastest that fits: recompute only when needed
     tokens = budget(recompute) if args.micro_batch_tokens == "auto" else args.micro_batch_tokens
-    phases = peaks(max(tokens, 0), recompute)
+    phases, zero = peaks(max(tokens, 0), recompute), peaks(0, recompute)["actor_update"]
     peak = max(phases.values())
     return {"model": config.architectures[0] if getattr(config, "architectures", None) else config.model_type,
             "actor_params": n["actor"], "critic_params": critic, "device_gib": device_gib, "usable_gib": usable / GIB,
             "peak_gib": peak / GIB, "fits": tokens >= longest and peak <= usable, "micro_batch_tokens": int(tokens),
             "gradient_checkpointing": recompute, "longest_row": longest,
             "phases_gib": {p: round(v / GIB, 2) for p, v in phases.items()},
-            "activation_kib_per_token": round((peaks(1, recompute)["actor_update"] - peaks(0, recompute)["actor_update"])
-                                              / 1024, 1),
-            "checkpoint_gib": 12 * (n["actor"] + critic) / GIB, "attention": "O(S) (CUDA SDPA)" if cuda else "S^2 (CPU)"}
+            "activation_kib_per_token": round((peaks(1, recompute)["actor_update"] - zero) / 1024, 1),
+            "checkpoint_gib": 12 * (n["actor"] + critic) / GIB, "attention": "O(S) (SDPA)" if cuda else "S^2 (CPU)"}
 
 
 CPU_MICRO_BATCH_TOKENS = 4096  # auto on a CPU, where the plan (a GPU's) is not made
@@ -2935,8 +2923,7 @@ def apply_memory_plan(args: Args, model_path: str, device, world: int) -> Args:
 def check_disk(args: Args, models: list):
     """Before step 1: OSError, with the figures and the flags that change them, when --out-dir lacks room for
     keep_checkpoints + 1 checkpoints (fp32 weights, the trainable ones' AdamW moments) less those already there."""
-    size = sum(4 * p.numel() + (8 * p.numel() if p.requires_grad else 0) for m in models if m is not None
-               for p in m.parameters())
+    size = sum((12 if p.requires_grad else 4) * p.numel() for m in models if m is not None for p in m.parameters())
     root = os.path.join(args.out_dir, "checkpoints")
     there = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(root) for f in files)
     need, free = (args.keep_checkpoints + 1) * size - there, shutil.disk_usage(args.out_dir).free
@@ -3048,12 +3035,10 @@ def load_actor(path: str, device):
 
 
 def check_context(args: Args, path: str, vllm: bool, train_prompts: list, eval_sets: list):
-    """Stop before any model loads when a prompt and its response can outgrow a context: the longest training prompt
-    plus --max-new-tokens against every model that reads the training prompts (the actor's config at `path`,
-    --critic-model, each --coverage-models entry), the longest evaluation prompt plus --eval-max-new-tokens against
-    the actor's. A limit: the config's max_position_embeddings (vLLM's default for a config without rope scaling; HF
-    positions past it are untrained), or for the actor --vllm-max-model-len when vLLM samples and it is set. Raises
-    ValueError in one line naming the flags and the model; a config without max_position_embeddings is unchecked."""
+    """Before any model loads, ValueError in one line (flags, model) when the longest training prompt plus
+    --max-new-tokens outgrows a model that reads it (the actor at `path`, --critic-model, each --coverage-models), or
+    the longest evaluation prompt plus --eval-max-new-tokens the actor: max_position_embeddings (HF positions past it
+    are untrained), or --vllm-max-model-len when vLLM samples; a config without it is unchecked."""
     from transformers import AutoConfig
     others = ([args.critic_model] if args.critic_model != "auto" else []) + args.coverage_models.split(",")
     readers = [(path, args.model, [p for _, _, prompts in eval_sets for p in prompts])] + [

@@ -1915,7 +1915,7 @@ class EvenLengthReward:
 class _SameTwoTokens:
     """A rollout engine that answers every prompt with the same two tokens, no stop token (collect_rollouts alone)."""
     def generate(self, prompts, index, eos_ids, pad_id, max_new_tokens, temperature, greedy, top_p, top_k,
-                 policy=None):
+                 policy=None, progress=None):
         n = len(prompts)
         return s3ac.Batch(torch.ones(n, 1, dtype=torch.long), torch.ones(n, 1), torch.full((n, 2), 5), torch.ones(n, 2),
                           torch.ones(n, dtype=torch.bool), torch.tensor(index))
