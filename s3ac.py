@@ -589,9 +589,8 @@ def impact_score(signal, h):
 # -----------------------------------------------------------------------------------------------------------------
 # 2. The algorithm box: one training step and its phases, then train()
 # -----------------------------------------------------------------------------------------------------------------
-# What each --algo's "auto" flags resolve to (resolve_args): (actor loss, actor lambda, critic lambda, mini-batches);
-# "dapo" is DAPO's mini-batches of 32 prompts. --critic-sync pact takes critic lambda 1 (and actor lambda 1 but for
-# ppo); eps_low follows the actor loss: 0.2 for ppo's clip, else 1 (CISPO: no lower clip).
+# What each --algo's "auto" flags resolve to (resolve_args): (actor loss, actor lambda, critic lambda, mini-batches:
+# "dapo", mini-batches of 32 prompts). PACT takes lambdas 1 (the actor's but for ppo); eps_low: 0.2 for ppo, else 1.
 ALGO_DEFAULTS = {"s3ac": ("cispo", "adaptive", 1.0, "dapo"),  # decoupled_gae: critic lambda 1, actor 1 - 1/(alpha T)
                  "ppo": ("ppo", 0.95, 0.95, "dapo"),  # GAE with one lambda
                  "grpo": ("cispo", "adaptive", 1.0, "dapo"), "rloo": ("cispo", "adaptive", 1.0, "dapo"),
@@ -1036,8 +1035,7 @@ def rows_to_batch(rows: list, pad_id: int):
 
 
 def critic_fit(values, raw, returns, response_mask, critic_loss: str) -> dict:
-    """Explained variance and loss (unclipped, token mean) of values / raw head outputs [B, T] against returns
-    [B, T], as the pretraining metrics."""
+    """pretrain/ explained variance and loss (unclipped, token mean) of values / raw [B, T] against returns [B, T]."""
     v_loss, _ = critic_loss_fn(raw, values, returns, response_mask, critic_loss, eps_v=0.0)  # V_old = V: no clip
     return {"pretrain/explained_var": explained_variance(values, returns, response_mask),
             "pretrain/v_loss": v_loss.item()}
@@ -1350,6 +1348,9 @@ def micro_batches(batch: Batch, max_tokens: int, rows=None) -> list:
         else:
             out.append([i])
             width_p, width_t, real = p[i], t[i], p[i] + t[i]
+    for _ in range(int(all_reduce(torch.tensor(len(out)), "max")) - len(out)):  # FSDP2: as many forwards on every
+        j = max(range(len(out)), key=lambda j: len(out[j]))  # rank (as many rows too): split the one of most rows
+        out[j: j + 1] = [out[j][: len(out[j]) // 2], out[j][len(out[j]) // 2:]]
     return [rows[mb] for mb in out]
 
 
@@ -1506,8 +1507,7 @@ def trunk_features(critic: Critic, batch: Batch, micro_batch_tokens: int):
         sub = batch.rows(mb)  # p prompt and t response columns
         h = critic.trunk(*(x.to(device) for x in model_inputs(sub)))  # [b, p + t, H]
         out = h.new_zeros(B, P + T, h.shape[2]) if out is None else out  # [B, P + T, H]
-        p = sub.prompt_ids.shape[1]
-        out[mb.to(device), P - p: P + h.shape[1] - p] = h
+        out[mb.to(device), P - sub.prompt_ids.shape[1]: P + sub.response_ids.shape[1]] = h
     return out
 
 

@@ -2524,6 +2524,40 @@ torch.save({"start": start, "after_nan": after_nan, "end": whole(), "m_nan": m_n
 '''
 
 
+UNEVEN_RANKS = r'''
+import json, os, sys, torch
+sys.path.insert(0, sys.argv[1])
+import s3ac
+rank, world, device = s3ac.init_distributed("cpu")
+lm = s3ac.load_actor(sys.argv[2], device)
+policy = s3ac.Policy(lm)
+s3ac.shard(policy, lm)
+t = 12 if rank == 0 else 1  # rank 0: 4 rows of 3 + 12 tokens (2 a micro-batch of 30), rank 1: 4 of 3 + 1 (1 of 16)
+batch = s3ac.Batch(torch.full((4, 3), 5), torch.ones(4, 3), torch.full((4, t), 6), torch.ones(4, t),
+                   torch.zeros(4, dtype=torch.bool), torch.arange(4))
+args = s3ac.resolve_args(s3ac.Args(micro_batch_tokens=30, minibatches=1))
+counts = len(s3ac.micro_batches(batch, 30))
+old = s3ac.policy_logprobs(policy, batch, 1.0, 30)  # forwards of a sharded model: every rank must run as many
+policy.train()
+m = s3ac.update_actor(policy, torch.optim.SGD(policy.parameters(), lr=1e-3), batch, torch.ones(4, t), old, args,
+                      torch.Generator().manual_seed(0))
+with open(os.path.join(sys.argv[3], f"rank{rank}.json"), "w") as f:
+    json.dump({"micro_batches": counts, "grad_norm": m["actor/grad_norm"]}, f)
+'''
+
+
+def test_torchrun_ranks_run_as_many_micro_batches(tiny, tmp_path):
+    """2 ranks (FSDP2, gloo) whose rows differ in length: token budgets would give rank 0 two micro-batches and rank
+    1 one, and a sharded model's forwards are collectives, so micro_batches splits rank 1's until both run two; the
+    log-prob pass and the update finish on both (a mismatch hangs until the timeout)."""
+    path, _, _ = tiny
+    (tmp_path / "uneven.py").write_text(UNEVEN_RANKS)
+    torchrun(str(tmp_path / "uneven.py"), HERE, path, str(tmp_path), timeout=240)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["micro_batches"] for r in ranks] == [2, 2]
+    assert ranks[0]["grad_norm"] == pytest.approx(ranks[1]["grad_norm"])  # one global norm
+
+
 def test_torchrun_a_nan_gradient_on_one_rank_skips_the_step_on_both(tiny, tmp_path):
     """2 ranks (FSDP2, gloo), a NaN advantage on rank 1 only: the gradient norm is global, so both ranks skip the
     same optimizer step (weights bit for bit as they were on both, counted on both); the next finite batch trains
