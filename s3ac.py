@@ -955,7 +955,7 @@ def choose_prompts(args: Args, state: TrainState, count: int, generator):
     def p_c_of(candidates):  # [n] the critic's success probability from the prompt alone
         with autocast(state.device, compute_dtype(args.dtype, state.device)):
             v0 = prompt_values(state.critic, [state.prompts[i] for i in candidates], state.pad_id, args.critic_loss,
-                               args.gen_batch_size)  # [n]
+                               args.micro_batch_tokens)  # [n]
         # every rank must take the same accept/reject decisions (each draw is a sharded critic forward)
         return (all_reduce(success_prob(v0).double()) / state.world).cpu()  # the counts live on the CPU
 
@@ -1537,13 +1537,13 @@ def value_pass(critic: Critic, batch: Batch, critic_loss: str, micro_batch_token
     return torch.where(batch.response_mask.to(raw.device).bool(), value_from_raw(raw, critic_loss), 0.0), raw  # [B, T]
 
 
-def prompt_values(critic: Critic, prompts: list, pad_id: int, critic_loss: str, batch_size: int):
+def prompt_values(critic: Critic, prompts: list, pad_id: int, critic_loss: str, micro_batch_tokens: int):
     """V(s_0) of bare prompts (token-id lists), [n] on the +-1 scale, before any response exists (DAPS). A dummy
     one-token response only places V(s_0) at the last prompt token; causal attention keeps it out of V(s_0)."""
     n = len(prompts)
     batch = Batch(*_pad_prompts(prompts, pad_id), torch.full((n, 1), pad_id), torch.ones(n, 1),
                   torch.zeros(n, dtype=torch.bool), torch.arange(n))
-    return value_pass(critic, batch, critic_loss, batch_size)[0][:, 0]  # [n]
+    return value_pass(critic, batch, critic_loss, micro_batch_tokens)[0][:, 0]  # [n]
 
 
 # --- 3d. Rollout: a Batch of sampled responses ---
@@ -2841,21 +2841,19 @@ def memory_plan(config, args: Args, device_gib: float, cuda: bool = True, world:
     (activation_constants; recomputing, a block keeps its fp32 input) x the micro-batch, one block's backward working
     set, against (1 - PLAN_MARGIN) of the device less PLAN_RESERVE_GIB. "auto": recompute only when two longest rows
     do not fit; the largest budget that fits. Returns a dict: peak_gib, device_gib, fits, micro_batch_tokens, ..."""
-    const = activation_constants(config.to_json_string())
-    n = parameter_counts(config)
-    L, H = config.num_hidden_layers, config.hidden_size
-    k = args.critic_layers
+    const, n = activation_constants(config.to_json_string()), parameter_counts(config)
+    L, H, k = config.num_hidden_layers, config.hidden_size, args.critic_layers
     critic = 0 if args.algo not in CRITIC_ALGOS else n["block"] * k + 3 * H if k else n["base"] + H  # trainable
     longest = args.max_prompt_tokens + args.max_new_tokens  # slots of the longest row
     quad = 0.0 if cuda else const["block_quad"] * longest  # per token, of a row as long as the longest
-    persistent = 12 * (n["actor"] + critic) / world  # fp32 weights and AdamW's two moments
-    casts = const["block_casts"] * L  # bf16 copies of the actor's block weights, alive through a backward
+    persistent = 12 * (n["actor"] + critic) / world  # fp32 weights and AdamW's two moments; a partial trunk's
+    persistent += 4 * H * longest * args.batch_prompts * args.k / world if k else 0  # stored features [B, P + T, H]
 
     def peaks(tokens: int, recompute: bool) -> dict:
         block = (const["block"] + quad) * tokens  # one block's saved activations for the micro-batch
         kept = lambda blocks, rest: tokens * (blocks * (4 * H if recompute else const["block"] + quad) + rest)
-        out = {"actor_update": persistent + 4 * n["actor"] / world + casts + kept(L, const["actor_rest"]) + 2 * block
-               + LOGITS_BYTES}
+        out = {"actor_update": persistent + 4 * n["actor"] / world + const["block_casts"] * L  # bf16 weight casts
+               + kept(L, const["actor_rest"]) + 2 * block + LOGITS_BYTES}
         if critic:
             blocks = k or L
             out["critic_update"] = (persistent + 4 * critic / world + const["block_casts"] * blocks
@@ -3192,9 +3190,9 @@ def sync_vllm_weights(llm, policy: nn.Module, dtype):
     `llm`, cast to its dtype, in ONE call: vLLM 0.32-0.33's collective_rpc("reload_weights") reloads the whole model
     per call and warns for every layer a call leaves out (the engine is in this process). An engine error propagates."""
     lm = policy.lm if isinstance(policy, Policy) else policy
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": [  # lm_head.weight even when tied (vLLM on CPU)
-        (name, (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().to(dtype))  # whole, from FSDP2 shards
-        for name, t in lm.state_dict().items()]})
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": (  # lm_head.weight even when tied (vLLM on CPU)
+        (name, (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().to(dtype))  # read lazily: one cast at
+        for name, t in lm.state_dict().items())})  # a time, whole from the FSDP2 shards
 
 
 def uses_vllm(args: Args, device) -> bool:
@@ -3389,10 +3387,12 @@ def _write_atomic(path: str, text: str):
 
 
 def latest_checkpoint(out_dir: str):
-    """The newest checkpoints/step_N of out_dir holding all a resume reads, or None (`latest` unread)."""
+    """The checkpoint `latest` names if it holds all a resume reads, else the newest such checkpoints/step_N (after
+    a roll-back or a lost `latest`), or None."""
     root = os.path.join(out_dir, "checkpoints")
     steps = [int(d[5:]) for d in (os.listdir(root) if os.path.isdir(root) else []) if re.fullmatch(r"step_\d+", d)]
-    for path in [os.path.join(root, f"step_{step}") for step in sorted(steps, reverse=True)]:
+    named = open(os.path.join(root, "latest")).read().strip() if os.path.isfile(os.path.join(root, "latest")) else ""
+    for path in [os.path.join(root, d) for d in [named] + [f"step_{n}" for n in sorted(steps, reverse=True)] if d]:
         ls = lambda part: set(os.listdir(os.path.join(path, part)) if os.path.isdir(os.path.join(path, part)) else ())
         whole = lambda part, *names: {"config.json", *names} <= ls(part) and any(
             f.startswith("model") and f.endswith(".safetensors") for f in ls(part))  # one file or shards

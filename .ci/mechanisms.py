@@ -416,7 +416,7 @@ def exp_daps(lab: Lab, seeds: list) -> list:
     group_prompts = max(1, args.batch_prompts // opts.group_k)  # group mode: the same samples per step
     for seed in seeds:
         critic = fit_run(lab, "inv_h_plus_1", args.critic_grad_clip, "mse", seed)["critic"]
-        p_c = s3ac.success_prob(s3ac.prompt_values(critic, lab.prompts, lab.pad_id, "mse", args.gen_batch_size))
+        p_c = s3ac.success_prob(s3ac.prompt_values(critic, lab.prompts, lab.pad_id, "mse", args.micro_batch_tokens))
         for selection in ("uniform", "daps"):
             single = replay_selection(outcomes, p_c.double(), opts.replay_steps, args.batch_prompts, 1, selection,
                                       False, args, seed)
