@@ -1829,7 +1829,7 @@ def test_prompt_values_equal_v_s0_of_critic_values(tiny):
     with torch.no_grad():
         v0 = s3ac.critic_values(critic, batch)[:, 0]
     for kind in ("mse", "bce"):
-        got = s3ac.prompt_values(critic, [p1, p2], 2, kind, batch_size=1)
+        got = s3ac.prompt_values(critic, [p1, p2], 2, kind, micro_batch_tokens=1)
         assert torch.allclose(got, s3ac.value_from_raw(v0, kind), atol=1e-5)
 
 
