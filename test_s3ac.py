@@ -2006,8 +2006,10 @@ def test_a_training_step_on_cpu_runs_the_s3ac_py_math(tiny, tmp_path, monkeypatc
         monkeypatch.setattr(K, name, lambda *a, **k: pytest.fail("a kernels.py function ran on CPU tensors"))
     s3ac.train(s3ac.parse_args(smoke_flags(tiny[0], str(tmp_path / "run"), "--steps", "1", "--threads", "0",
                                            "--eval-size", "2")))
-    # one step: decoupled GAE's two calls, one actor loss per micro-batch (8 rollouts / 3), two critic epochs
-    assert calls == {"gae": 2, "cispo_loss": 3, "value_loss": 6}, calls
+    # one step: decoupled GAE's two calls, one actor loss per micro-batch (by tokens), the same micro-batches in each
+    # of the two critic epochs
+    assert calls["gae"] == 2 and calls["cispo_loss"] >= 2 and calls["value_loss"] == 2 * calls["cispo_loss"], calls
+    assert set(calls) == {"gae", "cispo_loss", "value_loss"}
 
 
 README_REWARD = re.compile(r"```python\n# (?P<file>\w+\.py)\n(?P<code>.*?)```\n.*?```bash\n(?P<command>[^\n]*--reward-fn"

@@ -585,7 +585,8 @@ def bf16_dense_peak_tflops(device_name: str):
 # Numbers s3ac.py logs as NaN (null in metrics.jsonl) by definition when every reward of the step is equal
 # (Var[R] = 0, or no right or no wrong answer); a random model is almost never right, so they are NaN on most steps.
 UNDEFINED_WHEN_REWARDS_EQUAL = ("critic/explained_var", "critic/adv_explained_var", "critic/value_sep",
-                                "critic/efficiency", "pretrain/explained_var")  # the last: critic warm-up's fit
+                                "critic/efficiency", "pretrain/explained_var",  # the last two: critic warm-up's fit,
+                                "pretrain/explained_var_before")  # after its updates and before any
 
 
 def make_random_model(path: str, hidden: int, layers: int, heads: int, seed: int = 0):
