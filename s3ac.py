@@ -25,8 +25,9 @@ section 2):
     values, raw = critic_pass(args, state, batch)                # V(s_t) [B, T], full or partial-trunk critic
     advantages, returns, m = compute_advantages(args, batch, rewards, values, mask)   # decoupled_gae
         # mask = batch.response_mask; advantages raw, returns the critic's targets
-    old_logprobs = old_policy_logprobs(args, state, batch)       # [B, T] log pi_old, one no-grad pass
     loss_mask = actor_loss_mask(args, batch, mask)               # less cut-off responses with --overlong-filter
+    advantages = masked_whiten(advantages, loss_mask, scale=False)   # --adv-norm center (none: raw); returns raw
+    old_logprobs = old_policy_logprobs(args, state, batch)       # [B, T] log pi_old, one no-grad pass
     is_weights, m = importance_weights(args, batch, old_logprobs, loss_mask)   # TIS: min(pi_old / mu, C), or 1
     m = train_actor(args, state, batch, is_weights * advantages, old_logprobs, loss_mask)
         # update_actor -> optimize (counts num_tokens per mini-batch: the one normaliser) -> cispo_loss
@@ -236,8 +237,8 @@ def flash_reinforce_loss(logprobs, sampler_logprobs, advantages, response_mask, 
     keep, seq_kl = sequence_trust_region(logprobs, sampler_logprobs, response_mask, delta)  # [B] each
     active = valid & keep[:, None]  # [B, T]  a rejected response's ratios are never exponentiated
     logp = torch.where(valid, logprobs.float(), 0.0)  # [B, T]  padding garbage dropped, gradient kept on valid
-    rho = torch.where(active, logp.detach() - sampler_logprobs.float(), 0.0).exp()  # [B, T]  sg(pi / mu)
-    weight = torch.where(active, rho * advantages.float(), 0.0)  # [B, T]  m_i rho_it A_it
+    rho = torch.where(active, logp.detach() - sampler_logprobs.detach().float(), 0.0).exp()  # [B, T]  sg(pi / mu)
+    weight = torch.where(active, rho * advantages.detach().float(), 0.0)  # [B, T]  m_i rho_it sg(A_it)
     per_seq = (weight * logp).sum(1) / valid.sum(1).clamp(min=1)  # [B]  (m_i / T_i) sum_t rho_it A_it log pi_it
     pg_loss = -per_seq.sum() / n  # J = (1/B) sum_i (m_i A_i / T_i) sum_t rho_it log pi_it;  loss = -J
     return pg_loss, {"trust_region_drop": (has_tokens & ~keep).sum() / n, "pg_clipfrac": torch.zeros(()),
@@ -250,7 +251,7 @@ def tis_weights(old_logprobs, sampler_logprobs, response_mask, cap: float):
     old_logprobs: log pi_old [B, T], the trainer's recomputation; sampler_logprobs: log mu [B, T], the rollout
     engine's own; response_mask [B, T]. Returns (w [B, T] fp32, metrics over valid tokens, 0-dim tensors)."""
     valid = response_mask != 0  # [B, T]
-    ratio = torch.where(valid, old_logprobs.detach().float() - sampler_logprobs.float(), 0.0).exp()  # [B, T]
+    ratio = torch.where(valid, (old_logprobs - sampler_logprobs).detach().float(), 0.0).exp()  # [B, T]
     w = ratio.clamp(max=cap)  # [B, T]  w_t = min(pi_old(a_t|s_t) / mu(a_t|s_t), C)
     n = valid.sum().clamp(min=1)
     return w, {"rollout/is_weight_mean": (w * valid).sum() / n,
@@ -394,13 +395,16 @@ def rloo_advantages(rewards, prompt_index, response_mask):
     return adv.float()[:, None] * response_mask, {}
 
 
-def masked_whiten(x, response_mask):
+def masked_whiten(x, response_mask, scale: bool = True):
     """(x - mean) / std over the valid tokens of the whole batch (population variance, fp64), 0 on padding and where
-    the valid entries are all equal; x, response_mask [B, T] -> [B, T] fp32. Needs: all_reduce."""
+    the valid entries are all equal; scale False: x - mean alone (the token mean of the result is 0, its spread
+    is x's). x, response_mask [B, T] -> [B, T] fp32. Needs: all_reduce."""
     m = response_mask.double()  # [B, T]
     n = all_reduce(m.sum()).clamp(min=1)  # under torchrun: statistics of the global batch
     mean = all_reduce((x.double() * m).sum()) / n
     centred = (x.double() - mean) * m  # [B, T]
+    if not scale:
+        return centred.float()  # [B, T]  A - mean(A)
     var = all_reduce((centred ** 2).sum()) / n
     return (centred / var.sqrt() if var.sqrt() > 1e-6 else centred * 0).float()  # [B, T]
 
@@ -470,6 +474,13 @@ def credit_sparsity(values, rewards, response_mask, eps: float):
     return counts, {"critic/credit_sparsity": counts.mean().item()}
 
 
+def advantage_metrics(advantages, loss_mask) -> dict:
+    """adv/mean and adv/pos_share, the share of the loss tokens (loss_mask [B, T]) with A > 0, of the actor's
+    advantages [B, T]: near 0 or 1 when a lagging V(s_0) pushes nearly every token one way. Needs: masked_mean."""
+    return {"adv/mean": masked_mean(advantages, loss_mask).item(),
+            "adv/pos_share": masked_mean((advantages > 0).float(), loss_mask).item()}
+
+
 def critic_efficiency(ev: float, c: float) -> float:
     """Baseten's compute criterion for a critic: EV the share of the outcome variance it removes, c its compute over
     the actor's; worth it (> 1) when EV > c / (1 + c). nan when EV is nan, infinite or >= 1."""
@@ -490,6 +501,7 @@ def critic_metrics(values, returns, rewards, response_mask, critic_s: float, act
     return {"critic/explained_var": explained_variance(values, returns, response_mask),
             "critic/value_mean": masked_mean(values, response_mask).item(),
             "critic/v0_mean": values[:, 0].mean().item(),
+            "critic/offset": (values[:, 0] - rewards).mean().item(),  # mean V(s_0) - mean R: the baseline's lag
             "critic/adv_explained_var": adv_ev, "critic/value_sep": value_separation(values, rewards, response_mask),
             "critic/compute_ratio": c, "critic/efficiency": critic_efficiency(adv_ev, c), **m}
 
@@ -663,9 +675,11 @@ def train_step(args: Args, state: TrainState, reward_fn):
         metrics["time/values"] = synced_time(state.device) - t0
     advantages, returns, m = compute_advantages(args, batch, rewards, values, mask)  # [B, T] raw, no whitening
     metrics.update(m)
+    loss_mask = actor_loss_mask(args, batch, mask)  # [B, T] the tokens the actor loss averages over
+    if args.adv_norm != "none":  # the actor's advantages alone, over its loss tokens; returns (targets) stay raw
+        advantages = masked_whiten(advantages, loss_mask, scale=args.adv_norm == "whiten")  # [B, T] A - mean(A)
     t0 = synced_time(state.device)
     old_logprobs = old_policy_logprobs(args, state, batch)  # [B, T] log pi_old, before the update
-    loss_mask = actor_loss_mask(args, batch, mask)  # [B, T] the tokens the actor loss averages over
     is_weights, m = importance_weights(args, batch, old_logprobs, loss_mask)  # [B, T] TIS: min(pi_old / mu, C)
     metrics.update(m)
     flash = args.actor_loss == "flash_reinforce"  # its ratio pi / mu is in its loss: log mu for log pi_old, w = 1
@@ -677,7 +691,8 @@ def train_step(args: Args, state: TrainState, reward_fn):
         metrics.update(train_critic(args, state, batch, values, returns, mu_logprobs))
         metrics.update(critic_metrics(values, returns, rewards, mask, metrics["time/values"] + metrics["time/critic"],
                                       metrics["time/actor"], args.credit_eps))
-    metrics.update(step_metrics(args, state, batch, rewards, statuses, advantages, metrics))
+    metrics.update(step_metrics(args, state, batch, rewards, statuses, metrics))
+    metrics.update(advantage_metrics(advantages, loss_mask))  # the actor's: mean, share of tokens pushed up
     return metrics, records
 
 
@@ -926,10 +941,10 @@ def optimize(module, optimizer, batch: Batch, loss_fn, token_mask, epochs: int, 
             **{k: t / steps for k, t in zip(keys, totals)}}
 
 
-def step_metrics(args: Args, state: TrainState, batch: Batch, rewards, statuses: list, advantages, metrics: dict):
-    """The step's rollout/, verify/, adv/, prompts/, readiness/ metrics and perf/padding: pad / computed slots over
+def step_metrics(args: Args, state: TrainState, batch: Batch, rewards, statuses: list, metrics: dict):
+    """The step's rollout/, verify/, prompts/, readiness/ metrics and perf/padding: pad / computed slots over
     its passes (no-grad ones over the batch, and the updates' pad_slots and slots, taken out of metrics)."""
-    mask = batch.response_mask.to(advantages.device)  # [B, T]
+    mask = batch.response_mask.to(rewards.device)  # [B, T]
     passes = 1 + (state.critic is not None) + (args.critic_sync == "pact")  # no-grad: log pi_old, values, PACT's
     pad, slots = (passes * n for n in padding_counts(batch, micro_batches(batch, args.micro_batch_tokens)))
     for part in ("actor", "critic"):  # the updates' micro-batches (optimize)
@@ -942,7 +957,6 @@ def step_metrics(args: Args, state: TrainState, batch: Batch, rewards, statuses:
             "rollout/truncated": batch.truncated.float().mean().item(),
             **{f"verify/{s}": statuses.count(s) for s in Verifier.STATUSES[2:]},  # zeros included
             **{f"verify/{s}": statuses.count(s) for s in sorted(set(statuses) - set(Verifier.STATUSES))},
-            "adv/mean": masked_mean(advantages, mask).item(),
             "prompts/share_mid": ((rate > 0.2) & (rate <= 0.8)).double().mean().item()}
 
 
@@ -1035,10 +1049,11 @@ def rows_to_batch(rows: list, pad_id: int):
 
 
 def critic_fit(values, raw, returns, response_mask, critic_loss: str) -> dict:
-    """pretrain/ explained variance and loss (unclipped, token mean) of values / raw [B, T] against returns [B, T]."""
+    """pretrain/ explained variance, loss (unclipped, token mean) and offset (mean V(s_0) - mean R) of values / raw
+    [B, T] against returns [B, T] (R_0 = R at gamma 1)."""
     v_loss, _ = critic_loss_fn(raw, values, returns, response_mask, critic_loss, eps_v=0.0)  # V_old = V: no clip
     return {"pretrain/explained_var": explained_variance(values, returns, response_mask),
-            "pretrain/v_loss": v_loss.item()}
+            "pretrain/v_loss": v_loss.item(), "pretrain/offset": (values[:, 0] - returns[:, 0]).mean().item()}
 
 
 def pretrain_critic(critic, optimizer, rows: list, args: Args, pad_id: int, generator) -> list:
@@ -1750,14 +1765,16 @@ kernels = _import_kernels_py()
 
 
 # === The math verifier, the default reward (section 3a). Its answer policy, applied before any comparison: ===
-#   1. A response cut off at --max-new-tokens (no stop token) has no final answer: status "truncated".
+#   1. A response cut off at --max-new-tokens (no stop token) has no final answer: status "truncated". Thinking is
+#      set aside first: only the text after the last </think> is graded; a <think> block never closed is no answer.
 #   2. The answer is the content of the LAST \boxed{...} (or \fbox{...}), braces balanced, a closing period dropped
 #      (\boxed{E.} is E); an unclosed last box is "no_answer", an empty one (the instruction's echo) is ignored.
 #   3. Without a box, for a plain-number gold only, --answer-fallback final_number reads the last number of the final
 #      statement, after its last "=" (final_statement_number). No answer: a question, a hedge ('41 or -42', 'x = 2 or
-#      x = -2'), a negation ('not 42', '1 is not equal to 10'), a list ('1,2,3'), an operand ('6 * 7', '42 +'), an
-#      approximation ('≈ 64', '~ 43', 'about 42', 'approx. 42'), a number in LaTeX, or one followed by a digit-free
-#      closing sentence that retracts it or denies this problem's answer ('The equation has no solution.').
+#      x = -2'; in a box too, for a plain-number gold: 'x = 3 \text{ or } x = 5', 'x_1 = 3, x_2 = 5'), a negation
+#      ('not 42', '1 is not equal to 10'), a list ('1,2,3'), an operand ('6 * 7', '42 +'), an approximation ('≈ 64',
+#      '~ 43', 'about 42', 'approx. 42'), a number in LaTeX, or one followed by a digit-free closing sentence that
+#      retracts it or denies this problem's answer ('The equation has no solution.').
 #   4. A plain-number gold needs a plain-number answer (integer, decimal or reduced fraction; a sign, thousands
 #      separators, LaTeX spacing, a unit): "23 + 19", "6 \times 7", "5!" are "not_a_number", as is a number followed by
 #      a power (2^3, 2³), a value word ('5 thousand', _VALUE_WORD) or an exponent (1e6). Digit groups are one number or
@@ -1904,6 +1921,8 @@ def final_statement_number(text: str):
 
 def extract_answer(completion: str, numeric_gold: bool, fallback: str = "final_number"):
     """(answer text or None, its source: 'boxed' | 'final_statement' | 'expression' | 'none'), by rules 2-3 above."""
+    if "</think>" in completion or "<think>" in completion:  # rule 1: the answer follows the thinking
+        completion = completion.rpartition("</think>")[2] if "</think>" in completion else ""  # unclosed: none
     completion = re.sub(r"\\(?:boxed|fbox)\s*\{\s*\}", " ", completion)  # an empty box echoes the instruction
     if _BOX.search(completion):
         boxed = re.sub(r"(?<!\.)\.\s*$", "", last_boxed(completion) or "")  # \boxed{E.}: a closing period
@@ -2037,6 +2056,8 @@ def grade(gold: str, completion: str, truncated: bool = False, fallback: str = "
             if _NOT_A_VALUE.search(answer):
                 return "not_a_number"
             sides = answer.split("=")  # '\\boxed{6 \\times 7 = 42}': the value after the last '='
+            if re.search(r"\b(?:or|nor)\b", _normalise(answer)) or any("," in side for side in sides[1:-1]):
+                return "no_answer"  # a hedge, two values asserted: 'x = 3 or x = 5', 'x_1 = 3, x_2 = 5' (rule 3)
             value = parse_number(sides[-1])
             if value is None:
                 return "not_a_number"
@@ -2183,6 +2204,8 @@ class Args:
     eps_high: float = flag(0.28, "upper clip, relative: ratio (ppo) or weight (cispo) <= 1 + eps_high")
     actor_grad_clip: float = flag(1.0, "global grad-norm clip of the actor")
     actor_epochs: int = flag(1, "passes over each rollout batch")
+    adv_norm: str = flag("none", "the actor's advantages (never the critic's returns): none | center: less their "
+                         "token mean over the batch | whiten: centred and / their std (as verl)")
     is_correction: str = flag("tis", "tis: each token's actor loss times min(pi_old / mu_sampler, is_cap) | none")
     is_cap: float = flag(2.0, "tis: the cap C of the weight")
     trust_delta: float = flag(3e-3, "flash_reinforce: a response with mean Bernoulli KL(mu || pi) above this leaves "
@@ -2276,6 +2299,7 @@ def resolve_args(args: Args) -> Args:
                "rollout": ("auto", "vllm", "hf"), "report_to": ("none", "tensorboard", "wandb"),
                "critic_loss": ("mse", "bce"), "critic_sync": ("s3ac", "pact"), "prompt_selection": ("uniform", "daps"),
                "answer_fallback": ANSWER_FALLBACKS, "is_correction": ("tis", "none"),
+               "adv_norm": ("none", "center", "whiten"),
                "gradient_checkpointing": ("auto", "true", "false")}
     for name, allowed in choices.items():
         if getattr(args, name) not in allowed:
@@ -2764,7 +2788,8 @@ def progress_position(step: int, train_s: float, steps: int, max_minutes: float)
 def step_line(metrics: dict, has_critic: bool) -> str:
     """The one line a training step prints."""
     critic_part = (f"v_loss {metrics['critic/v_loss']:.4f} EV {metrics['critic/explained_var']:+.3f} "
-                   f"V0 {metrics['critic/v0_mean']:+.3f} | " if has_critic else "")
+                   f"V0 {metrics['critic/v0_mean']:+.3f} offset {metrics['critic/offset']:+.3f} | " if has_critic
+                   else "")
     return (f"step {metrics['step']:4d} | reward {metrics['rollout/reward']:+.3f} acc {metrics['rollout/acc']:.3f} "
             f"len {metrics['rollout/response_len']:.0f} | pg_loss {metrics['actor/pg_loss']:+.4f} "
             + (f"drop {metrics['actor/trust_region_drop']:.3f} " if "actor/trust_region_drop" in metrics else
@@ -3120,14 +3145,20 @@ class VLLMRollout:
             self.llm.sleep(level=1)
             self.asleep = True
 
+    def wake(self, tags: list = None):
+        """Wake the sleeping engine (tags: the part to wake, as vllm's wake_up; None: all), PyTorch's cached free
+        blocks released first: vLLM maps new memory, which the trainer's last update may still hold in its cache.
+        Every path that wakes the engine comes here."""
+        torch.cuda.empty_cache()  # a no-op where CUDA was never used
+        self.llm.wake_up(tags=tags)
+
     def sync(self, policy: nn.Module):
         """Copy the actor's weights in (sync_vllm_weights) and drop the prefix cache, computed with the old ones."""
         if self.asleep:  # the weights first, the KV cache after the sync: a lower peak
-            torch.cuda.empty_cache()
-            self.llm.wake_up(tags=["weights"])
+            self.wake(["weights"])
         sync_vllm_weights(self.llm, policy, self.dtype)
         if self.asleep:
-            self.llm.wake_up(tags=["kv_cache"])  # sleeping has already dropped the prefix cache
+            self.wake(["kv_cache"])  # sleeping has already dropped the prefix cache
         else:
             self.llm.reset_prefix_cache()  # on CPU the engine never sleeps
         self.asleep = self.stale = False
@@ -3136,14 +3167,16 @@ class VLLMRollout:
                  temperature: float, greedy: bool = False, top_p: float = 1.0, top_k: int = 0,
                  policy: nn.Module = None, progress: str = None) -> Batch:
         """As generate_hf, plus Batch.sampler_logprobs [B, T]; policy: synced in first when the engine is stale.
-        Each request's seed comes from torch's RNG (a checkpoint saves it), so a resumed run samples alike. Raises
-        ValueError for log-probs that do not pair with the tokens or are not finite (engine_logprobs)."""
+        Each request's seed comes from torch's RNG (a checkpoint saves it), so a resumed run samples alike. A request
+        that ended other than by a stop token or the length limit (vLLM's abort, error) is unfinished: truncated (its
+        reward -1), its mask its own tokens. Raises ValueError for log-probs that do not pair with the tokens or are
+        not finite (engine_logprobs)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         if self.stale and policy is not None:
             self.sync(policy)
         if self.asleep:
-            self.llm.wake_up()
+            self.wake()
             self.asleep = False
         seeds = [None] * len(prompts) if greedy else torch.randint(2 ** 31 - 1, (len(prompts),)).tolist()
         params = [SamplingParams(n=1, temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
@@ -3156,9 +3189,11 @@ class VLLMRollout:
         samples = [o.outputs[0] for o in outputs]
         response_ids = _pad([list(c.token_ids) for c in samples], pad_id, left=False)  # [B, T]
         response_mask, _ = response_mask_from_ids(response_ids, eos_ids)  # from positions, as generate_hf
+        lengths = torch.tensor([len(c.token_ids) for c in samples])  # [B] an aborted row may end short, unstopped
+        response_mask = response_mask * (torch.arange(response_ids.shape[1])[None, :] < lengths[:, None])  # [B, T]
         logprobs = None if greedy else _pad(engine_logprobs(samples, prompt_index), 0.0, left=False,
                                             dtype=torch.float32)  # [B, T]
-        truncated = torch.tensor([c.finish_reason == "length" for c in samples])  # [B]
+        truncated = torch.tensor([c.finish_reason != "stop" for c in samples])  # [B] length, abort, error
         return Batch(*_pad_prompts(prompts, pad_id), response_ids, response_mask, truncated,
                      torch.as_tensor(prompt_index), logprobs)
 
@@ -3518,8 +3553,20 @@ def sample_record(problem: Problem, completion: str, truncated: bool, status: st
 COMPETITION_SETS = ("aime", "amc", "hmmt")  # eval names starting so: few problems, so avg@k is reported too
 
 
-def evaluate_sources(generate, tokenizer, sources, reward_fn, eval_k: int, rank: int = 0, world: int = 1):
-    """(eval/<name>/* metrics, the first's also unnamed, COMPETITION_SETS' avg@eval_k; records) of each evaluate()."""
+@contextlib.contextmanager
+def own_draws(seed: int):
+    """Torch's RNG (CPU, and CUDA's where used) seeded `seed` inside, and put back as it was after: a sampled
+    evaluation draws its own numbers, so training's next draws (the request seeds) do not depend on it."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else []):
+        torch.manual_seed(seed)
+        yield
+
+
+def evaluate_sources(generate, tokenizer, sources, reward_fn, eval_k: int, rank: int = 0, world: int = 1,
+                     seed: int = 0):
+    """(eval/<name>/* metrics, the first's also unnamed, COMPETITION_SETS' avg@eval_k; records) of each evaluate();
+    the avg@k passes sample in own_draws(seed + source's position)."""
     out, samples = {}, []
     sampled = lambda prompts, index, greedy: generate(prompts, index, greedy=False)  # the same, sampled
     for j, (name, problems, prompts) in enumerate(sources):
@@ -3527,7 +3574,8 @@ def evaluate_sources(generate, tokenizer, sources, reward_fn, eval_k: int, rank:
         out.update({**(m if j == 0 else {}), **{f"eval/{name}/{key[5:]}": value for key, value in m.items()}})
         samples += [{"source": name, **record} for record in records]
         if eval_k > 1 and name.startswith(COMPETITION_SETS):  # every problem eval_k times: the sample mean
-            m, _ = evaluate(sampled, tokenizer, problems * eval_k, prompts * eval_k, reward_fn, rank, world)
+            with own_draws(seed + j):  # training's draws untouched
+                m, _ = evaluate(sampled, tokenizer, problems * eval_k, prompts * eval_k, reward_fn, rank, world)
             out[f"eval/{name}/avg@{eval_k}"] = m["eval/pass@1"]
     return out, samples
 
@@ -3538,13 +3586,13 @@ def run_evaluation(args: Args, state: TrainState, eval_sets: list, reward_fn, sa
     t0 = time.time()
     bar = f"step {state.step} eval" if state.rank == 0 else None  # the name of a progress bar of the prompts done
     generate = functools.partial(generate_responses, args, state, max_new_tokens=args.eval_max_new_tokens, progress=bar)
+    seed = args.seed * 1_000_003 + 1_009 * state.step + state.rank  # the evaluation's own draws, alike on a resume
     m, samples = evaluate_sources(generate, state.tokenizer, eval_sets, reward_fn, args.eval_k, state.rank,
-                                  state.world)
+                                  state.world, seed + 1)
     _, problems, prompts = eval_sets[0]
     index = [i for i in range(min(args.headroom_prompts, len(problems))) for _ in range(args.headroom_k)]
     if args.k == 1 and index:  # readiness/headroom of sampled answers (at K >= 2 train_step reads its own groups)
-        with torch.random.fork_rng(devices=[state.device] if state.device.type == "cuda" else []):
-            torch.manual_seed(args.seed * 1_000_003 + 1_009 * state.step + state.rank)  # training's draws untouched
+        with own_draws(seed):  # training's draws untouched
             batch = generate([prompts[i] for i in index], index, greedy=False,  # every rank the same prompts
                              progress=bar and f"{bar}: headroom")
         texts = state.tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)

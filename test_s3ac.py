@@ -734,6 +734,16 @@ ANSWER_POLICY_CLASSES = {
         ("42", "x = 42. A larger one does not exist.", "correct"), ("42", "By Eq. 3, x = 42.", "correct"),
         ("12", "7 + 5 = 12.\nTherefore, the equation has no real solutions.", "no_answer"),
         ("12", "7 + 5 = 12.\nSo there is no solution.", "no_answer"), ("12", "x = 12. It is undefined.", "no_answer")],
+    "6_hedge_in_a_box": [  # two values asserted are a hedge in a box as in the fallback; one equation stays paid
+        ("5", "\\boxed{x = 3 \\text{ or } x = 5}", "no_answer"), ("5", "\\boxed{x=3, x=5}", "no_answer"),
+        ("5", "\\boxed{x_1 = 3, x_2 = 5}", "no_answer"), ("3", "\\boxed{x = 3 \\text{ or } x = 5}", "no_answer"),
+        ("5", "\\boxed{x = 5}", "correct"), ("5", "\\boxed{2 + 3 = 5}", "correct"),
+        ("5", "\\boxed{5\\text{ cm}}", "correct"), ("2500", "\\boxed{x = 2,500}", "correct")],
+    "7_thinking": [  # the answer follows </think>; a box inside the thinking is no answer; an unclosed block none
+        ("2", "<think>Maybe \\boxed{2}? ... so not 2.</think>\nThe final answer is 3.", "wrong"),
+        ("3", "<think>Maybe \\boxed{2}? ... so not 2.</think>\nThe final answer is 3.", "correct"),
+        ("3", "<think>2 + 1 is \\boxed{3}", "no_answer"), ("3", "Hmm, 2 + 1.</think> \\boxed{3}", "correct"),
+        ("3", "<think>a</think> x <think>\\boxed{2}</think> \\boxed{3}", "correct")],
     "10_read_whole": [  # undefined equals nothing; a box read whole or not at all; digit groups one number or none
         ("12:00", "\\boxed{1:00}", "wrong"), ("\\frac{2}{0}", "\\boxed{\\frac{1}{0}}", "wrong"),
         ("\\frac{1}{0}", "\\boxed{\\frac{1}{0}}", "wrong"), ("2^{10}", "\\boxed{3 \\times 1024,}", "wrong"),
@@ -1530,6 +1540,76 @@ def test_smoke_flash_reinforce_logs_its_metrics_and_trains(tiny, tmp_path):
     trained = AutoModelForCausalLM.from_pretrained(os.path.join(s3ac.latest_checkpoint(out), "actor"))
     before = tiny[1].state_dict()
     assert any(not torch.equal(v, before[k]) for k, v in trained.state_dict().items())
+
+
+def test_flash_reinforce_loss_and_tis_weights_carry_no_gradient_to_mu_or_the_advantages():
+    """Pasted alone, FlashREINFORCE's loss and TIS's weights are differentiable in log pi only: log mu and A (and
+    log pi_old) get no gradient. Mutant caught: dropping the detach on mu or A (their grads would be nonzero)."""
+    torch.manual_seed(0)
+    mask = torch.tensor([[1.0, 1, 1], [1, 1, 0]])
+    logprobs = (-torch.rand(2, 3)).requires_grad_()
+    mu, adv, old = ((-torch.rand(2, 3)).requires_grad_() for _ in range(3))
+    loss, _ = s3ac.flash_reinforce_loss(logprobs, mu, adv, mask, delta=10.0)
+    w, _ = s3ac.tis_weights(old, mu, mask, 2.0)
+    (loss + (w * logprobs).sum()).backward()
+    assert logprobs.grad.abs().sum() > 0
+    assert all(t.grad is None for t in (mu, adv, old))
+
+
+def test_masked_whiten_centre_only_and_the_advantage_metrics_by_hand():
+    """scale=False (--adv-norm center): x less its token mean over the mask, spread kept; advantage_metrics' mean and
+    share of tokens with A > 0 over the loss mask, padding garbage never read; critic/offset = mean V(s_0) - mean R.
+    By hand: valid x = 1, 3, 5 (mean 3) -> -2, 0, 2; A = 0.5, -0.1, 0, 0.2, 0.3 valid -> 3 of 5 positive, mean 0.18;
+    V(s_0) = 0.5, -0.2, 0.1 (mean 0.1333), R = 1, -1, -1 (mean -0.3333): offset 0.4667."""
+    mask = torch.tensor([[1.0, 1, 1], [1, 1, 0]])
+    x = torch.tensor([[1.0, 3, 5], [3, 3, 99]])  # 99: padding
+    out = s3ac.masked_whiten(x, torch.tensor([[1.0, 1, 1], [0, 0, 0]]), scale=False)
+    assert out.tolist() == [[-2.0, 0.0, 2.0], [0.0, 0.0, 0.0]]
+    adv = torch.tensor([[0.5, -0.1, 0.0], [0.2, 0.3, 9.0]])
+    m = s3ac.advantage_metrics(adv, mask)
+    assert m["adv/pos_share"] == pytest.approx(0.6) and m["adv/mean"] == pytest.approx(0.18)
+    centred = s3ac.masked_whiten(adv, mask, scale=False)
+    assert s3ac.advantage_metrics(centred, mask)["adv/mean"] == pytest.approx(0.0, abs=1e-7)
+    assert centred[mask.bool()].tolist() == pytest.approx([0.32, -0.28, -0.18, 0.02, 0.12], abs=1e-6)
+    values = torch.tensor([[0.5, 0.4, 0.0], [-0.2, 0.0, 0.0], [0.1, 0.0, 0.0]])
+    rewards = torch.tensor([1.0, -1.0, -1.0])
+    vmask = torch.tensor([[1.0, 1, 0], [1, 0, 0], [1, 0, 0]])
+    cm = s3ac.critic_metrics(values, rewards[:, None] * vmask, rewards, vmask, 1.0, 1.0, 0.05)
+    assert cm["critic/offset"] == pytest.approx((0.5 - 0.2 + 0.1) / 3 - (1 - 1 - 1) / 3)
+    fit = s3ac.critic_fit(values, values, s3ac.mc_returns(rewards, vmask, 1.0), vmask, "mse")  # the warm-up's
+    assert fit["pretrain/offset"] == pytest.approx(cm["critic/offset"])
+
+
+def test_adv_norm_centres_the_actors_advantages_and_leaves_the_critics_targets(tiny, tmp_path, monkeypatch):
+    """One step of s3ac.train with --adv-norm none, center and whiten from the same seed (the same rollouts): the
+    critic gets the same returns and old values every time; the actor gets the raw advantages less their token mean
+    over the loss mask (center), or that divided by their population std (whiten): fp64 references from the raw ones.
+    Mutants caught: centring the returns too, centring per row, a mean over padding."""
+    seen = {}
+    train_actor, train_critic = s3ac.train_actor, s3ac.train_critic
+
+    def actor(args, state, batch, advantages, old_logprobs, loss_mask):
+        seen[args.adv_norm] = {"adv": advantages.clone(), "mask": loss_mask.clone()}
+        return train_actor(args, state, batch, advantages, old_logprobs, loss_mask)
+
+    def critic(args, state, batch, values, returns, mu_logprobs):
+        seen[args.adv_norm].update(values=values.clone(), returns=returns.clone())
+        return train_critic(args, state, batch, values, returns, mu_logprobs)
+
+    monkeypatch.setattr(s3ac, "train_actor", actor)
+    monkeypatch.setattr(s3ac, "train_critic", critic)
+    for norm in ("none", "center", "whiten"):
+        s3ac.train(s3ac.parse_args(smoke_flags(tiny[0], str(tmp_path / norm), "--steps", "1", "--adv-norm", norm,
+                                               "--is-correction", "none", "--eval-size", "1")))
+    raw, mask = seen["none"]["adv"].double(), seen["none"]["mask"].bool()
+    assert raw[mask].std() > 0  # the check below has something to centre
+    for norm in ("center", "whiten"):
+        assert torch.equal(seen[norm]["returns"], seen["none"]["returns"])
+        assert torch.equal(seen[norm]["values"], seen["none"]["values"])
+        assert torch.equal(seen[norm]["mask"], seen["none"]["mask"])
+    ref = torch.where(mask, raw - raw[mask].mean(), 0.0)  # [B, T]
+    assert torch.allclose(seen["center"]["adv"].double(), ref, atol=1e-6)
+    assert torch.allclose(seen["whiten"]["adv"].double(), ref / raw[mask].std(unbiased=False), atol=1e-5)
 
 
 def test_masked_whiten_and_reinforce_pp():
@@ -3259,29 +3339,118 @@ def test_compare_table_arithmetic(tmp_path):
     runs = {"s3ac": [s3ac.read_records(str(tmp_path / d)) for d in ("s0", "s1")],
             "grpo": [s3ac.read_records(str(tmp_path / "g"))], "late": [s3ac.read_records(str(tmp_path / "late"))]}
     table = compare.compare_table(runs).splitlines()
-    assert table[0] == ("| run | seeds | minutes | pass@1 at step 0 | pass@1 at 3.0 min | best pass@1 | best at step | "
-                        "final - best | token EV | V(s_0) EV | c | efficiency, token EV | efficiency, V(s_0) EV | "
-                        "response length at the end | trust-region drop |")
+    assert table[0] == ("| run | seeds | steps | minutes | pass@1 at step 0 | pass@1 at 3.0 min | pass@1 at the end | "
+                        "best pass@1 | best at step | final - best | largest drop | fell | token EV | V(s_0) EV | c | "
+                        "efficiency, token EV | efficiency, V(s_0) EV | response length at the end | "
+                        "trust-region drop |")
     # by hand: at 3 min the step-2 evaluations (2 min) 0.3, 0.2; best 0.3 (step 2) and 0.3 (step 1), so final - best
     # 0 and -0.1; token EV over steps 3-4: 0.3 and 0.6 (null skipped); V(s_0) EV 0.2 and 0.5; c 0.4 and 0.35;
     # efficiency 1 / ((1 - EV)(1 + c))
     se = lambda a, b: abs(a - b) / 2  # the standard error of two values: std (n - 1) / sqrt(2) = |a - b| / 2
     eff_token, eff_v0 = (1 / (0.7 * 1.4), 1 / (0.4 * 1.35)), (1 / (0.8 * 1.4), 1 / (0.5 * 1.35))
-    want = [(4.0, 0.0), (0.1, 0.0), (0.25, se(0.3, 0.2)), (0.3, 0.0), (1.5, se(2, 1)), (-0.05, se(0.0, -0.1)),
-            (0.45, se(0.3, 0.6)), (0.35, se(0.2, 0.5)), (0.375, se(0.4, 0.35)), (sum(eff_token) / 2, se(*eff_token)),
-            (sum(eff_v0) / 2, se(*eff_v0))]
-    assert table[2] == "| s3ac | 2 | " + " | ".join(f"{m:.3f} ± {s:.3f}" for m, s in want) + " | - | - |"
-    assert table[3] == "| grpo | 1 | 3.000 | 0.100 | 0.250 | 0.250 | 3.000 | 0.000 | - | - | - | - | - | - | - |"
+    # the last evaluations 0.5 and 0.4 at the end; no rollout/acc logged: no largest drop
+    want = [(4.0, 0.0), (4.0, 0.0), (0.1, 0.0), (0.25, se(0.3, 0.2)), (0.45, se(0.5, 0.4)), (0.3, 0.0),
+            (1.5, se(2, 1)), (-0.05, se(0.0, -0.1)), None, None, (0.45, se(0.3, 0.6)), (0.35, se(0.2, 0.5)),
+            (0.375, se(0.4, 0.35)), (sum(eff_token) / 2, se(*eff_token)), (sum(eff_v0) / 2, se(*eff_v0)), None, None]
+    assert table[2] == "| s3ac | 2 | " + " | ".join("-" if w is None else f"{w[0]:.3f} ± {w[1]:.3f}"
+                                                    for w in want) + " |"
+    assert table[3] == ("| grpo | 1 | 3.000 | 3.000 | 0.100 | 0.250 | 0.250 | 0.250 | 3.000 | 0.000 | - | - | - | - | "
+                        "- | - | - | - | - |")
     # its step 3 began before minute 3, so its evaluation counts
-    assert table[4] == "| late | 1 | 3.500 | 0.100 | 0.350 | 0.350 | 3.000 | 0.000 | - | - | - | - | - | - | - |"
+    assert table[4] == ("| late | 1 | 3.000 | 3.500 | 0.100 | 0.350 | 0.350 | 0.350 | 3.000 | 0.000 | - | - | - | - | "
+                        "- | - | - | - | - |")
     paired = compare.paired_table({"s3ac": runs["s3ac"], "late": [runs["late"][0]] * 2}, "s3ac", ["late"])
     # equal minutes 3.5 here (late's): step 4 of s0 and s1 began at minute 3, so 0.5 - 0.35 and 0.4 - 0.35; from
     # minute 1.75 on: s0 mean(0.3, 0.5), s1 mean(0.2, 0.4), late 0.35 (step 3), so +0.05 and -0.05; at equal samples
     # (late's 48, 16 a step): s0 and s1 at step 2 (32 samples; step 3 has no evaluation), 0.3 and 0.2, against late's
     # 0.35 at step 3: -0.05 and -0.15
-    assert paired.splitlines()[0].endswith("| at equal samples (48) |")
+    assert paired.splitlines()[0].endswith("| at equal samples (48) | at the end | largest drop | "
+                                           "variance ratio at the end (p) |")
+    # at the end: 0.5 - 0.35 and 0.4 - 0.35; no largest drop (no rollout/acc); 2 pairs: no variance test
     assert paired.splitlines()[2] == ("| s3ac - late | 2 | +0.100 ± 0.050 | +0.150, +0.050 | +0.000 ± 0.050 | "
-                                      "-0.100 ± 0.050 |")
+                                      "-0.100 ± 0.050 | +0.100 ± 0.050 | - | - |")
+
+
+def test_largest_drop_and_fall_by_hand(tmp_path):
+    """largest_drop: the 5-step rolling success rate below its running maximum. By hand, acc 0.5 x5, 0.9 x5, 0.1 x5,
+    0.6 x5: rolling means peak at 0.9 (steps 6-10) and sink to 0.1 (steps 11-15): drop 0.8, a fall; a rising curve 0;
+    four steps NaN. The warm-up record (step 0) never counts. Mutants caught: the drop from the first value, a
+    maximum that is not running, the raw acc instead of the rolling mean (a single 0.0 step is no fall)."""
+    compare = load_ci("compare")
+    write_run(str(tmp_path / "a"), {0: 0.1, 20: 0.2}, [{"rollout/acc": a} for a in [0.5] * 5 + [0.9] * 5 + [0.1] * 5 +
+                                                       [0.6] * 5], pretrain_s=30.0)
+    records = s3ac.read_records(str(tmp_path / "a"))
+    records[1]["rollout/acc"] = 0.0  # the warm-up record: not a training step
+    assert compare.largest_drop(records) == pytest.approx(0.8)
+    s = compare.run_summary(records, 100.0)
+    assert s["largest drop"] == pytest.approx(0.8) and s["fell"] == 1.0 and s["steps"] == 20
+    write_run(str(tmp_path / "b"), {0: 0.1, 7: 0.2}, [{"rollout/acc": a} for a in [0.6] * 3 + [0.0] + [0.6] * 3])
+    assert compare.largest_drop(s3ac.read_records(str(tmp_path / "b"))) == pytest.approx(0.0)  # window means 0.48
+    write_run(str(tmp_path / "c"), {0: 0.1, 8: 0.2}, [{"rollout/acc": a / 10} for a in range(8)])
+    assert compare.largest_drop(s3ac.read_records(str(tmp_path / "c"))) == 0.0
+    write_run(str(tmp_path / "d"), {0: 0.1, 4: 0.2}, [{"rollout/acc": 0.5}] * 4)
+    assert math.isnan(compare.largest_drop(s3ac.read_records(str(tmp_path / "d"))))
+
+
+def test_pitman_morgan_against_the_variance_ratio_form():
+    """pitman_morgan's t against its other textbook form, t = (F - 1) sqrt(n - 2) / (2 sqrt(F (1 - r^2))), F the
+    variance ratio and r the correlation of x and y (fp64 by hand), and its p at n = 4 (2 degrees of freedom)
+    against the closed form of the t distribution there, p = 1 - |t| / sqrt(2 + t^2)."""
+    compare = load_ci("compare")
+    x, y = [0.30, 0.52, 0.41, 0.18], [0.35, 0.40, 0.38, 0.33]
+    n = len(x)
+    mx, my = sum(x) / n, sum(y) / n
+    sxx, syy = sum((a - mx) ** 2 for a in x), sum((b - my) ** 2 for b in y)
+    r = sum((a - mx) * (b - my) for a, b in zip(x, y)) / math.sqrt(sxx * syy)
+    F = sxx / syy
+    t_ref = (F - 1) * math.sqrt(n - 2) / (2 * math.sqrt(F * (1 - r * r)))
+    ratio, t, p = compare.pitman_morgan(x, y)
+    assert ratio == pytest.approx(F) and t == pytest.approx(t_ref)
+    assert p == pytest.approx(1 - abs(t_ref) / math.sqrt(2 + t_ref ** 2))
+    assert compare.pitman_morgan(y, x)[1] == pytest.approx(-t_ref)  # the same p, the other sign
+
+
+def test_compare_fixed_steps_on_a_tiny_model(tiny, tmp_path):
+    """./run.sh compare --steps N on the tiny model: every run stops after step N with no minute budget (its flags
+    say --steps N --max-minutes 0), evaluates there, and the tables give the steps, pass@1 at the end (the step-N
+    evaluation) and the paired rows. Mutant caught: the minute budget left on (the runs would carry --max-minutes 20)."""
+    out = tmp_path / "cmp"
+    proc, _ = run_ci("compare", "--steps", "2", "--seeds", "1", "--only", "s3ac-k1,flash_reinforce-k1",
+                     "--batch-prompts", "4", "--out-dir", str(out),
+                     *[f for f in smoke_flags(tiny[0], "unused") if f not in ("--k", "2", "--out-dir", "unused")],
+                     timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for name in ("s3ac-k1", "flash_reinforce-k1"):
+        flags = json.load(open(out / f"{name}-seed0" / "done"))
+        assert flags[flags.index("--steps") + 1] == "2" and flags[flags.index("--max-minutes") + 1] == "0"
+        records = read_jsonl(out / f"{name}-seed0" / "metrics.jsonl")
+        assert [r["step"] for r in records if "perf/step_s" in r] == [1, 2]
+        assert records[-1]["step"] == 2 and records[-1]["eval/pass@1"] is not None
+    table = (out / "table.md").read_text()
+    assert "| s3ac-k1 | 0 | 2 |" in table and "| flash_reinforce-k1 | 0 | 2 |" in table  # the runs' rows: 2 steps
+    assert "| s3ac-k1 - flash_reinforce-k1 | 1 |" in table
+
+
+def test_offset_branches_share_the_draws_and_shift_only_the_actors_advantages(tiny, tmp_path):
+    """.ci/offset.py on a 1-step base of the tiny model, step 2 shifted by 0.5: the four branches resume with the
+    same RNG, so step 2 draws the same rollouts (equal training reward) and the critic sees the same values
+    (equal critic/offset); the shift lowers the actor's advantages by 0.5 lambda^(T - 1 - t), in (0, 0.5] on the
+    token mean; --adv-norm center brings their token mean to 0. Mutants caught: the shift reaching the critic's
+    values, a branch that does not resume (other draws)."""
+    base = str(tmp_path / "base")
+    run_s3ac(*smoke_flags(tiny[0], base, "--steps", "1", "--save-every", "1", "--k", "1", "--batch-prompts", "6"))
+    proc, _ = run_ci("offset", "--bases", base, "--shift-steps", "2-2", "--steps", "2", "--eval-every", "0",
+                     "--out", str(tmp_path / "branches"), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    step2 = {name: read_jsonl(tmp_path / "branches" / f"base-{name}" / "metrics.jsonl")[-1]
+             for name in ("control", "center", "shift", "shift+center")}
+    assert all(r["step"] == 2 for r in step2.values())
+    assert len({r["rollout/reward"] for r in step2.values()}) == 1
+    assert len({round(r["critic/offset"], 6) for r in step2.values()}) == 1
+    diff = step2["control"]["adv/mean"] - step2["shift"]["adv/mean"]
+    assert 0 < diff <= 0.5 + 1e-6
+    assert abs(step2["center"]["adv/mean"]) < 1e-6 and abs(step2["shift+center"]["adv/mean"]) < 1e-6
+    assert "| base | shift | " in (tmp_path / "branches" / "table.md").read_text()
 
 
 def test_compare_runs_seed_major_with_each_configs_flags(tmp_path, monkeypatch):
@@ -3430,7 +3599,7 @@ def section_one_arguments():
                 p_c=rand(4), n_c=2.0, p_hat=rand(4), a_min=0.1, prompt_index=torch.tensor([0, 0, 1, 1]),
                 count=torch.full((4,), 2.0), name="grpo", use_std=True, x=randn(4, 5), eps=0.1, ev=0.5, c=4,
                 critic_s=1.0, actor_s=2.0, hidden=hidden, n=10, k=3, costate_norm=rand(2), entropy=rand(2),
-                signal=rand(2), h=rand(2), delta=3e-3, num_sequences=None)
+                signal=rand(2), h=rand(2), delta=3e-3, num_sequences=None, scale=False, loss_mask=mask)
 
 
 def test_every_section_one_function_runs_pasted_with_torch_and_its_needs():
@@ -5106,6 +5275,61 @@ def test_engine_logprobs_must_pair_with_the_token_ids(monkeypatch):
     other = types.SimpleNamespace(token_ids=[5, 6], logprobs=[lp(5, -0.5), lp(4, -1.0)], finish_reason="length")
     with pytest.raises(ValueError, match=r"sample 1 \(prompt 9\) has no log-prob for its sampled token 6"):
         call(fake_vllm_engine(monkeypatch, [good, other]))
+
+
+def test_a_sampled_evaluation_leaves_trainings_draws_alone(tiny, tmp_path):
+    """Two seeded runs that differ only in --eval-data: the second adds a competition set (aime_x: avg@k, sampled at
+    every evaluation). Their training rollouts are the same text, step by step: the avg@k passes draw in their own
+    RNG fork. Mutant caught: sampling the avg@k passes from the global RNG (step 1's request draws would move)."""
+    aime = tmp_path / "aime_x.jsonl"
+    aime.write_text("".join(json.dumps({"problem": f"What is {a} + {a}?", "answer": str(2 * a)}) + "\n"
+                            for a in (3, 4, 5)))
+    runs = {}
+    for name, extra in (("plain", []), ("aime", ["--eval-data", f"heldout,{aime}", "--eval-k", "3"])):
+        out = str(tmp_path / name)
+        run_s3ac(*smoke_flags(tiny[0], out, "--steps", "2", "--temperature", "1.0", "--log-samples", "8", *extra))
+        runs[name] = [(r["step"], r["completion"]) for r in read_jsonl(os.path.join(out, "samples.jsonl"))
+                      if r["split"] == "train"]
+        if name == "aime":
+            assert "eval/aime_x/avg@3" in read_jsonl(os.path.join(out, "metrics.jsonl"))[0]  # it did sample
+    assert len(runs["plain"]) == 16 and runs["aime"] == runs["plain"]
+
+
+def test_an_aborted_vllm_request_is_unfinished_with_its_own_tokens_masked(monkeypatch):
+    """finish_reason abort or error (vLLM's, besides stop and length): truncated, so graded -1, and masked to its own
+    tokens: a 2-token aborted row beside a 4-token one is [1, 1, 0, 0], not the full width its missing stop token
+    would give; an empty aborted row masks nothing. Mutants caught: truncated as finish_reason == "length" (an
+    aborted row holding an answer would be graded), the mask from the ids alone (padding slots would train)."""
+    lp = lambda t, x: {t: types.SimpleNamespace(logprob=x)}
+    good = types.SimpleNamespace(token_ids=[5, 6, 7, 2], logprobs=[lp(t, -0.5) for t in (5, 6, 7, 2)],
+                                 finish_reason="stop")
+    aborted = types.SimpleNamespace(token_ids=[5, 6], logprobs=[lp(5, -0.5), lp(6, -0.5)], finish_reason="abort")
+    empty = types.SimpleNamespace(token_ids=[], logprobs=[], finish_reason="error")
+    batch = fake_vllm_engine(monkeypatch, [good, aborted, empty]).generate([[3], [3], [3]], [0, 1, 2], {2}, 0, 8, 1.0)
+    assert batch.response_mask.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0]]
+    assert batch.truncated.tolist() == [False, True, True]
+    assert batch.sampler_logprobs.tolist() == [[-0.5] * 4, [-0.5, -0.5, 0.0, 0.0], [0.0] * 4]
+
+
+def test_every_vllm_wake_frees_the_allocator_cache_first(monkeypatch):
+    """A sleeping engine wakes through VLLMRollout.wake alone, torch.cuda.empty_cache before each wake_up: at
+    generate after a critic-only update (asleep, not stale) and in both halves of a sync (weights, then KV cache).
+    Mutant caught: generate waking bare (the order would lack the free before 'wake None')."""
+    calls = []
+    engine = fake_vllm_engine(monkeypatch, [types.SimpleNamespace(token_ids=[5, 2], logprobs=None,
+                                                                  finish_reason="stop")])
+    engine.llm.wake_up = lambda tags=None: calls.append(f"wake {tags}")
+    engine.llm.sleep = lambda level: calls.append("sleep")
+    engine.llm.reset_prefix_cache = lambda: calls.append("reset")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("free"))
+    monkeypatch.setattr(s3ac, "sync_vllm_weights", lambda llm, policy, dtype: calls.append("sync"))
+    engine.sleeps, engine.asleep, engine.dtype = True, True, torch.bfloat16
+    engine.generate([[3]], [0], {2}, 0, 4, 1.0, greedy=True)  # asleep and not stale: the warm-up's case
+    assert calls == ["free", "wake None", "sleep"]
+    calls.clear()
+    engine.stale = True
+    engine.generate([[3]], [0], {2}, 0, 4, 1.0, greedy=True, policy=object())
+    assert calls == ["free", "wake ['weights']", "sync", "free", "wake ['kv_cache']", "sleep"]
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("-inf"), float("inf")])

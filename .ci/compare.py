@@ -1,17 +1,22 @@
-"""Side-by-side runs at equal training minutes: ./run.sh compare (or python .ci/compare.py).
+"""Side-by-side runs at equal training minutes or a fixed step count: ./run.sh compare (or python .ci/compare.py).
 
     ./run.sh compare [--seeds 6] [--grpo-seeds 3] [--minutes 20]     # the CPU demo's model, task and critic
+    ./run.sh compare --steps 100 --first-seed 8 --seeds 16 --only s3ac-k1,flash_reinforce-k1   # fixed steps
     python .ci/compare.py --help                                       # its own flags; the others go to every run
 
 S3AC K=1 (with --s3ac-flags, the demo's critic), REINFORCE++ K=1, FlashREINFORCE K=1 and GRPO K=4 on a quarter of
 the prompts (equal samples per step); --only s3ac-k1,flash_reinforce-k1 runs one pair. One run of s3ac.py per seed,
 one after another, seed s of every config before seed s + 1; each with the same --max-minutes, the same training
 data and the same held-out problems (--eval-data heldout is one fixed sample for every seed), and seed s of every
-config draws the same prompt order (S3AC's critic warm-up takes its first batches). Then one table (compare_table)
-with pass@1 at equal minutes, each run's best pass@1, the step it came at and its final minus best, its response
-length at the end and FlashREINFORCE's trust-region drop share, and the paired differences by seed (paired_table):
-S3AC less each other setting at equal minutes and at equal samples, with their standard errors. Printed and
-written to <out-dir>/table.md; the curves of every run (s3ac.plot_runs) to <out-dir>/compare.png.
+config draws the same prompt order (S3AC's critic warm-up takes its first batches). With --steps N every run stops
+after step N instead (no minute budget): pass@1 "at the end" is then at the fixed step, and "at equal minutes" at the
+least time any run took. Then one table (compare_table) with pass@1 at equal minutes and at the end, each run's best
+pass@1, the step it came at and its final minus best, its largest drop (largest_drop) and whether it fell by
+FALL or more, its response length at the end and FlashREINFORCE's trust-region drop share; one row per run
+(runs_table); and the paired differences by seed (paired_table): S3AC less each other setting at equal minutes, at
+the end, at equal samples and in largest drop, with their standard errors, and the paired-variance test of
+pass@1 at the end (pitman_morgan). Printed and written to <out-dir>/table.md; the curves of every run
+(s3ac.plot_runs) to <out-dir>/compare.png.
 """
 
 import argparse
@@ -37,6 +42,37 @@ def mean_se(values: list):
     return mean, math.sqrt(sum((x - mean) ** 2 for x in v) / (len(v) - 1) / len(v)) if len(v) > 1 else math.nan
 
 
+FALL = 0.25  # a run "fell" when its largest_drop is at least this (success rate, [0, 1])
+
+
+def largest_drop(records: list, window: int = 5) -> float:
+    """The largest fall of a run's training success rate (rollout/acc: the share of rollouts right), as the mean of
+    `window` consecutive steps, below the running maximum of that mean, over its training steps (warm-up left out):
+    max_t (max_{s <= t} m_s - m_t). 0 for a curve that never falls; NaN for fewer than `window` steps."""
+    acc = [r.get("rollout/acc") for r in records if "perf/step_s" in r]
+    if None in acc:
+        return math.nan
+    means = [sum(acc[i - window:i]) / window for i in range(window, len(acc) + 1)]  # m_t, t = window .. steps
+    peaks = list(itertools.accumulate(means, max))
+    return max((p - m for p, m in zip(peaks, means)), default=math.nan)
+
+
+def pitman_morgan(x: list, y: list) -> tuple:
+    """Pitman-Morgan test of equal variances of paired samples x, y (n >= 3 pairs): Var x = Var y exactly when
+    x + y and x - y are uncorrelated; t = r sqrt(n - 2) / sqrt(1 - r^2) with n - 2 degrees of freedom. Returns
+    (Var x / Var y, t, two-sided p), the t distribution's tail from mpmath's regularised incomplete beta."""
+    import mpmath  # sympy's dependency, installed with math-verify
+    n = len(x)
+    s, d = [a + b for a, b in zip(x, y)], [a - b for a, b in zip(x, y)]
+    ms, md = sum(s) / n, sum(d) / n
+    cov = sum((a - ms) * (b - md) for a, b in zip(s, d))
+    r = cov / math.sqrt(sum((a - ms) ** 2 for a in s) * sum((b - md) ** 2 for b in d))
+    t = r * math.sqrt(n - 2) / math.sqrt(max(1 - r * r, 1e-300))
+    p = float(mpmath.betainc((n - 2) / 2, 0.5, 0, (n - 2) / (n - 2 + t * t), regularized=True))
+    var = lambda v: sum((a - sum(v) / n) ** 2 for a in v)
+    return var(x) / var(y), t, p
+
+
 def run_summary(records: list, at_minutes: float) -> dict:
     """One run of the comparison, from s3ac.read_records: the training minutes it reached (a run stopped by
     --max-minutes passes the budget by up to one step); pass@1 at step 0; pass@1 at at_minutes (the last evaluation
@@ -45,7 +81,8 @@ def run_summary(records: list, at_minutes: float) -> dict:
     step it came at, and final minus best (0 for a curve that ends at its best); token EV and V(s_0) EV averaged over
     the second half of its steps; c over all steps; and efficiency 1 / ((1 - EV)(1 + c)) of those means, once with the
     token EV and once with V(s_0) EV (as critic/efficiency); the mean response length of its last 5 steps by
-    at_minutes; the trust region's drop share over all steps (FlashREINFORCE). NaN where the run logged no such key
+    at_minutes; the trust region's drop share over all steps (FlashREINFORCE); its steps, its last evaluation (at
+    the end), its largest_drop and whether that is FALL or more (1 or 0). NaN where the run logged no such key
     (critic-free, or no trust region)."""
     steps, evals = [r for r in records if "perf/step_s" in r], [r for r in records if r.get("eval/pass@1") is not None]
     half = steps[len(steps) // 2:]
@@ -55,9 +92,12 @@ def run_summary(records: list, at_minutes: float) -> dict:
     v0_ev = mean_se([r.get("critic/adv_explained_var") for r in half])[0]
     c = mean_se([r.get("critic/compute_ratio") for r in steps])[0]
     length = mean_se([r.get("rollout/response_len") for r in steps if r["minutes"] <= at_minutes][-5:])[0]
-    return {"minutes": records[-1]["minutes"], "pass@1 at step 0": evals[0]["eval/pass@1"],
-            "pass@1 at equal minutes": on_time[-1]["eval/pass@1"], "best pass@1": best["eval/pass@1"],
-            "best at step": best["step"], "final - best": on_time[-1]["eval/pass@1"] - best["eval/pass@1"],
+    drop = largest_drop(records)
+    return {"steps": len(steps), "minutes": records[-1]["minutes"], "pass@1 at step 0": evals[0]["eval/pass@1"],
+            "pass@1 at equal minutes": on_time[-1]["eval/pass@1"], "pass@1 at the end": evals[-1]["eval/pass@1"],
+            "best pass@1": best["eval/pass@1"], "best at step": best["step"],
+            "final - best": on_time[-1]["eval/pass@1"] - best["eval/pass@1"], "largest drop": drop,
+            "fell": float(drop >= FALL) if math.isfinite(drop) else math.nan,
             "token EV": token_ev, "V(s_0) EV": v0_ev, "c": c, "efficiency, token EV": critic_efficiency(token_ev, c),
             "efficiency, V(s_0) EV": critic_efficiency(v0_ev, c), "response length at the end": length,
             "trust-region drop": mean_se([r.get("actor/trust_region_drop") for r in steps])[0]}
@@ -99,12 +139,31 @@ def compare_table(runs: dict) -> str:
     return "\n".join(lines)
 
 
+def runs_table(runs: dict, dirs: dict = None) -> str:
+    """Markdown, one row per run of runs {name: [records of each seed]} at equal_minutes(runs): its steps, minutes,
+    pass@1 at equal minutes and at the end, best (step), final - best, largest drop. dirs {name: [run directory]}
+    names each seed (its "-seed<s>" suffix); else the seeds count from 0."""
+    at = equal_minutes(runs)
+    columns = ["steps", "minutes", "pass@1 at equal minutes", "pass@1 at the end", "best pass@1", "best at step",
+               "final - best", "largest drop"]
+    lines = ["| run | seed | " + " | ".join(columns).replace("equal minutes", f"{at:.1f} min") + " |",
+             "|---" * (len(columns) + 2) + "|"]
+    for name, seeds in runs.items():
+        for i, records in enumerate(seeds):
+            seed = dirs[name][i].rsplit("-seed", 1)[-1] if dirs else i
+            s = run_summary(records, at)
+            lines.append(f"| {name} | {seed} | " + " | ".join(
+                f"{s[c]:.0f}" if c in ("steps", "best at step") else f"{s[c]:.3f}" for c in columns) + " |")
+    return "\n".join(lines)
+
+
 def paired_table(runs: dict, first: str, others: list) -> str:
     """Markdown rows of paired differences by seed at equal_minutes(runs): for each name in others, first's pass@1
     minus that run's, over the seeds both have (seed i of one against seed i of the other), with the mean, its
     standard error and every seed's difference; the same for the mean of every evaluation from the middle of the
-    budget on (a smoother figure: several evaluations, the same problems); and the difference at equal samples (the
-    fewest rollouts any run generated, pass_at_samples)."""
+    budget on (a smoother figure: several evaluations, the same problems); the difference at equal samples (the
+    fewest rollouts any run generated, pass_at_samples); at the end (each run's last evaluation: the fixed step of
+    --steps); in largest drop; and pitman_morgan's p for equal variances of pass@1 at the end (3 pairs or more)."""
     at = equal_minutes(runs)
     n = min(seed[-1]["samples"] for seeds in runs.values() for seed in seeds)
 
@@ -113,7 +172,8 @@ def paired_table(runs: dict, first: str, others: list) -> str:
         return sum(late) / len(late) if late else math.nan
 
     lines = ["| difference | seeds | at equal minutes | per seed | mean of the evaluations from the middle on | "
-             f"at equal samples ({n}) |", "|---|---|---|---|---|---|"]
+             f"at equal samples ({n}) | at the end | largest drop | variance ratio at the end (p) |",
+             "|---" * 9 + "|"]
     for other in others:
         pairs = list(zip(runs[first], runs[other]))
         diffs = [run_summary(a, at)["pass@1 at equal minutes"] - run_summary(b, at)["pass@1 at equal minutes"]
@@ -121,8 +181,14 @@ def paired_table(runs: dict, first: str, others: list) -> str:
         late = [late_mean(a) - late_mean(b) for a, b in pairs]
         (m, se), (lm, lse) = mean_se(diffs), mean_se(late)
         sm, sse = mean_se([pass_at_samples(a, n) - pass_at_samples(b, n) for a, b in pairs])
-        lines.append(f"| {first} - {other} | {len(pairs)} | {m:+.3f} ± {se:.3f} | "
-                     f"{', '.join(f'{d:+.3f}' for d in diffs)} | {lm:+.3f} ± {lse:.3f} | {sm:+.3f} ± {sse:.3f} |")
+        ends = [(run_summary(a, at)["pass@1 at the end"], run_summary(b, at)["pass@1 at the end"]) for a, b in pairs]
+        em, ese = mean_se([x - y for x, y in ends])
+        dm, dse = mean_se([largest_drop(a) - largest_drop(b) for a, b in pairs])
+        ratio, _, p = pitman_morgan(*zip(*ends)) if len(pairs) >= 3 else (math.nan, math.nan, math.nan)
+        pm = lambda m, se: "-" if math.isnan(m) else f"{m:+.3f}" + ("" if math.isnan(se) else f" ± {se:.3f}")
+        lines.append(f"| {first} - {other} | {len(pairs)} | {pm(m, se)} | {', '.join(f'{d:+.3f}' for d in diffs)} | "
+                     f"{pm(lm, lse)} | {pm(sm, sse)} | {pm(em, ese)} | {pm(dm, dse)} | "
+                     + ("-" if math.isnan(ratio) else f"{ratio:.2f} (p {p:.2f})") + " |")
     return "\n".join(lines)
 
 
@@ -140,7 +206,8 @@ def compare(argv=None):
             ("--first-seed", 0, "the first seed of every config: runs and tables cover seeds --first-seed .. --seeds "
                                 "- 1 (to go on where earlier runs' files are gone; their figures are then pooled by "
                                 "hand)"),
-            ("--minutes", 20.0, "training minutes of every run (--max-minutes)"),
+            ("--minutes", 20.0, "training minutes of every run (--max-minutes), unless --steps"),
+            ("--steps", 0, "a fixed step count for every run instead of --minutes (0: by minutes)"),
             ("--s3ac-flags", "", "flags of the S3AC run alone, one string (./run.sh passes the demo's critic)"),
             ("--eval-every", 20, "steps between evaluations of every run (and one at its end)"),
             ("--batch-prompts", 16, "prompts per step at K = 1; GRPO answers a quarter of them 4 times"),
@@ -164,8 +231,10 @@ def compare(argv=None):
     order = sorted(((seed, name, out) for name in configs for seed, out in zip(seeds[name], runs[name])),
                    key=lambda run: run[0])  # the first seed of every config first: a stopped comparison stays balanced
     for seed, name, out in order:
-        flags = ["--eval-every", str(opts.eval_every), "--steps", "1000000", "--max-minutes", str(opts.minutes),
-                 "--save-every", "0", *rest, "--seed", str(seed), "--out-dir", out, *configs[name][1]]
+        budget = ["--steps", str(opts.steps), "--max-minutes", "0"] if opts.steps else \
+            ["--steps", "1000000", "--max-minutes", str(opts.minutes)]
+        flags = ["--eval-every", str(opts.eval_every), *budget, "--save-every", "0", *rest, "--seed", str(seed),
+                 "--out-dir", out, *configs[name][1]]
         done = os.path.join(out, "done")  # a finished run: the flags it ran with, one JSON list
         if os.path.exists(done):  # checked for every setting, those --only leaves out too: they are tabled
             with open(done) as f:
@@ -181,7 +250,7 @@ def compare(argv=None):
     finished = {name: list(itertools.takewhile(lambda d: os.path.exists(os.path.join(d, "done")), dirs))
                 for name, dirs in runs.items()}  # the first seed, the next, ... while finished: i pairs with i
     records = {name: [read_records(d) for d in dirs] for name, dirs in finished.items() if dirs}
-    table = compare_table(records)
+    table = compare_table(records) + "\n\n" + runs_table(records, {n: finished[n] for n in records})
     if "s3ac-k1" in records:
         table += "\n\n" + paired_table(records, "s3ac-k1", [n for n in records if n != "s3ac-k1"])
     print(table)
