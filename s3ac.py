@@ -26,7 +26,7 @@ section 2):
     advantages, returns, m = compute_advantages(args, batch, rewards, values, mask)   # decoupled_gae
         # mask = batch.response_mask; advantages raw, returns the critic's targets
     loss_mask = actor_loss_mask(args, batch, mask)               # less cut-off responses with --overlong-filter
-    advantages = masked_whiten(advantages, loss_mask, scale=False)   # --adv-norm center (none: raw); returns raw
+    # --adv-norm center: advantages = masked_whiten(advantages, loss_mask, scale=False); default raw; returns raw
     old_logprobs = old_policy_logprobs(args, state, batch)       # [B, T] log pi_old, one no-grad pass
     is_weights, m = importance_weights(args, batch, old_logprobs, loss_mask)   # TIS: min(pi_old / mu, C), or 1
     m = train_actor(args, state, batch, is_weights * advantages, old_logprobs, loss_mask)
@@ -501,7 +501,7 @@ def critic_metrics(values, returns, rewards, response_mask, critic_s: float, act
     return {"critic/explained_var": explained_variance(values, returns, response_mask),
             "critic/value_mean": masked_mean(values, response_mask).item(),
             "critic/v0_mean": values[:, 0].mean().item(),
-            "critic/offset": (values[:, 0] - rewards).mean().item(),  # mean V(s_0) - mean R: the baseline's lag
+            "critic/offset": (values[:, 0] - rewards)[response_mask[:, 0] > 0].mean().item(),  # V(s_0) - R: lag
             "critic/adv_explained_var": adv_ev, "critic/value_sep": value_separation(values, rewards, response_mask),
             "critic/compute_ratio": c, "critic/efficiency": critic_efficiency(adv_ev, c), **m}
 
@@ -1858,6 +1858,7 @@ def _normalise(s: str) -> str:
     s = s.translate({ord(c): f"^{d}" for d, c in enumerate("⁰¹²³⁴⁵⁶⁷⁸⁹")})  # 2³: 2^3
     s = re.sub(r"\\(?:text|textbf|textnormal|mbox|mathrm|mathbf)\{([^{}]*)\}", r" \1 ", s)
     s = re.sub(r"\\[dtc]frac", r"\\frac", s)
+    s = re.sub(r"\\frac\s*\{\s*([^{}]*?)\s*\}\s*\{", r"\\frac{\1}{", s)  # \frac {1} {2}: spacing, as \frac{1}{2}
     s = re.sub(r"\\frac\s*(\d)\s*(\d)", r"\\frac{\1}{\2}", s)  # \frac12
     s = re.sub(r"\^\s*\{?\\circ\}?|\\degree|\u00b0|\\%|%|\\\$|\$|\\left|\\right|\\displaystyle|\\\(|\\\)|\\\[|\\\]"
                r"|\*\*|\\ |~|[\u20ac\u00a3\u00a5]", " ", s)  # and € £ ¥
@@ -1921,8 +1922,8 @@ def final_statement_number(text: str):
 
 def extract_answer(completion: str, numeric_gold: bool, fallback: str = "final_number"):
     """(answer text or None, its source: 'boxed' | 'final_statement' | 'expression' | 'none'), by rules 2-3 above."""
-    if "</think>" in completion or "<think>" in completion:  # rule 1: the answer follows the thinking
-        completion = completion.rpartition("</think>")[2] if "</think>" in completion else ""  # unclosed: none
+    completion = completion.rpartition("</think>")[2]  # rule 1: thinking (opened here or by the prompt) ends there
+    completion = completion.partition("<think>")[0]  # and a block opened after it that never closes is thinking too
     completion = re.sub(r"\\(?:boxed|fbox)\s*\{\s*\}", " ", completion)  # an empty box echoes the instruction
     if _BOX.search(completion):
         boxed = re.sub(r"(?<!\.)\.\s*$", "", last_boxed(completion) or "")  # \boxed{E.}: a closing period
@@ -2056,7 +2057,8 @@ def grade(gold: str, completion: str, truncated: bool = False, fallback: str = "
             if _NOT_A_VALUE.search(answer):
                 return "not_a_number"
             sides = answer.split("=")  # '\\boxed{6 \\times 7 = 42}': the value after the last '='
-            if re.search(r"\b(?:or|nor)\b", _normalise(answer)) or any("," in side for side in sides[1:-1]):
+            if any(re.search(r"\b(?:or|nor)\b", _normalise(side), re.I) for side in sides[1:]) or any(
+                    re.search(r",\s*[A-Za-z](?:_\{?\w+\}?)?\s*$", side) for side in sides[1:-1]):
                 return "no_answer"  # a hedge, two values asserted: 'x = 3 or x = 5', 'x_1 = 3, x_2 = 5' (rule 3)
             value = parse_number(sides[-1])
             if value is None:
@@ -3554,19 +3556,18 @@ COMPETITION_SETS = ("aime", "amc", "hmmt")  # eval names starting so: few proble
 
 
 @contextlib.contextmanager
-def own_draws(seed: int):
-    """Torch's RNG (CPU, and CUDA's where used) seeded `seed` inside, and put back as it was after: a sampled
-    evaluation draws its own numbers, so training's next draws (the request seeds) do not depend on it."""
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else []):
+def own_draws(seed: int, device=None):
+    """Torch's RNG (the CPU's, and `device`'s when it is a CUDA device) seeded `seed` inside, and put back as it was
+    after: a sampled evaluation draws its own numbers, so training's next draws (the request seeds) do not move."""
+    with torch.random.fork_rng(devices=[device] if device is not None and device.type == "cuda" else []):
         torch.manual_seed(seed)
         yield
 
 
 def evaluate_sources(generate, tokenizer, sources, reward_fn, eval_k: int, rank: int = 0, world: int = 1,
-                     seed: int = 0):
+                     seed: int = 0, device=None):
     """(eval/<name>/* metrics, the first's also unnamed, COMPETITION_SETS' avg@eval_k; records) of each evaluate();
-    the avg@k passes sample in own_draws(seed + source's position)."""
+    the avg@k passes sample in own_draws(seed + source's position, device)."""
     out, samples = {}, []
     sampled = lambda prompts, index, greedy: generate(prompts, index, greedy=False)  # the same, sampled
     for j, (name, problems, prompts) in enumerate(sources):
@@ -3574,7 +3575,7 @@ def evaluate_sources(generate, tokenizer, sources, reward_fn, eval_k: int, rank:
         out.update({**(m if j == 0 else {}), **{f"eval/{name}/{key[5:]}": value for key, value in m.items()}})
         samples += [{"source": name, **record} for record in records]
         if eval_k > 1 and name.startswith(COMPETITION_SETS):  # every problem eval_k times: the sample mean
-            with own_draws(seed + j):  # training's draws untouched
+            with own_draws(seed + j, device):  # training's draws untouched
                 m, _ = evaluate(sampled, tokenizer, problems * eval_k, prompts * eval_k, reward_fn, rank, world)
             out[f"eval/{name}/avg@{eval_k}"] = m["eval/pass@1"]
     return out, samples
@@ -3588,11 +3589,11 @@ def run_evaluation(args: Args, state: TrainState, eval_sets: list, reward_fn, sa
     generate = functools.partial(generate_responses, args, state, max_new_tokens=args.eval_max_new_tokens, progress=bar)
     seed = args.seed * 1_000_003 + 1_009 * state.step + state.rank  # the evaluation's own draws, alike on a resume
     m, samples = evaluate_sources(generate, state.tokenizer, eval_sets, reward_fn, args.eval_k, state.rank,
-                                  state.world, seed + 1)
+                                  state.world, seed + 1, state.device)
     _, problems, prompts = eval_sets[0]
     index = [i for i in range(min(args.headroom_prompts, len(problems))) for _ in range(args.headroom_k)]
     if args.k == 1 and index:  # readiness/headroom of sampled answers (at K >= 2 train_step reads its own groups)
-        with own_draws(seed):  # training's draws untouched
+        with own_draws(seed, state.device):  # training's draws untouched
             batch = generate([prompts[i] for i in index], index, greedy=False,  # every rank the same prompts
                              progress=bar and f"{bar}: headroom")
         texts = state.tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)

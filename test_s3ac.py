@@ -738,12 +738,21 @@ ANSWER_POLICY_CLASSES = {
         ("5", "\\boxed{x = 3 \\text{ or } x = 5}", "no_answer"), ("5", "\\boxed{x=3, x=5}", "no_answer"),
         ("5", "\\boxed{x_1 = 3, x_2 = 5}", "no_answer"), ("3", "\\boxed{x = 3 \\text{ or } x = 5}", "no_answer"),
         ("5", "\\boxed{x = 5}", "correct"), ("5", "\\boxed{2 + 3 = 5}", "correct"),
-        ("5", "\\boxed{5\\text{ cm}}", "correct"), ("2500", "\\boxed{x = 2,500}", "correct")],
+        ("5", "\\boxed{5\\text{ cm}}", "correct"), ("2500", "\\boxed{x = 2,500}", "correct"),
+        ("5", "\\boxed{x = 3 \\text{ OR } x = 5}", "no_answer"), ("6", "\\boxed{n = \\gcd(12, 18) = 6}", "correct"),
+        ("2500", "\\boxed{x = 1,250 \\times 2 = 2,500}", "correct"), ("5", "\\boxed{P = f(1, 2) = 5}", "correct"),
+        ("12", "\\boxed{\\text{red or blue} = 12}", "correct")],
     "7_thinking": [  # the answer follows </think>; a box inside the thinking is no answer; an unclosed block none
         ("2", "<think>Maybe \\boxed{2}? ... so not 2.</think>\nThe final answer is 3.", "wrong"),
         ("3", "<think>Maybe \\boxed{2}? ... so not 2.</think>\nThe final answer is 3.", "correct"),
         ("3", "<think>2 + 1 is \\boxed{3}", "no_answer"), ("3", "Hmm, 2 + 1.</think> \\boxed{3}", "correct"),
-        ("3", "<think>a</think> x <think>\\boxed{2}</think> \\boxed{3}", "correct")],
+        ("3", "<think>a</think> x <think>\\boxed{2}</think> \\boxed{3}", "correct"),
+        ("3", "x</think> \\boxed{3} <think> maybe \\boxed{4}", "correct"),  # the unclosed block after: thinking
+        ("4", "x</think> \\boxed{3} <think> maybe \\boxed{4}", "wrong")],
+    "8_frac_spacing": [  # LaTeX spacing inside \\frac is spacing: \\frac {1}{2} is 1/2; its value rules stay
+        ("0.5", "\\boxed{\\frac {1}{2}}", "correct"), ("0.5", "\\boxed{\\frac{1} {2}}", "correct"),
+        ("0.5", "The answer is \\frac {1}{2}.", "correct"), ("\\frac{1}{2}", "\\boxed{\\frac { 1 } { 2 }}", "correct"),
+        ("0.5", "\\boxed{\\frac {2}{4}}", "not_a_number"), ("0.5", "\\boxed{\\frac {1}{3}}", "wrong")],
     "10_read_whole": [  # undefined equals nothing; a box read whole or not at all; digit groups one number or none
         ("12:00", "\\boxed{1:00}", "wrong"), ("\\frac{2}{0}", "\\boxed{\\frac{1}{0}}", "wrong"),
         ("\\frac{1}{0}", "\\boxed{\\frac{1}{0}}", "wrong"), ("2^{10}", "\\boxed{3 \\times 1024,}", "wrong"),
@@ -1576,6 +1585,10 @@ def test_masked_whiten_centre_only_and_the_advantage_metrics_by_hand():
     vmask = torch.tensor([[1.0, 1, 0], [1, 0, 0], [1, 0, 0]])
     cm = s3ac.critic_metrics(values, rewards[:, None] * vmask, rewards, vmask, 1.0, 1.0, 0.05)
     assert cm["critic/offset"] == pytest.approx((0.5 - 0.2 + 0.1) / 3 - (1 - 1 - 1) / 3)
+    empty = s3ac.critic_metrics(torch.cat([values, torch.zeros(1, 3)]), torch.cat([rewards[:, None] * vmask,
+                                torch.zeros(1, 3)]), torch.cat([rewards, torch.tensor([-1.0])]),
+                                torch.cat([vmask, torch.zeros(1, 3)]), 1.0, 1.0, 0.05)  # a row with no token
+    assert empty["critic/offset"] == pytest.approx(cm["critic/offset"])  # is no V(s_0): left out
     fit = s3ac.critic_fit(values, values, s3ac.mc_returns(rewards, vmask, 1.0), vmask, "mse")  # the warm-up's
     assert fit["pretrain/offset"] == pytest.approx(cm["critic/offset"])
 
@@ -3408,6 +3421,8 @@ def test_pitman_morgan_against_the_variance_ratio_form():
     assert ratio == pytest.approx(F) and t == pytest.approx(t_ref)
     assert p == pytest.approx(1 - abs(t_ref) / math.sqrt(2 + t_ref ** 2))
     assert compare.pitman_morgan(y, x)[1] == pytest.approx(-t_ref)  # the same p, the other sign
+    for flat in ([0.0] * 4, x):  # one run's pass@1 equal on every seed, or x = y: no test, no crash
+        assert all(math.isnan(v) for v in compare.pitman_morgan(x, flat))
 
 
 def test_compare_fixed_steps_on_a_tiny_model(tiny, tmp_path):
@@ -3447,6 +3462,9 @@ def test_offset_branches_share_the_draws_and_shift_only_the_actors_advantages(ti
     assert all(r["step"] == 2 for r in step2.values())
     assert len({r["rollout/reward"] for r in step2.values()}) == 1
     assert len({round(r["critic/offset"], 6) for r in step2.values()}) == 1
+    drawn = {name: [r["completion"] for r in read_jsonl(tmp_path / "branches" / f"base-{name}" / "samples.jsonl")
+                    if r["split"] == "train" and r["step"] == 2] for name in step2}
+    assert len(drawn["control"]) == 4 and all(d == drawn["control"] for d in drawn.values())  # the same draws
     diff = step2["control"]["adv/mean"] - step2["shift"]["adv/mean"]
     assert 0 < diff <= 0.5 + 1e-6
     assert abs(step2["center"]["adv/mean"]) < 1e-6 and abs(step2["shift+center"]["adv/mean"]) < 1e-6
@@ -3497,6 +3515,10 @@ def test_compare_runs_seed_major_with_each_configs_flags(tmp_path, monkeypatch):
     table = open(os.path.join(tmp_path, "table.md")).read()
     assert "| s3ac-k1 - reinforce_pp-k1 | 2 |" in table and "| s3ac-k1 - grpo-k4 | 1 |" in table
     assert "| flash_reinforce-k1 | 2 |" in table and "| s3ac-k1 - flash_reinforce-k1 | 2 |" in table
+    compare.compare(argv + ["--only", "s3ac-center-k1"])  # opt-in: S3AC's flags and --adv-norm center
+    assert [name for name, _ in calls] == ["s3ac-center-k1-seed0", "s3ac-center-k1-seed1"]
+    assert [value(calls[1][1], f) for f in (*critic_flags, "--adv-norm")] == ["4", "1", "center"]
+    assert "| s3ac-k1 - s3ac-center-k1 | 2 |" in open(os.path.join(tmp_path, "table.md")).read()
 
 
 def test_compare_first_seed_runs_and_tables_only_later_seeds(tmp_path, monkeypatch):

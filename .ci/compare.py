@@ -10,7 +10,8 @@ one after another, seed s of every config before seed s + 1; each with the same 
 data and the same held-out problems (--eval-data heldout is one fixed sample for every seed), and seed s of every
 config draws the same prompt order (S3AC's critic warm-up takes its first batches). With --steps N every run stops
 after step N instead (no minute budget): pass@1 "at the end" is then at the fixed step, and "at equal minutes" at the
-least time any run took. Then one table (compare_table) with pass@1 at equal minutes and at the end, each run's best
+least time any run took. --only s3ac-center-k1 adds S3AC with --adv-norm center (run only when named). Then one
+table (compare_table) with pass@1 at equal minutes and at the end, each run's best
 pass@1, the step it came at and its final minus best, its largest drop (largest_drop) and whether it fell by
 FALL or more, its response length at the end and FlashREINFORCE's trust-region drop share; one row per run
 (runs_table); and the paired differences by seed (paired_table): S3AC less each other setting at equal minutes, at
@@ -60,16 +61,20 @@ def largest_drop(records: list, window: int = 5) -> float:
 def pitman_morgan(x: list, y: list) -> tuple:
     """Pitman-Morgan test of equal variances of paired samples x, y (n >= 3 pairs): Var x = Var y exactly when
     x + y and x - y are uncorrelated; t = r sqrt(n - 2) / sqrt(1 - r^2) with n - 2 degrees of freedom. Returns
-    (Var x / Var y, t, two-sided p), the t distribution's tail from mpmath's regularised incomplete beta."""
+    (Var x / Var y, t, two-sided p), the t distribution's tail from mpmath's regularised incomplete beta; all NaN
+    where a variance or x + y's or x - y's spread is 0 (a run's pass@1 the same on every seed)."""
     import mpmath  # sympy's dependency, installed with math-verify
     n = len(x)
     s, d = [a + b for a, b in zip(x, y)], [a - b for a, b in zip(x, y)]
     ms, md = sum(s) / n, sum(d) / n
-    cov = sum((a - ms) * (b - md) for a, b in zip(s, d))
-    r = cov / math.sqrt(sum((a - ms) ** 2 for a in s) * sum((b - md) ** 2 for b in d))
+    cov, spread = sum((a - ms) * (b - md) for a, b in zip(s, d)), sum((a - ms) ** 2 for a in s) * sum(
+        (b - md) ** 2 for b in d)
+    var = lambda v: sum((a - sum(v) / n) ** 2 for a in v)
+    if spread == 0 or var(y) == 0:
+        return math.nan, math.nan, math.nan
+    r = cov / math.sqrt(spread)
     t = r * math.sqrt(n - 2) / math.sqrt(max(1 - r * r, 1e-300))
     p = float(mpmath.betainc((n - 2) / 2, 0.5, 0, (n - 2) / (n - 2 + t * t), regularized=True))
-    var = lambda v: sum((a - sum(v) / n) ** 2 for a in v)
     return var(x) / var(y), t, p
 
 
@@ -153,7 +158,8 @@ def runs_table(runs: dict, dirs: dict = None) -> str:
             seed = dirs[name][i].rsplit("-seed", 1)[-1] if dirs else i
             s = run_summary(records, at)
             lines.append(f"| {name} | {seed} | " + " | ".join(
-                f"{s[c]:.0f}" if c in ("steps", "best at step") else f"{s[c]:.3f}" for c in columns) + " |")
+                "-" if math.isnan(s[c]) else f"{s[c]:.0f}" if c in ("steps", "best at step") else f"{s[c]:.3f}"
+                for c in columns) + " |")
     return "\n".join(lines)
 
 
@@ -212,7 +218,8 @@ def compare(argv=None):
             ("--eval-every", 20, "steps between evaluations of every run (and one at its end)"),
             ("--batch-prompts", 16, "prompts per step at K = 1; GRPO answers a quarter of them 4 times"),
             ("--only", "", "run only these settings now, comma-separated (s3ac-k1, reinforce_pp-k1, "
-                           "flash_reinforce-k1, grpo-k4; '' = all), to split a comparison over sessions; the tables cover every finished run"),
+                           "flash_reinforce-k1, grpo-k4, s3ac-center-k1: S3AC with --adv-norm center; '' = all but "
+                           "the last), to split a comparison over sessions; the tables cover every finished run"),
             ("--out-dir", "runs/compare", "one directory per run, table.md, compare.png")):
         parser.add_argument(flag, type=type(default), default=default, help=text)
     opts, rest = parser.parse_known_args(argv)
@@ -220,8 +227,10 @@ def compare(argv=None):
     configs = {"s3ac-k1": (opts.seeds, ["--k", "1", "--batch-prompts", str(b), *shlex.split(opts.s3ac_flags)]),
                "reinforce_pp-k1": (opts.seeds, ["--algo", "reinforce_pp", "--k", "1", "--batch-prompts", str(b)]),
                "flash_reinforce-k1": (opts.seeds, ["--algo", "flash_reinforce", "--k", "1", "--batch-prompts", str(b)]),
-               "grpo-k4": (opts.grpo_seeds, ["--algo", "grpo", "--k", "4", "--batch-prompts", str(b // 4)])}
-    only = [name for name in opts.only.split(",") if name] or list(configs)
+               "grpo-k4": (opts.grpo_seeds, ["--algo", "grpo", "--k", "4", "--batch-prompts", str(b // 4)]),
+               "s3ac-center-k1": (opts.seeds, ["--k", "1", "--batch-prompts", str(b), *shlex.split(opts.s3ac_flags),
+                                               "--adv-norm", "center"])}  # only when --only names it
+    only = [name for name in opts.only.split(",") if name] or [name for name in configs if name != "s3ac-center-k1"]
     if set(only) - set(configs):
         parser.error(f"--only: {', '.join(sorted(set(only) - set(configs)))} is not one of {', '.join(configs)}")
     if not 0 <= opts.first_seed < opts.seeds:

@@ -92,6 +92,7 @@ def branch_table(runs: dict, first: int, last: int) -> str:
 
 
 def main(argv=None):
+    import s3ac
     parser = argparse.ArgumentParser(prog=".ci/offset.py", description=__doc__.split("\n")[0])
     parser.add_argument("--bases", required=True, help="comma-separated run directories with a checkpoint")
     parser.add_argument("--shift", type=float, default=0.5, help="added to V(s_t) in the actor's GAE (+-1 scale)")
@@ -109,16 +110,23 @@ def main(argv=None):
             parser.error(f"--shift-steps {opts.shift_steps} must lie after {base}'s step {step}, by --steps")
         for name, extra in BRANCHES.items():
             out = os.path.join(opts.out, f"{os.path.basename(base)}-{name}")
-            if not os.path.exists(os.path.join(out, "done")):
-                shutil.rmtree(out, ignore_errors=True)
-                shutil.copytree(base, out)  # metrics.jsonl and the checkpoints: --resume goes on from them
-                shift = opts.shift if name.startswith("shift") else 0.0
-                subprocess.run([sys.executable, os.path.abspath(__file__), "--bases", base, "--child", str(shift),
-                                str(first), str(last), *flags, *extra, "--out-dir", out, "--resume", "true",
-                                "--steps", str(opts.steps), "--eval-every", str(opts.eval_every),
-                                "--save-every", "0", "--max-minutes", "0"], check=True)
+            shift = opts.shift if name.startswith("shift") else 0.0
+            child = [str(shift), str(first), str(last), *flags, *extra, "--out-dir", out, "--resume", "true",
+                     "--steps", str(opts.steps), "--eval-every", str(opts.eval_every), "--save-every", "0",
+                     "--max-minutes", "0"]
+            done = os.path.join(out, "done")  # a finished branch: the arguments it ran with
+            if os.path.exists(done) and open(done).read().strip() != json.dumps(child):
+                raise SystemExit(f"{out}: finished with other settings (see {done}); remove it or pick another --out")
+            if not os.path.exists(done):
+                shutil.rmtree(out, ignore_errors=True)  # the base's logs and its newest checkpoint alone
+                shutil.copytree(base, out, ignore=lambda d, names: ["checkpoints"] if d == base else [])
+                ckpt = s3ac.latest_checkpoint(base)
+                shutil.copytree(ckpt, os.path.join(out, "checkpoints", os.path.basename(ckpt)))
+                subprocess.run([sys.executable, os.path.abspath(__file__), "--bases", base, "--child", *child],
+                               check=True)
                 shutil.rmtree(os.path.join(out, "checkpoints"), ignore_errors=True)
-                open(os.path.join(out, "done"), "w").close()
+                with open(done, "w") as f:
+                    f.write(json.dumps(child) + "\n")
             with open(os.path.join(out, "metrics.jsonl")) as f:
                 runs[(base, name)] = [json.loads(line) for line in f]
     table = branch_table(runs, first, last)
