@@ -1851,6 +1851,7 @@ def last_boxed(text: str):
 
 def _normalise(s: str) -> str:
     """An answer without LaTeX, unicode and markdown noise (delimiters, spacing, \\text{}, signs, a final period)."""
+    s = re.sub(r",\\!\s*(?=\d)", ",", s)  # 11,\! 111 (MATH's digit groups): the thin space joins, as 11,111
     s = s.replace("{,}", ",").replace("\\!", "").replace("\\,", "").replace("\\;", "").replace("\\:", "")
     s = re.sub(r"\\q?quad\b", " ", s)
     s = s.replace("\u2212", "-").replace("\u2013", "-").replace("\u2217", "*").replace("\u22c5", "*")

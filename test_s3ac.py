@@ -753,6 +753,10 @@ ANSWER_POLICY_CLASSES = {
         ("0.5", "\\boxed{\\frac {1}{2}}", "correct"), ("0.5", "\\boxed{\\frac{1} {2}}", "correct"),
         ("0.5", "The answer is \\frac {1}{2}.", "correct"), ("\\frac{1}{2}", "\\boxed{\\frac { 1 } { 2 }}", "correct"),
         ("0.5", "\\boxed{\\frac {2}{4}}", "not_a_number"), ("0.5", "\\boxed{\\frac {1}{3}}", "wrong")],
+    "9_digit_groups": [  # MATH's thin space after a group comma joins the groups; a plain comma and space does not
+        ("11111111100", "\\boxed{11,\\! 111,\\! 111,\\! 100}", "correct"),
+        ("11111111000", "\\boxed{11,\\! 111,\\! 111,\\! 100}", "wrong"), ("1234", "\\boxed{1, 234}", "not_a_number"),
+        ("1234", "\\boxed{1,\\! 23}", "not_a_number"), ("2500", "The answer is 2,\\! 500.", "correct")],
     "10_read_whole": [  # undefined equals nothing; a box read whole or not at all; digit groups one number or none
         ("12:00", "\\boxed{1:00}", "wrong"), ("\\frac{2}{0}", "\\boxed{\\frac{1}{0}}", "wrong"),
         ("\\frac{1}{0}", "\\boxed{\\frac{1}{0}}", "wrong"), ("2^{10}", "\\boxed{3 \\times 1024,}", "wrong"),
