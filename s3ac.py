@@ -476,7 +476,8 @@ def credit_sparsity(values, rewards, response_mask, eps: float):
 
 def advantage_metrics(advantages, loss_mask) -> dict:
     """adv/mean and adv/pos_share, the share of the loss tokens (loss_mask [B, T]) with A > 0, of the actor's
-    advantages [B, T]: near 0 or 1 when a lagging V(s_0) pushes nearly every token one way. Needs: masked_mean."""
+    advantages [B, T] (floats; ours, no paper's): near 0 or 1 when a lagging V(s_0) pushes nearly every token one way.
+    Needs: masked_mean."""
     return {"adv/mean": masked_mean(advantages, loss_mask).item(),
             "adv/pos_share": masked_mean((advantages > 0).float(), loss_mask).item()}
 

@@ -59,8 +59,9 @@ def largest_drop(records: list, window: int = 5) -> float:
 
 
 def pitman_morgan(x: list, y: list) -> tuple:
-    """Pitman-Morgan test of equal variances of paired samples x, y (n >= 3 pairs): Var x = Var y exactly when
-    x + y and x - y are uncorrelated; t = r sqrt(n - 2) / sqrt(1 - r^2) with n - 2 degrees of freedom. Returns
+    """Pitman-Morgan test (Pitman 1939; Morgan 1939) of equal variances of paired samples x, y (n >= 3 pairs; fewer
+    divide by zero): Var x = Var y exactly when x + y and x - y are uncorrelated; t = r sqrt(n - 2) / sqrt(1 - r^2)
+    with n - 2 degrees of freedom. Returns
     (Var x / Var y, t, two-sided p), the t distribution's tail from mpmath's regularised incomplete beta; all NaN
     where a variance or x + y's or x - y's spread is 0 (a run's pass@1 the same on every seed)."""
     import mpmath  # sympy's dependency, installed with math-verify
@@ -69,13 +70,14 @@ def pitman_morgan(x: list, y: list) -> tuple:
     ms, md = sum(s) / n, sum(d) / n
     cov, spread = sum((a - ms) * (b - md) for a, b in zip(s, d)), sum((a - ms) ** 2 for a in s) * sum(
         (b - md) ** 2 for b in d)
-    var = lambda v: sum((a - sum(v) / n) ** 2 for a in v)
-    if spread == 0 or var(y) == 0:
+    var = lambda v, m: sum((a - m) ** 2 for a in v)  # n times the population variance
+    vx, vy = var(x, sum(x) / n), var(y, sum(y) / n)
+    if spread == 0 or vy == 0:
         return math.nan, math.nan, math.nan
     r = cov / math.sqrt(spread)
     t = r * math.sqrt(n - 2) / math.sqrt(max(1 - r * r, 1e-300))
     p = float(mpmath.betainc((n - 2) / 2, 0.5, 0, (n - 2) / (n - 2 + t * t), regularized=True))
-    return var(x) / var(y), t, p
+    return vx / vy, t, p
 
 
 def run_summary(records: list, at_minutes: float) -> dict:
