@@ -92,5 +92,8 @@ if has_gpu; then
 fi
 
 # the CPU demo: 20 minutes of training (evaluations left out; the budget stops it), S3AC K=1, curves at the end
-exec python s3ac.py "${demo[@]}" "${task[@]}" "${critic[@]}" --k 1 --max-minutes 20 --steps 1000000 \
-  --save-every 30 --out-dir runs/cpu-demo --plot "$@"
+out=runs/cpu-demo; last=""
+for a in "$@"; do [ "$last" != "--out-dir" ] || out="$a"; last="$a"; done   # the last --out-dir given wins
+python s3ac.py "${demo[@]}" "${task[@]}" "${critic[@]}" --k 1 --max-minutes 20 --steps 1000000 \
+  --save-every 30 --out-dir runs/cpu-demo "$@"
+exec python .ci/curves.py "$out" -o "$out/curves.png"

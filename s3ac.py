@@ -29,10 +29,10 @@ section 2):
     # --adv-norm center: advantages = masked_whiten(advantages, loss_mask, scale=False); default raw; returns raw
     old_logprobs = old_policy_logprobs(args, state, batch)       # [B, T] log pi_old, one no-grad pass
     is_weights, m = importance_weights(args, batch, old_logprobs, loss_mask)   # TIS: min(pi_old / mu, C), or 1
-    m = train_actor(args, state, batch, is_weights * advantages, old_logprobs, loss_mask)
+    sampler_logprobs = logprobs_of_mu(args, batch, old_logprobs)  # log mu: the engine's own, else log pi_old
+    m = train_actor(args, state, batch, is_weights * advantages, old_logprobs, sampler_logprobs, loss_mask)
         # update_actor -> optimize (counts num_tokens per mini-batch: the one normaliser) -> cispo_loss
-    mu_logprobs = behaviour_logprobs(args, batch, old_logprobs)  # log mu: the engine's own, else log pi_old
-    m = train_critic(args, state, batch, values, returns, mu_logprobs)
+    m = train_critic(args, state, batch, values, returns, sampler_logprobs)
         # update_critic toward returns (critic_lam 1: the Monte-Carlo return), or PACT's pact_targets
     m = critic_metrics(values, returns, rewards, mask, ...)      # EV, V(s_0) EV, Delta+-, sparsity, c, efficiency
 
@@ -48,7 +48,6 @@ Run:
     python s3ac.py --algo grpo --k 8 --dynamic-sampling    # baselines: ppo|grpo|rloo|reinforce_pp|flash_reinforce
     python s3ac.py --critic-sync pact --critic-loss bce --prompt-selection daps --critic-layers 4   # PACT, DAPS
     python s3ac.py --out-dir runs/x --resume                           # continue a killed run
-    python s3ac.py plot runs/a runs/b -o curves.png                    # pass@1 against minutes and samples, EV, c
     python s3ac.py memory --model Qwen/Qwen2.5-Math-1.5B --gpu-memory 80   # the memory plan, from config.json alone
     torchrun --nproc_per_node=8 s3ac.py --batch-prompts 512            # data parallel, FSDP2, vLLM per rank
 
@@ -70,17 +69,49 @@ import multiprocessing
 import os
 import random
 import re
+import shlex
 import shutil
 import sys
 import threading
 import time
+import typing
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn as nn
 
-# `kernels`, kernels.py (the Triton twins of section 1's math), is imported in section 4 (_import_kernels_py): Hugging
-# Face's kernel-hub package, which transformers imports, has the same name.
+# kernels.py beside this file holds the Triton twins of section 1's math (@triton_on_cuda picks them on CUDA). It is
+# loaded as module `s3ac_kernels`: the name `kernels` is Hugging Face's kernel-hub package, which transformers imports
+# and which kernels.py would shadow (this folder is first on sys.path), so that package is imported first, where
+# installed, with kernels.py out of sight; where it is not, `kernels` names ours (never a second copy).
+def _load_kernels_py():
+    """kernels.py as module s3ac_kernels. ImportError if it was imported as `kernels` before s3ac."""
+    import importlib.util
+    path = os.path.join(os.path.dirname(os.path.realpath(__file__)), "kernels.py")
+    if os.path.realpath(getattr(sys.modules.get("kernels"), "__file__", None) or "") == path:
+        raise ImportError(f"{path} was imported as module `kernels` before s3ac, a name that belongs to Hugging Face's "
+                          f"kernel-hub package (transformers >= 5.25 imports it): use `from s3ac import kernels`")
+    if "s3ac_kernels" not in sys.modules:
+        saved = sys.path[:]
+        sys.path[:] = [p for p in sys.path if not os.path.isfile(os.path.join(p or os.curdir, "kernels.py"))]
+        try:
+            if importlib.util.find_spec("kernels"):  # the hub package; a broken one raises here
+                importlib.import_module("kernels")
+        finally:
+            sys.path[:] = saved
+        spec = importlib.util.spec_from_file_location("s3ac_kernels", path)
+        sys.modules["s3ac_kernels"] = module = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules["s3ac_kernels"]
+            raise
+    sys.modules.setdefault("kernels", sys.modules["s3ac_kernels"])  # no hub package: one module under both names
+    return sys.modules["s3ac_kernels"]
+
+
+kernels = _load_kernels_py()
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -91,13 +122,19 @@ import torch.nn as nn
 def triton_on_cuda(fn):
     """Decorator: on CUDA tensors (or with --kernels triton) the call runs kernels.<fn's name>, a Triton kernel of
     the same signature and math (test_s3ac.py compares them with each other and fp64); on CPU tensors, or with
-    --kernels torch, or pasted without kernels, fn itself runs. The first tensor argument decides; fn: .__wrapped__."""
+    --kernels torch, fn itself runs. The first tensor argument decides; fn: .__wrapped__. Where kernels.py is not
+    loaded (module s3ac_kernels: pasted alone), it returns fn itself, whatever `kernels` means there."""
     import functools  # pasted with each function it decorates: torch and this alone
+    import sys
+    twins = sys.modules.get("s3ac_kernels")
+    if twins is None:
+        return fn
+
     @functools.wraps(fn)
     def dispatch(*args, **kwargs):
         first = next((a for a in (*args, *kwargs.values()) if torch.is_tensor(a)), None)
-        if first is not None and "kernels" in globals() and kernels.use_triton(first):  # pasted alone: fn
-            return getattr(kernels, fn.__name__)(*args, **kwargs)
+        if first is not None and twins.use_triton(first):
+            return getattr(twins, fn.__name__)(*args, **kwargs)  # looked up at each call
         return fn(*args, **kwargs)
     return dispatch
 
@@ -312,17 +349,17 @@ def critic_loss_fn(raw, old_values, targets, response_mask, critic_loss: str, ep
     return value_loss(raw, old_values, targets, response_mask, eps_v, num_tokens=num_tokens)
 
 
-def pact_targets(returns, logprobs, behaviour_logprobs, response_mask, rho_min: float, rho_max: float):
+def pact_targets(returns, logprobs, sampler_logprobs, response_mask, rho_min: float, rho_max: float):
     """PACT's importance-corrected critic targets and loss mask ("policy-aligned critic training"): with rho_t the
     detached per-token ratio (not PACT's product I_t; departure 7), E_mu[target_t | s_t] = V^pi_new(s_t) when later
     tokens follow pi_new as well (exact for the last token). A kept wrong answer (R = -1) keeps the target -1.
     returns [B, T] (the Monte-Carlo return R_t on the +-1 scale: decoupled_gae's returns at critic lambda 1, or
     mc_returns; a right answer's target reaches 2 rho_max - 1, which mse fits as it is and bce clamps at 1),
-    logprobs [B, T] of the updated actor, behaviour_logprobs [B, T] of mu, the policy that sampled (the sampler's
+    logprobs [B, T] of the updated actor, sampler_logprobs [B, T] of mu, the policy that sampled (the sampler's
     own under TIS, else pi_old), response_mask [B, T]. Returns (targets [B, T] on the +-1 scale, critic_mask [B, T]
     float, metrics)."""
     valid = response_mask.bool()  # [B, T]
-    rho = torch.where(valid, logprobs.detach() - behaviour_logprobs, 0.0).exp()  # [B, T]  rho_t = pi_new / mu
+    rho = torch.where(valid, logprobs.detach() - sampler_logprobs, 0.0).exp()  # [B, T]  rho_t = pi_new / mu
     critic_mask = (valid & (rho >= rho_min) & (rho <= rho_max)).float()  # [B, T]  kept: rho_min <= rho_t <= rho_max
     n = valid.sum().clamp(min=1)
     metrics = {"critic/rho_mean": (rho * valid).sum().item() / n.item(),
@@ -581,7 +618,7 @@ def impact_score(signal, h):
 #    (PACT's practical choice; exact for the last token). It weights the [0, 1] return (R + 1) / 2 for both critics, as
 #    PACT does (on +-1, BCE's targets (1 - rho) / 2 < 0 have no minimum); BCE's soft targets are clamped at 1 (rho > 1).
 # 8. REINFORCE++ has no per-token KL penalty (no reference model). FlashREINFORCE runs synchronously (its trust region
-#    screens only the sampler/trainer gap), mu from behaviour_logprobs (--is-correction none: pi_old, rho = 1); a cut
+#    screens only the sampler/trainer gap), mu from logprobs_of_mu (--is-correction none: pi_old, rho = 1); a cut
 #    response under --overlong-filter leaves its B; AdamW as in 3; --k > 1 (its recipes: 1) averages every rollout.
 # 9. The DAPS constants (--daps-n-c 4, --daps-a-min 0.1, --daps-decay 0.99, --daps-start 10) are ours, not the paper's.
 # 10. Coverage pretraining is the online critic update (critic_epochs per batch) toward Monte-Carlo returns, 10% of
@@ -602,15 +639,6 @@ def impact_score(signal, h):
 # -----------------------------------------------------------------------------------------------------------------
 # 2. The algorithm box: one training step and its phases, then train()
 # -----------------------------------------------------------------------------------------------------------------
-# What each --algo's "auto" flags resolve to (resolve_args): (actor loss, actor lambda, critic lambda, mini-batches:
-# "dapo", mini-batches of 32 prompts). PACT takes lambdas 1 (the actor's but for ppo); eps_low: 0.2 for ppo, else 1.
-ALGO_DEFAULTS = {"s3ac": ("cispo", "adaptive", 1.0, "dapo"),  # decoupled_gae: critic lambda 1, actor 1 - 1/(alpha T)
-                 "ppo": ("ppo", 0.95, 0.95, "dapo"),  # GAE with one lambda
-                 "grpo": ("cispo", "adaptive", 1.0, "dapo"), "rloo": ("cispo", "adaptive", 1.0, "dapo"),
-                 "reinforce_pp": ("cispo", "adaptive", 1.0, "dapo"),  # critic-free: the lambdas are unused
-                 "flash_reinforce": ("flash_reinforce", "adaptive", 1.0, 1)}  # one optimizer step per batch
-
-
 @dataclass
 class Batch:
     """A rollout batch of B sequences: left-padded prompts, right-padded responses, masks, problem indices."""
@@ -683,13 +711,12 @@ def train_step(args: Args, state: TrainState, reward_fn):
     old_logprobs = old_policy_logprobs(args, state, batch)  # [B, T] log pi_old, before the update
     is_weights, m = importance_weights(args, batch, old_logprobs, loss_mask)  # [B, T] TIS: min(pi_old / mu, C)
     metrics.update(m)
-    flash = args.actor_loss == "flash_reinforce"  # its ratio pi / mu is in its loss: log mu for log pi_old, w = 1
-    base = behaviour_logprobs(args, batch, old_logprobs) if flash else old_logprobs  # [B, T] the ratio's denominator
-    metrics.update(train_actor(args, state, batch, is_weights * advantages, base, loss_mask))  # w_t A_t
+    sampler_logprobs = logprobs_of_mu(args, batch, old_logprobs)  # [B, T] log mu (FlashREINFORCE's ratio, PACT's rho)
+    metrics.update(train_actor(args, state, batch, is_weights * advantages, old_logprobs, sampler_logprobs,
+                               loss_mask))  # w_t A_t
     metrics["time/actor"] = synced_time(state.device) - t0
     if state.critic is not None:
-        mu_logprobs = behaviour_logprobs(args, batch, old_logprobs)  # [B, T] log mu, the policy that sampled (PACT)
-        metrics.update(train_critic(args, state, batch, values, returns, mu_logprobs))
+        metrics.update(train_critic(args, state, batch, values, returns, sampler_logprobs))
         metrics.update(critic_metrics(values, returns, rewards, mask, metrics["time/values"] + metrics["time/critic"],
                                       metrics["time/actor"], args.credit_eps))
     metrics.update(step_metrics(args, state, batch, rewards, statuses, metrics))
@@ -809,44 +836,48 @@ def importance_weights(args: Args, batch: Batch, old_logprobs, loss_mask):
     return (w if args.is_correction == "tis" and args.actor_loss != "flash_reinforce" else ones), metrics
 
 
-def behaviour_logprobs(args: Args, batch: Batch, old_logprobs):
-    """log mu [B, T], the policy the rollouts were drawn from, as PACT's rho_t = pi_new / mu reads it: the engine's
-    own log-probs with --is-correction tis (where it gave them), else log pi_old [B, T]."""
+def logprobs_of_mu(args: Args, batch: Batch, old_logprobs):
+    """log mu [B, T], the policy the rollouts were drawn from, as FlashREINFORCE's pi / mu and PACT's rho_t = pi_new
+    / mu read it: the engine's own log-probs with --is-correction tis (where it gave them), else log pi_old [B, T]."""
     if args.is_correction == "tis" and batch.sampler_logprobs is not None:
         return batch.sampler_logprobs.to(old_logprobs.device)  # [B, T]
     return old_logprobs
 
 
-def train_actor(args: Args, state: TrainState, batch: Batch, advantages, old_logprobs, loss_mask):
+def train_actor(args: Args, state: TrainState, batch: Batch, advantages, old_logprobs, sampler_logprobs, loss_mask):
     """update_actor on the batch: advantages [B, T] (TIS-weighted by the caller), old_logprobs [B, T] log pi_old,
-    the token mean over loss_mask [B, T]. Marks the vLLM engine stale. Returns metrics."""
+    sampler_logprobs [B, T] log mu, the token mean over loss_mask [B, T]. Marks the vLLM engine stale. Returns
+    metrics."""
     state.policy.train()
     metrics = update_actor(state.policy, state.actor_opt, batch, advantages, old_logprobs, args, state.update_gen,
-                           loss_mask)
+                           loss_mask, sampler_logprobs)
     if state.engine is not None:
         state.engine.stale = True
     return metrics
 
 
-def update_actor(model, optimizer, batch: Batch, advantages, old_logprobs, args: Args, generator, loss_mask=None):
+def update_actor(model, optimizer, batch: Batch, advantages, old_logprobs, args: Args, generator, loss_mask=None,
+                 sampler_logprobs=None):
     """ACTOR_LOSSES[args.actor_loss] (token mean over loss_mask [B, T], default batch.response_mask) or
     flash_reinforce_loss (sample mean): args.actor_epochs passes of args.minibatches steps. advantages [B, T], TIS's
-    w > 0 applied (for PPO too: min(r wA, clip(r) wA) = w min(rA, clip(r) A)); old_logprobs [B, T]: log pi_old
-    (flash_reinforce: log mu), or None: pi_old is the detached current policy, r = 1. Returns metrics."""
+    w > 0 applied (for PPO too: min(r wA, clip(r) wA) = w min(rA, clip(r) A)). The ratio's denominator: old_logprobs
+    [B, T] log pi_old, or for flash_reinforce sampler_logprobs [B, T] log mu; None: the detached current policy (r =
+    1). Returns metrics."""
     device = advantages.device
     loss_mask = batch.response_mask.to(device) if loss_mask is None else loss_mask  # [B, T]
-    flash = args.actor_loss == "flash_reinforce"  # old_logprobs is log mu then, and num_tokens counts responses
+    flash = args.actor_loss == "flash_reinforce"  # its ratio is pi / mu, and num_tokens counts responses
+    denominator = sampler_logprobs if flash else old_logprobs  # [B, T] log pi_old, or log mu, or None
 
     def loss_fn(rows, mbatch, num_tokens):
         logprobs, entropy = actor_logprobs(model, mbatch, args.temperature)  # [b, t]
         t = logprobs.shape[1]  # the micro-batch's longest response
         mask, adv = loss_mask[rows, :t], advantages[rows, :t]  # [b, t] each
-        pi_old = logprobs.detach() if old_logprobs is None else old_logprobs[rows, :t]  # [b, t] log pi_old
+        den = logprobs.detach() if denominator is None else denominator[rows, :t]  # [b, t] log pi_old, or log mu
         if flash:  # FlashREINFORCE: J = (1/B) sum_i (m_i / T_i) sum_t sg(pi / mu) A log pi; loss = -J
-            pg_loss, m = flash_reinforce_loss(logprobs, pi_old, adv, mask, args.trust_delta, num_tokens)
+            pg_loss, m = flash_reinforce_loss(logprobs, den, adv, mask, args.trust_delta, num_tokens)
             entropy = entropy * mask / mask.sum(1, keepdim=True).clamp(min=1)  # [b, t] a response's mean, summed
         else:  # CISPO: J = sg(clip(r)) * A * log pi, or PPO: J = min(r A, clip(r) A); loss = -(sum of J) / num_tokens
-            pg_loss, m = ACTOR_LOSSES[args.actor_loss](logprobs, pi_old, adv, mask, args.eps_low, args.eps_high,
+            pg_loss, m = ACTOR_LOSSES[args.actor_loss](logprobs, den, adv, mask, args.eps_low, args.eps_high,
                                                        num_tokens=num_tokens)
         return pg_loss, dict(m, pg_loss=pg_loss.detach(), entropy=(entropy * mask).sum() / num_tokens)
 
@@ -856,16 +887,17 @@ def update_actor(model, optimizer, batch: Batch, advantages, old_logprobs, args:
     return {f"actor/{k}": v for k, v in metrics.items()}
 
 
-def train_critic(args: Args, state: TrainState, batch: Batch, values, returns, mu_logprobs):
+def train_critic(args: Args, state: TrainState, batch: Batch, values, returns, sampler_logprobs):
     """update_critic from values [B, T] toward returns [B, T], or PACT's targets (--critic-sync pact): the Monte-Carlo
-    returns weighted by rho_t = pi_new / mu, pi_new from one more pass of the UPDATED actor, mu_logprobs [B, T]."""
+    returns weighted by rho_t = pi_new / mu, pi_new from one more pass of the UPDATED actor,
+    sampler_logprobs [B, T] log mu."""
     t0 = synced_time(state.device)
     mask = batch.response_mask.to(state.device)  # [B, T]
     targets, critic_mask, metrics = returns, mask, {}  # [B, T] each
     if args.critic_sync == "pact":
         with autocast(state.device, compute_dtype(args.dtype, state.device)):
             new_logprobs = policy_logprobs(state.policy, batch, args.temperature, args.micro_batch_tokens)  # [B, T]
-        targets, critic_mask, metrics = pact_targets(returns, new_logprobs, mu_logprobs, mask, args.rho_min,
+        targets, critic_mask, metrics = pact_targets(returns, new_logprobs, sampler_logprobs, mask, args.rho_min,
                                                      args.rho_max)  # [B, T] each
     state.critic.train()
     metrics.update(update_critic(state.critic, state.critic_opt, batch, values, targets, critic_mask, args,
@@ -943,7 +975,7 @@ def optimize(module, optimizer, batch: Batch, loss_fn, token_mask, epochs: int, 
 
 
 def step_metrics(args: Args, state: TrainState, batch: Batch, rewards, statuses: list, metrics: dict):
-    """The step's rollout/, verify/, prompts/, readiness/ metrics and perf/padding: pad / computed slots over
+    """The step's rollout/, verify/, prompts/ metrics and perf/padding: pad / computed slots over
     its passes (no-grad ones over the batch, and the updates' pad_slots and slots, taken out of metrics)."""
     mask = batch.response_mask.to(rewards.device)  # [B, T]
     passes = 1 + (state.critic is not None) + (args.critic_sync == "pact")  # no-grad: log pi_old, values, PACT's
@@ -952,8 +984,7 @@ def step_metrics(args: Args, state: TrainState, batch: Batch, rewards, statuses:
         pad, slots = pad + metrics.pop(f"{part}/pad_slots", 0), slots + metrics.pop(f"{part}/slots", 0)
     trained = batch.prompt_index.unique()  # prompts of this step's training batch
     rate = state.successes[trained] / state.attempts[trained].clamp(min=1e-12)  # running success rate
-    out = headroom(rewards, batch.prompt_index, args.alpha_headroom)[1] if args.k >= 2 else {}  # K = 1: evaluations'
-    return {**out, "perf/padding": pad / max(slots, 1), "rollout/reward": rewards.mean().item(),
+    return {"perf/padding": pad / max(slots, 1), "rollout/reward": rewards.mean().item(),
             "rollout/acc": succeeded(rewards).float().mean().item(), "rollout/response_len": mask.sum(1).mean().item(),
             "rollout/truncated": batch.truncated.float().mean().item(),
             **{f"verify/{s}": statuses.count(s) for s in Verifier.STATUSES[2:]},  # zeros included
@@ -1725,46 +1756,9 @@ def generate_responses(args: Args, state: TrainState, prompts: list, index: list
 
 
 # -----------------------------------------------------------------------------------------------------------------
-# 4. Plumbing. A reader may stop here: kernels.py's import, the math verifier, flags, data, model loading, vLLM,
+# 4. Plumbing. A reader may stop here: the math verifier, flags, data, model loading, vLLM,
 #    torchrun/FSDP2, checkpoints, logging, evaluation I/O, plots, main. Nothing below changes the algorithm.
 # -----------------------------------------------------------------------------------------------------------------
-# === kernels.py, under its own module name ===
-def _import_kernels_py():
-    """kernels.py beside this file as module `s3ac_kernels`: transformers >= 5.25 imports Hugging Face's kernel-hub
-    package as `kernels`, which kernels.py would shadow, so the hub package (where installed) is imported first with
-    kernels.py hidden. Raises ImportError if kernels.py was imported as `kernels` already or the hub one is broken."""
-    import importlib.util
-    path = os.path.join(os.path.dirname(os.path.realpath(__file__)), "kernels.py")
-    earlier = sys.modules.get("kernels")
-    if earlier is not None and os.path.realpath(getattr(earlier, "__file__", None) or "") == path:
-        raise ImportError(f"{path} was imported as module `kernels` before s3ac, a name that belongs to Hugging Face's "
-                          f"kernel-hub package (transformers >= 5.25 imports it): use `from s3ac import kernels`")
-    if "kernels" not in sys.modules:
-        saved = sys.path[:]
-        sys.path[:] = [p for p in sys.path if not os.path.isfile(os.path.join(p or os.curdir, "kernels.py"))]
-        try:
-            import kernels  # noqa: F401  Hugging Face's, where installed
-        except ModuleNotFoundError as e:
-            if e.name != "kernels":
-                raise
-        finally:
-            sys.path[:] = saved
-    if "s3ac_kernels" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("s3ac_kernels", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["s3ac_kernels"] = module
-        try:
-            spec.loader.exec_module(module)
-        except BaseException:
-            del sys.modules["s3ac_kernels"]
-            raise
-    sys.modules.setdefault("kernels", sys.modules["s3ac_kernels"])  # no hub package: one module under both names
-    return sys.modules["s3ac_kernels"]
-
-
-kernels = _import_kernels_py()
-
-
 # === The math verifier, the default reward (section 3a). Its answer policy, applied before any comparison: ===
 #   1. A response cut off at --max-new-tokens (no stop token) has no final answer: status "truncated". Thinking is
 #      set aside first: only the text after the last </think> is graded; a <think> block never closed is no answer.
@@ -2151,6 +2145,23 @@ def flag(default, help: str):
     return dataclasses.field(default=default, metadata={"help": help.replace("%", "%%")})
 
 
+def number_or(kind: type, *words: str):
+    """An Args field's type: one of `words` (auto, ...) or a number of `kind` (int refuses 2.5), from a flag's text or
+    a value; the parser calls it on the flag, resolve_args on a value set in code. ArgumentTypeError names the rule."""
+    def parse(value):
+        if value in words:
+            return value
+        try:
+            number = kind(value)
+            if kind is int and float(value) != number:
+                raise ValueError
+            return number
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"{value!r}: expected {'an integer' if kind is int else 'a number'} or "
+                                             f"one of {words}") from None
+    return parse
+
+
 @dataclass
 class Args:
     """Every setting of a run: one --field-name flag per field (parse_args), its help text beside it."""
@@ -2160,7 +2171,7 @@ class Args:
     dtype: str = flag("auto", "autocast: auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16; weights stay fp32")
     device: str = flag("auto", "auto | cpu | cuda")
     cache_dir: str = flag("~/.cache/s3ac", "where .gguf models are converted to safetensors, once")
-    gradient_checkpointing: str = flag("auto", "recompute activations in backward: true | false | auto (memory plan)")
+    gradient_checkpointing: Literal["auto", "true", "false"] = flag("auto", "recompute activations in backward: true | false | auto (memory plan)")
     # data
     data: str = flag(DAPO_MATH, "training problems: hub name[:config], .jsonl/.parquet file, or builtin:arithmetic[:N]")
     eval_data: str = flag("HuggingFaceH4/MATH-500", "sources like --data, comma-separated, or heldout (out of --data)")
@@ -2172,14 +2183,14 @@ class Args:
     prompt_template: str = flag("", "overrides the chat template: a string with {question}")
     instruction: str = flag(INSTRUCTION, "appended to the question in the chat (or plain) template")
     # algorithm (the flags left at "auto" are resolved once by resolve_args and printed)
-    algo: str = flag("s3ac", "advantages: s3ac | ppo (critic, GAE) | grpo | rloo | reinforce_pp | flash_reinforce")
-    actor_loss: str = flag("auto", "cispo | ppo (clipped surrogate) | flash_reinforce (sg(pi / mu) A log pi, sample "
+    algo: Literal["s3ac", "ppo", "grpo", "rloo", "reinforce_pp", "flash_reinforce"] = flag("s3ac", "advantages: s3ac | ppo (critic, GAE) | grpo | rloo | reinforce_pp | flash_reinforce")
+    actor_loss: Literal["auto", "cispo", "ppo", "flash_reinforce"] = flag("auto", "cispo | ppo (clipped surrogate) | flash_reinforce (sg(pi / mu) A log pi, sample "
                            "mean, sequence trust region) | auto: the --algo's own (ppo, flash_reinforce), else cispo")
     grpo_std: bool = flag(True, "grpo: divide by the group's population std (false: mean-centring only)")
     dynamic_sampling: bool = flag(False, "drop groups whose rewards are all equal, refill with new prompts (K >= 2)")
     max_refills: int = flag(3, "dynamic sampling: extra generation rounds per step, at most")
     # rollout
-    rollout: str = flag("auto", "auto (vllm when CUDA and vllm are available, else hf) | vllm | hf (transformers)")
+    rollout: Literal["auto", "vllm", "hf"] = flag("auto", "auto (vllm when CUDA and vllm are available, else hf) | vllm | hf (transformers)")
     batch_prompts: int = flag(512, "prompts per step (DAPO's recipe)")
     k: int = flag(1, "rollouts per prompt (1 = S3AC's single-rollout mode, >1 = group mode; the paper's is 16)")
     max_new_tokens: int = flag(3072, "response length limit, tokens (Qwen2.5-Math: 4096-token context less the prompt)")
@@ -2194,29 +2205,29 @@ class Args:
     reward_fn: str = flag("math", "training reward: math (the verifier) | path/to/file.py:function, R in [-1, 1]")
     eval_reward_fn: str = flag("auto", "evaluations' reward: auto (the training reward) | math | file.py:function")
     verify_timeout: float = flag(10.0, "seconds per answer before the check is killed and counted as a timeout")
-    answer_fallback: str = flag("final_number", "no box: final_number (a number gold: the last statement's) | none")
+    answer_fallback: Literal["final_number", "none"] = flag("final_number", "no box: final_number (a number gold: the last statement's) | none")
     overlong_filter: bool = flag(False, "DAPO: responses cut at the limit leave the actor loss, not the critic's")
     log_samples: int = flag(4, "rollouts per step appended to <out_dir>/samples.jsonl (every evaluation writes all)")
     # GAE
     gamma: float = flag(1.0, "discount")
-    critic_lam: str = flag("auto", "lambda of the critic's targets in (0, 1] | auto: 0.95 for ppo (not pact), else 1")
-    actor_lam: str = flag("auto", "(0, 1] | adaptive: 1 - 1/(alpha T_i) | auto: 0.95 ppo, 1 pact, else adaptive")
+    critic_lam: number_or(float, "auto") = flag("auto", "lambda of the critic's targets in (0, 1] | auto: 0.95 for ppo (not pact), else 1")
+    actor_lam: number_or(float, "auto", "adaptive") = flag("auto", "(0, 1] | adaptive: 1 - 1/(alpha T_i) | auto: 0.95 ppo, 1 pact, else adaptive")
     alpha: float = flag(1.5, "adaptive actor lambda_i = 1 - 1/(alpha * T_i); VAPO itself uses alpha = 0.05")
     # actor
     lr: float = flag(1e-6, "actor learning rate")
-    eps_low: str = flag("auto", "lower clip, relative: ratio or weight >= 1 - eps_low | auto: 1 cispo (none), 0.2 ppo")
+    eps_low: number_or(float, "auto") = flag("auto", "lower clip, relative: ratio or weight >= 1 - eps_low | auto: 1 cispo (none), 0.2 ppo")
     eps_high: float = flag(0.28, "upper clip, relative: ratio (ppo) or weight (cispo) <= 1 + eps_high")
     actor_grad_clip: float = flag(1.0, "global grad-norm clip of the actor")
     actor_epochs: int = flag(1, "passes over each rollout batch")
-    adv_norm: str = flag("none", "the actor's advantages (never the critic's returns): none | center: less their "
+    adv_norm: Literal["none", "center", "whiten"] = flag("none", "the actor's advantages (never the critic's returns): none | center: less their "
                          "token mean over the batch | whiten: centred and / their std (as verl)")
-    is_correction: str = flag("tis", "tis: each token's actor loss times min(pi_old / mu_sampler, is_cap) | none")
+    is_correction: Literal["tis", "none"] = flag("tis", "tis: each token's actor loss times min(pi_old / mu_sampler, is_cap) | none")
     is_cap: float = flag(2.0, "tis: the cap C of the weight")
     trust_delta: float = flag(3e-3, "flash_reinforce: a response with mean Bernoulli KL(mu || pi) above this leaves "
                               "the loss (FlashREINFORCE's Qwen2.5-Math recipe; inf: no region)")
     # critic (s3ac and ppo only; the critic-free algorithms load no critic)
-    critic_loss: str = flag("mse", "mse: clipped value loss | bce: sigmoid critic, soft BCE toward (target + 1) / 2")
-    critic_sync: str = flag("s3ac", "s3ac: fit the returns | pact: fit rho_t-weighted ones after the actor update")
+    critic_loss: Literal["mse", "bce"] = flag("mse", "mse: clipped value loss | bce: sigmoid critic, soft BCE toward (target + 1) / 2")
+    critic_sync: Literal["s3ac", "pact"] = flag("s3ac", "s3ac: fit the returns | pact: fit rho_t-weighted ones after the actor update")
     rho_min: float = flag(0.0, "pact: tokens with rho_t outside [rho_min, rho_max] leave the critic loss (rho > 0)")
     rho_max: float = flag(6.0, "pact: upper bound of the kept rho_t")
     critic_lr_ratio: float = flag(5.0, "critic learning rate = critic_lr_ratio * lr")
@@ -2227,7 +2238,7 @@ class Args:
     critic_layers: int = flag(0, "0: a separate critic model | k: a copy of the actor's last k blocks on its trunk")
     credit_eps: float = flag(0.05, "critic/credit_sparsity counts token credits |C_i| > credit_eps ([0, 1] scale)")
     # critic pretraining (before step 1; the actor is frozen)
-    critic_warmup_steps: str = flag("auto", "critic updates on fresh rollouts before step 1: N | plateau: until "
+    critic_warmup_steps: number_or(int, "auto", "plateau") = flag("auto", "critic updates on fresh rollouts before step 1: N | plateau: until "
                                     "the held-out fit stops improving (<= 8) | auto: plateau (0: coverage, no critic)")
     coverage_models: str = flag("", "coverage: comma-separated checkpoints/names of other policies (same tokenizer)")
     coverage_temperatures: str = flag("", "comma-separated; each temperature is one more policy (empty = temperature)")
@@ -2235,14 +2246,14 @@ class Args:
     coverage_epochs: int = flag(2, "passes over the coverage trajectories")
     coverage_data: str = flag("", "reuse a saved trajectory file instead of generating one")
     # prompt selection
-    prompt_selection: str = flag("uniform", "uniform | daps (difficulty-aware, S3AC)")
+    prompt_selection: Literal["uniform", "daps"] = flag("uniform", "uniform | daps (difficulty-aware, S3AC)")
     daps_start: int = flag(10, "steps of uniform selection before DAPS takes over")
     daps_n_c: float = flag(4.0, "weight of the critic's p_c, in pseudo-attempts")
     daps_a_min: float = flag(0.1, "acceptance floor for very easy and very hard prompts, in (0, 1]")
     daps_decay: float = flag(0.99, "per-step decay of the success and attempt counts")
     # updates (actor and critic)
-    minibatches: str = flag("auto", "optimizer steps per pass | auto: batch_prompts // 32, >= 1 (flash_reinforce: 1)")
-    micro_batch_tokens: str = flag("auto", "slots per forward/backward, rows x (longest prompt + response), longest "
+    minibatches: number_or(int, "auto") = flag("auto", "optimizer steps per pass | auto: batch_prompts // 32, >= 1 (flash_reinforce: 1)")
+    micro_batch_tokens: number_or(int, "auto") = flag("auto", "slots per forward/backward, rows x (longest prompt + response), longest "
                                    "rows first; gradients accumulate over a mini-batch | auto: the memory plan's")
     max_skipped_steps: int = flag(3, "stop after this many steps in a row that skipped an optimizer step (a non-finite "
                                   "grad norm; counted in actor/ and critic/skipped_steps); 0 = never stop")
@@ -2257,31 +2268,25 @@ class Args:
     eval_every: int = flag(10, "steps between greedy evaluations (0 = only at the start and the end)")
     eval_size: int = flag(500, "problems per evaluation source, at most (the first ones; heldout: one fixed sample)")
     eval_k: int = flag(32, "competition sets (aime*, amc*, hmmt*) also report avg@k over k samples at --temperature")
-    eval_max_new_tokens: str = flag("auto", "response length limit of evaluations, tokens; auto = max_new_tokens")
+    eval_max_new_tokens: number_or(int, "auto") = flag("auto", "response length limit of evaluations, tokens; auto = max_new_tokens")
     save_every: int = flag(10, "steps between checkpoints (0 = only at the end)")
     keep_checkpoints: int = flag(2, "newest checkpoints kept on disk")
     resume: bool = flag(False, "continue from the newest checkpoint in out_dir; changed flags apply (printed), but "
                         "--model, --critic-model, --algo, --critic-loss, --critic-layers, --seed, the data must stay")
-    report_to: str = flag("none", "none | tensorboard (<out_dir>/tb) | wandb; metrics.jsonl is always written")
+    report_to: Literal["none", "tensorboard", "wandb"] = flag("none", "none | tensorboard (<out_dir>/tb) | wandb; metrics.jsonl is always written")
     debug: bool = flag(False, "show the traceback of a data, model or flag error (default: one line)")
-    plot: bool = flag(False, "at the end, draw <out_dir>/curves.png from metrics.jsonl (python s3ac.py plot)")
-    # readiness/headroom (.ci/readiness.py table has the rest): every step's groups at K >= 2, else each evaluation
-    alpha_headroom: float = flag(1.0, "alpha of the headroom H_alpha: the K samples reweighted by exp(alpha R)")
-    headroom_k: int = flag(4, "K = 1: samples per problem each evaluation draws for readiness/headroom; 0 = none")
-    headroom_prompts: int = flag(32, "K = 1: the first this many problems of the first evaluation source; 0 = none")
 
 
 def parse_args(argv=None) -> Args:
-    """Args from the command line (transformers.HfArgumentParser: --flag, --flag false, --no-flag for a true bool),
-    NAMED_OR_NUMBER fields parsed, resolve_args checked: a bad value stops in one line, exit status 2."""
+    """Args from the command line (transformers.HfArgumentParser: --flag, --flag false, --no-flag for a true bool;
+    a Literal field's choices, number_or's words or number), resolve_args checked: a bad value stops in one line,
+    exit status 2."""
     from transformers import HfArgumentParser
-    parser = HfArgumentParser(Args, description=__doc__.split("\n")[0], epilog="python s3ac.py plot --help: "
+    parser = HfArgumentParser(Args, description=__doc__.split("\n")[0], epilog="python .ci/curves.py --help: "
                               "training curves; ./run.sh compare: side-by-side runs (.ci/compare.py)")
     parser.error = lambda message: parser.exit(2, f"s3ac.py: error: {message}\n")  # one line, no usage block
     try:
         (args,) = parser.parse_args_into_dataclasses(argv, look_for_args_file=False)
-        args = dataclasses.replace(args, **{name: _named_or_number(name, getattr(args, name), *named_and_type)
-                                            for name, named_and_type in NAMED_OR_NUMBER.items()})
         resolve_args(args)  # a bad choice or combination stops here
     except ValueError as e:
         parser.error(" ".join(str(e).split()))
@@ -2289,27 +2294,22 @@ def parse_args(argv=None) -> Args:
 
 
 CRITIC_ALGOS = ("s3ac", "ppo")  # the algorithms that train a critic; grpo, rloo, reinforce_pp, flash_reinforce do not
-NAMED_OR_NUMBER = {  # the fields that take a number or a named value: (named values, number type)
-    "actor_lam": (("auto", "adaptive"), float), "critic_lam": (("auto",), float), "eps_low": (("auto",), float),
-    "eval_max_new_tokens": (("auto",), int), "critic_warmup_steps": (("auto", "plateau"), int),
-    "minibatches": (("auto",), int), "micro_batch_tokens": (("auto",), int)}
 
 
-def resolve_args(args: Args) -> Args:
-    """A checked copy of args, each "auto" replaced as its help says (but --critic-model, --prompt-key, --answer-key);
-    idempotent. ValueError: an unknown choice, a number out of domain, a critic feature and no critic, K < 2 groups."""
-    choices = {"algo": tuple(ALGO_DEFAULTS),
-               "actor_loss": ("auto", "cispo", "ppo", "flash_reinforce"),
-               "rollout": ("auto", "vllm", "hf"), "report_to": ("none", "tensorboard", "wandb"),
-               "critic_loss": ("mse", "bce"), "critic_sync": ("s3ac", "pact"), "prompt_selection": ("uniform", "daps"),
-               "answer_fallback": ANSWER_FALLBACKS, "is_correction": ("tis", "none"),
-               "adv_norm": ("none", "center", "whiten"),
-               "gradient_checkpointing": ("auto", "true", "false")}
-    for name, allowed in choices.items():
-        if getattr(args, name) not in allowed:
-            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)!r}: expected one of {allowed}")
-    args = dataclasses.replace(args, **{name: _named_or_number(name, getattr(args, name), *named_and_type)
-                                        for name, named_and_type in NAMED_OR_NUMBER.items()})
+def resolve_args(args: Args, say=None) -> Args:
+    """A checked copy of args, each "auto" replaced by the rule of the block at its end (but --critic-model,
+    --prompt-key, --answer-key, --micro-batch-tokens and --gradient-checkpointing, resolved where used), each said
+    with say(line) when given; idempotent. ValueError: an unknown choice, a number out of domain, a critic feature and
+    no critic, K < 2 groups."""
+    for name, kind in typing.get_type_hints(Args).items():  # Literal choices and number_or fields set in code
+        value, flag = getattr(args, name), f"--{name.replace('_', '-')}"
+        if typing.get_origin(kind) is typing.Literal and value not in typing.get_args(kind):
+            raise ValueError(f"{flag} {value!r}: expected one of {typing.get_args(kind)}")
+        if getattr(kind, "__qualname__", "") == "number_or.<locals>.parse":
+            try:
+                args = dataclasses.replace(args, **{name: kind(value)})
+            except argparse.ArgumentTypeError as e:
+                raise ValueError(f"{flag} {e}") from None
     unit = lambda x: 0 < x <= 1  # in (0, 1]
     number = lambda x: isinstance(x, float)  # not a named value
     domains = {  # every numeric flag: (holds, what it must be); a NaN fails every test
@@ -2320,8 +2320,7 @@ def resolve_args(args: Args) -> Args:
         **{name: (getattr(args, name) >= 0, ">= 0") for name in (
             "max_refills", "top_k", "vllm_max_model_len", "eps_high", "rho_min", "credit_eps",
             "daps_start", "daps_n_c", "steps", "threads", "eval_every", "save_every",
-            "log_samples", "critic_layers", "max_minutes", "max_skipped_steps", "alpha_headroom",
-            "headroom_prompts", "trust_delta")},
+            "log_samples", "critic_layers", "max_minutes", "max_skipped_steps", "trust_delta")},
         **{name: (getattr(args, name) > 0, "> 0") for name in (
             "temperature", "verify_timeout", "alpha", "lr", "is_cap", "actor_grad_clip", "critic_lr_ratio",
             "critic_grad_clip",
@@ -2337,8 +2336,7 @@ def resolve_args(args: Args) -> Args:
                                 ">= 0, or plateau, or auto"),
         "minibatches": (args.minibatches == "auto" or args.minibatches >= 1, "at least 1, or auto"),
         "micro_batch_tokens": (args.micro_batch_tokens == "auto" or args.micro_batch_tokens >= 1, ">= 1, or auto"),
-        "rho_max": (args.rho_max > args.rho_min, f"above --rho-min {args.rho_min}"),
-        "headroom_k": (args.headroom_k == 0 or args.headroom_k >= 2, "0 (none) or at least 2")}
+        "rho_max": (args.rho_max > args.rho_min, f"above --rho-min {args.rho_min}")}
     for name, (holds, rule) in domains.items():
         if not holds:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be {rule}")
@@ -2359,32 +2357,25 @@ def resolve_args(args: Args) -> Args:
     if pact and args.critic_lam not in ("auto", 1.0):
         raise ValueError(f"--critic-lam {args.critic_lam}: --critic-sync pact weights Monte-Carlo returns, so the "
                          f"critic's lambda must be 1 (or auto)")
-    own_loss, actor_lam, critic_lam, minibatches = ALGO_DEFAULTS[args.algo]
-    actor_lam, critic_lam = (1.0 if pact and not ppo else actor_lam), (1.0 if pact else critic_lam)
+    # Every "auto" rule, in one block: the value it becomes and the rule, said (say) beside the value at start
+    own_loss = {"ppo": "ppo", "flash_reinforce": "flash_reinforce"}.get(args.algo, "cispo")
     actor_loss = own_loss if args.actor_loss == "auto" else args.actor_loss
-    auto = lambda value, resolved: resolved if value == "auto" else value
-    return dataclasses.replace(
-        args, actor_loss=actor_loss, actor_lam=auto(args.actor_lam, actor_lam),
-        critic_lam=auto(args.critic_lam, critic_lam),
-        eps_low=auto(args.eps_low, 0.2 if actor_loss == "ppo" else 1.0),
-        eval_max_new_tokens=auto(args.eval_max_new_tokens, args.max_new_tokens),
-        critic_warmup_steps=auto(args.critic_warmup_steps, "plateau" if args.algo in CRITIC_ALGOS and
-                                 not uses_coverage(args) else 0),
-        minibatches=auto(args.minibatches, max(1, args.batch_prompts // 32) if minibatches == "dapo" else minibatches))
-
-
-def _named_or_number(name: str, value, words: tuple, number_type=float):
-    """value if one of the named `words`, else value as number_type (int refuses 2.5); ValueError naming --name."""
-    if value in words:
-        return value
-    try:
-        number = number_type(value)
-        if number_type is int and float(value) != number:
-            raise ValueError
-        return number
-    except (TypeError, ValueError):
-        kind = "an integer" if number_type is int else "a number"
-        raise ValueError(f"--{name.replace('_', '-')} {value!r}: expected {kind} or one of {words}") from None
+    rules = {"actor_loss": (own_loss, "the --algo's own: ppo for ppo, flash_reinforce for flash_reinforce, else cispo"),
+             "actor_lam": (0.95 if ppo else 1.0 if pact else "adaptive", "0.95 for ppo (GAE), 1 under --critic-sync "
+                           "pact (PACT's Monte-Carlo credit), else adaptive: 1 - 1/(alpha T_i) (VAPO)"),
+             "critic_lam": (0.95 if ppo and not pact else 1.0, "0.95 for ppo (not under pact), else 1: Monte-Carlo "
+                            "returns"),
+             "eps_low": (0.2 if actor_loss == "ppo" else 1.0, "0.2 for the ppo loss, else 1: no lower clip (CISPO)"),
+             "minibatches": (1 if args.algo == "flash_reinforce" else max(1, args.batch_prompts // 32),
+                             "--batch-prompts // 32, at least 1 (DAPO's mini-batches of 32 prompts); 1 for "
+                             "flash_reinforce"),
+             "critic_warmup_steps": ("plateau" if args.algo in CRITIC_ALGOS and not uses_coverage(args) else 0,
+                                     "plateau with a critic and no coverage pretraining, else 0"),
+             "eval_max_new_tokens": (args.max_new_tokens, "--max-new-tokens")}
+    chosen = {name: rule for name, rule in rules.items() if getattr(args, name) == "auto"}
+    for name, (value, rule) in chosen.items() if say else ():
+        say(f"--{name.replace('_', '-')} {value} (auto: {rule})")
+    return dataclasses.replace(args, **{name: value for name, (value, _) in chosen.items()})
 
 
 def uses_coverage(args: Args) -> bool:
@@ -2691,9 +2682,8 @@ class Run:
             fn.close()
         self.tracker.close()
         if self.main and error is None:
-            curves = (plot_runs([self.args.out_dir], os.path.join(self.args.out_dir, "curves.png")) if self.args.plot
-                      else f"python s3ac.py plot {self.args.out_dir}")
-            print(f"metrics: {self.metrics_path}\nsamples: {self.samples_path}\ncurves: {curves}", file=sys.stderr)
+            print(f"metrics: {self.metrics_path}\nsamples: {self.samples_path}\ncurves: python .ci/curves.py "
+                  f"{self.args.out_dir}", file=sys.stderr)
 
 
 def setup_run(args: Args, reward_fn=None, eval_reward_fn=None) -> Run:
@@ -2701,9 +2691,10 @@ def setup_run(args: Args, reward_fn=None, eval_reward_fn=None) -> Run:
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # one tqdm bar: the training steps
-    args = resolve_args(args)
     rank, world, device = init_distributed(args.device)
     main = rank == 0
+    autos = []  # what each "auto" became, and why: said with every flag once the run is set up
+    args = resolve_args(args, autos.append)
     if world > 1 and (args.dynamic_sampling or uses_coverage(args)):
         raise ValueError("--dynamic-sampling and coverage pretraining run in a single process in this version")
     if args.batch_prompts % world:
@@ -2714,13 +2705,6 @@ def setup_run(args: Args, reward_fn=None, eval_reward_fn=None) -> Run:
                          f"there was changed (run without --resume to start over, which replaces its logs)")
     reward_fn, eval_reward_fn, owned = make_rewards(args, reward_fn, eval_reward_fn)  # section 3a
     if main:
-        print(f"s3ac: --algo {args.algo} --actor-loss {args.actor_loss} --eps-low {args.eps_low}" +
-              (f" --actor-lam {args.actor_lam} --critic-lam {args.critic_lam} --critic-loss {args.critic_loss} "
-               f"--critic-sync {args.critic_sync} --critic-warmup-steps {args.critic_warmup_steps}"
-               if args.algo in CRITIC_ALGOS else " (no critic)") +
-              f" --is-correction {args.is_correction} --minibatches {args.minibatches}" +
-              (f" --trust-delta {args.trust_delta}" if args.actor_loss == "flash_reinforce" else "") +
-              (f" on {world} ranks" if world > 1 else ""), file=sys.stderr)
         os.makedirs(args.out_dir, exist_ok=True)
     kernels.set_backend(args.kernels)
     if args.threads:
@@ -2741,6 +2725,10 @@ def setup_run(args: Args, reward_fn=None, eval_reward_fn=None) -> Run:
     train_problems, train_prompts, eval_sets = prepare_prompts(args, tokenizer, train_problems, eval_sources, main)
     check_context(args, actor_src, uses_vllm(args, device), train_prompts, eval_sets)  # before any model loads
     args = apply_memory_plan(args, actor_src, device, world)  # --micro-batch-tokens, --gradient-checkpointing auto
+    every = " ".join(f"--{f.name.replace('_', '-')} {shlex.quote(str(getattr(args, f.name)))}"
+                     for f in dataclasses.fields(args))  # every flag as it applies (model, keys: as given)
+    for line in autos + [every + (f" on {world} ranks" if world > 1 else "")] if main else ():
+        print("s3ac:", line, file=sys.stderr)
     changed = check_resume(ckpt, args, train_problems) if ckpt else []
     if main and changed is None:
         print(f"--resume: {ckpt} has no run.json (an older checkpoint): its flags and data are not checked",
@@ -3584,24 +3572,14 @@ def evaluate_sources(generate, tokenizer, sources, reward_fn, eval_k: int, rank:
 
 
 def run_evaluation(args: Args, state: TrainState, eval_sets: list, reward_fn, samples_path: str, say) -> dict:
-    """The eval/* metrics of evaluate_sources on eval_sets (rank 0 logs completions to samples_path, says one line);
-    at K = 1 also readiness/headroom of --headroom-k own-seeded answers to the first --headroom-prompts problems."""
+    """The eval/* metrics of evaluate_sources on eval_sets (rank 0 logs completions to samples_path, says one line)."""
     t0 = time.time()
     bar = f"step {state.step} eval" if state.rank == 0 else None  # the name of a progress bar of the prompts done
     generate = functools.partial(generate_responses, args, state, max_new_tokens=args.eval_max_new_tokens, progress=bar)
     seed = args.seed * 1_000_003 + 1_009 * state.step + state.rank  # the evaluation's own draws, alike on a resume
     m, samples = evaluate_sources(generate, state.tokenizer, eval_sets, reward_fn, args.eval_k, state.rank,
-                                  state.world, seed + 1, state.device)
-    _, problems, prompts = eval_sets[0]
-    index = [i for i in range(min(args.headroom_prompts, len(problems))) for _ in range(args.headroom_k)]
-    if args.k == 1 and index:  # readiness/headroom of sampled answers (at K >= 2 train_step reads its own groups)
-        with own_draws(seed, state.device):  # training's draws untouched
-            batch = generate([prompts[i] for i in index], index, greedy=False,  # every rank the same prompts
-                             progress=bar and f"{bar}: headroom")
-        texts = state.tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
-        rewards, _ = call_reward(reward_fn, [problems[i].answer for i in index], texts, batch.truncated.tolist())
-        m.update(headroom(rewards, batch.prompt_index, args.alpha_headroom)[1])
-    m["time/eval"] = time.time() - t0  # the headroom's samples included
+                                  state.world, seed, state.device)
+    m["time/eval"] = time.time() - t0
     samples = gather_records(samples)  # every rank's completions, on rank 0
     for record in samples if state.rank == 0 else ():
         log_metrics(samples_path, {"step": state.step, "split": "eval", **record})
@@ -3657,73 +3635,7 @@ class Tracker:
             self.run.finish() if self.kind == "wandb" else self.run.close()
 
 
-# --- Curves (python s3ac.py plot RUN_DIR ... -o F.png) and main ---
-def read_records(run_dir: str) -> list:
-    """<run_dir>/metrics.jsonl's records, with "minutes" of training (evaluations left out) and "samples" so far."""
-    records, seconds, samples = [], 0.0, 0
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        for r in map(json.loads, f):
-            if "perf/step_s" in r:  # a training step (step 0's evaluation comes before any training)
-                seconds += r["perf/step_s"] - (r.get("time/eval") or 0.0)
-            seconds += r.get("time/pretrain") or 0.0
-            samples += r.get("rollout/samples") or 0
-            records.append(dict(r, minutes=seconds / 60, samples=samples))
-    return records
-
-
-PLOT_PANELS = [("minutes", "eval/pass@1", "greedy pass@1 against training minutes (evaluations left out)"),
-               ("samples", "eval/pass@1", "greedy pass@1 against generated samples"),
-               ("step", "rollout/reward", "training reward"), ("step", "critic/explained_var", "token-level EV"),
-               ("step", "critic/adv_explained_var", "V(s_0) EV"), ("step", "critic/compute_ratio", "c"),
-               ("step", "rollout/response_len", "response length"), ("step", "actor/entropy", "entropy")]
-
-
-def curves_figure(run_dirs: list):
-    """A matplotlib figure: a panel per PLOT_PANELS (x, y, title), a line per run (its directory); nulls skipped."""
-    import matplotlib.pyplot as plt
-    names = [os.path.basename(os.path.normpath(d)) for d in run_dirs]
-    labels = names if len(set(names)) == len(names) else list(run_dirs)
-    colours = plt.get_cmap("tab10" if len(run_dirs) <= 10 else "tab20")
-    fig, axes = plt.subplots(2, 4, figsize=(22, 9))
-    for i, (run_dir, label) in enumerate(zip(run_dirs, labels)):
-        records = read_records(run_dir)
-        for ax, (x, y, _) in zip(axes.flat, PLOT_PANELS):
-            points = [(r[x], r[y]) for r in records if isinstance(r.get(y), (int, float)) and math.isfinite(r[y])]
-            if points:
-                ax.plot(*zip(*points), marker="o" if y == "eval/pass@1" else None, label=label,
-                        color=colours(i % colours.N))
-    for ax, (x, y, title) in zip(axes.flat, PLOT_PANELS):
-        ax.set(title=title, xlabel=x, ylabel=y)
-        ax.grid(alpha=0.3)
-    axes.flat[0].legend(fontsize=8)
-    fig.tight_layout()
-    return fig
-
-
-def plot_runs(run_dirs: list, out: str) -> str:
-    """Training curves of several runs in one PNG, one colour per run.
-    Draws curves_figure(run_dirs) into `out`; returns out."""
-    import matplotlib
-    matplotlib.use("Agg")  # a file, no display
-    import matplotlib.pyplot as plt
-    fig = curves_figure(run_dirs)
-    fig.savefig(out, dpi=90)
-    plt.close(fig)
-    return out
-
-
-def plot(argv=None):
-    """python s3ac.py plot RUN_DIR [RUN_DIR ...] -o FILE.png: the curves of plot_runs."""
-    parser = argparse.ArgumentParser(prog="s3ac.py plot", description=plot_runs.__doc__.split("\n")[0])
-    parser.add_argument("run_dirs", nargs="+", help="directories with a metrics.jsonl")
-    parser.add_argument("-o", "--out", default="curves.png", help="the PNG to write")
-    opts = parser.parse_args(argv)
-    missing = [d for d in opts.run_dirs if not os.path.isfile(os.path.join(d, "metrics.jsonl"))]
-    if missing:
-        parser.error(f"no metrics.jsonl in {', '.join(missing)}")
-    print(plot_runs(**vars(opts)))
-
-
+# --- main ---
 def main(argv=None):
     """`python s3ac.py [flags]`: train. A bad flag stops in parse_args; an error from the data, the model or a
     checkpoint (ValueError, OSError, ImportError), or a streak of non-finite gradients (FloatingPointError), ends the
@@ -3739,8 +3651,9 @@ def main(argv=None):
 
 if __name__ == "__main__":
     command = sys.argv[1] if len(sys.argv) > 1 else ""
-    if command in ("compare", "gpu-check"):  # the harnesses live in .ci/
-        sys.exit(f"s3ac.py: {command} is ./run.sh {command} (python .ci/{command.replace('-', '_')}.py --help)")
-    if command == "readiness":
-        sys.exit("s3ac.py: readiness is python .ci/readiness.py table (python .ci/readiness.py table --help)")
-    {"plot": plot, "memory": memory}.get(command, lambda _: main())(sys.argv[2:])
+    tools = {"compare": "./run.sh compare (python .ci/compare.py --help)", "gpu-check": "./run.sh gpu-check (python "
+             ".ci/gpu_check.py --help)", "readiness": "python .ci/readiness.py table --help", "plot": "python "
+             ".ci/curves.py RUN_DIR ... -o FILE.png"}  # the tools in .ci/
+    if command in tools:
+        sys.exit(f"s3ac.py: {command} is {tools[command]}")
+    (memory if command == "memory" else lambda _: main())(sys.argv[2:])

@@ -17,7 +17,7 @@ FALL or more, its response length at the end and FlashREINFORCE's trust-region d
 (runs_table); and the paired differences by seed (paired_table): S3AC less each other setting at equal minutes, at
 the end, at equal samples and in largest drop, with their standard errors, and the paired-variance test of
 pass@1 at the end (pitman_morgan). Printed and written to <out-dir>/table.md; the curves of every run
-(s3ac.plot_runs) to <out-dir>/compare.png.
+(curves.plot_runs) to <out-dir>/compare.png.
 """
 
 import argparse
@@ -31,9 +31,10 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
-sys.path.insert(0, HERE)  # s3ac.py
+sys.path[:0] = [HERE, os.path.join(HERE, ".ci")]  # s3ac.py, curves.py
 
-from s3ac import _write_atomic, critic_efficiency, plot_runs, read_records  # noqa: E402
+from curves import plot_runs, read_records  # noqa: E402
+from s3ac import _write_atomic, critic_efficiency  # noqa: E402
 
 
 def mean_se(values: list):

@@ -8,9 +8,9 @@ The tables keep each run's evaluations ("run | seed | steps | pass@1 at step 0 |
 seconds, seconds per step and explained variances ("seed | warm-up batches (s) | steps | ..."); their run files are
 gone. Each table row becomes a small run folder whose metrics.jsonl has one record per step (perf/step_s, the run's
 mean step time; S3AC's warm-up as time/pretrain; the evaluations at their steps; the second half's EVs), and every
-run, from a table or from compare, is read by s3ac.read_records, the clock of `python s3ac.py plot`: training
+run, from a table or from compare, is read by curves.read_records, the clock of .ci/curves.py: training
 minutes, evaluations left out, warm-up counted. A run whose step time the tables do not give (REINFORCE++, S3AC's
-seed 8) is spread evenly over --minutes. s3ac.curves_figure draws one line per run in eight panels; this picture needs
+seed 8) is spread evenly over --minutes. curves.curves_figure draws one line per run in eight panels; this picture needs
 the mean and band of each method over its seeds, so it is drawn here.
 """
 
@@ -22,9 +22,9 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
-sys.path.insert(0, HERE)  # s3ac.py
+sys.path.insert(0, os.path.join(HERE, ".ci"))  # curves.py
 
-from s3ac import read_records  # noqa: E402
+from curves import read_records  # noqa: E402
 
 METHODS = {"S3AC K=1": "s3ac-k1", "REINFORCE++ K=1": "reinforce_pp-k1"}  # the tables' names: compare's run names
 LABELS = {"s3ac-k1": "S3AC K=1 (critic)", "reinforce_pp-k1": "REINFORCE++ K=1 (critic-free)", "grpo-k4": "GRPO K=4"}
@@ -100,7 +100,7 @@ def write_runs(runs: dict, folder: str) -> list:
 
 def band_figure(run_dirs: list, points: int = 81):
     """A two-panel matplotlib figure of runs grouped by name (<method>-seed<s>): left, greedy pass@1 against
-    training minutes (s3ac.read_records), each run's evaluations joined linearly, on a grid from 0 to the earliest
+    training minutes (curves.read_records), each run's evaluations joined linearly, on a grid from 0 to the earliest
     last evaluation, mean over seeds with a band of one standard error; right, each critic run's mean token-level
     and V(s_0) explained variance over the second half of its steps, one dot per seed and the mean ± se."""
     import matplotlib.pyplot as plt

@@ -40,11 +40,12 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
-sys.path.insert(0, HERE)  # s3ac.py
+sys.path[:0] = [HERE, os.path.join(HERE, ".ci")]  # s3ac.py, curves.py
 
 import torch  # noqa: E402
 
 import s3ac  # noqa: E402
+from curves import read_records  # noqa: E402
 
 EXPERIMENTS = ("init_clip", "bce_mse", "daps", "pact", "coverage")  # coverage, the longest, last
 INITS = ("inv_h_plus_1", "torch_default", "inv_sqrt_h")  # value-head initialisations (init_value_head)
@@ -328,7 +329,7 @@ def exp_coverage(lab: Lab, seeds: list) -> list:
         out = os.path.join(opts.out, "coverage", f"{name}-seed{seed}")
         args = s3ac.parse_args(opts.s3ac_argv + ["--steps", str(opts.online_steps), "--seed", str(seed),
                                                  "--out-dir", out, "--model", lab.path, *extra])
-        records = s3ac.read_records(os.path.dirname(s3ac.train(args, lab.reward_fn, lab.reward_fn)))
+        records = read_records(os.path.dirname(s3ac.train(args, lab.reward_fn, lab.reward_fn)))
         steps = [r for r in records if "perf/step_s" in r]
         pretrain_s = sum(r.get("time/pretrain", 0.0) for r in records if r.get("step") == 0)
         return steps, pretrain_s
@@ -469,12 +470,12 @@ def exp_pact(lab: Lab, seeds: list) -> list:
         policy.train()
         actor_opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
         gen = torch.Generator().manual_seed(seed)
-        behaviour = s3ac.policy_logprobs(policy, batch, args.temperature, args.micro_batch_tokens)  # [B, T] log mu
+        sampler_logprobs = s3ac.policy_logprobs(policy, batch, args.temperature, args.micro_batch_tokens)  # [B, T] log mu
         policy.train()
-        s3ac.update_actor(policy, actor_opt, batch, advantages, behaviour, args, gen)
+        s3ac.update_actor(policy, actor_opt, batch, advantages, sampler_logprobs, args, gen)
         new_logprobs = s3ac.policy_logprobs(policy, batch, args.temperature, args.micro_batch_tokens)  # [B, T]
         returns = s3ac.mc_returns(rewards, mask, args.gamma)  # [B, T]
-        targets, critic_mask, m = s3ac.pact_targets(returns, new_logprobs, behaviour, mask, args.rho_min,
+        targets, critic_mask, m = s3ac.pact_targets(returns, new_logprobs, sampler_logprobs, mask, args.rho_min,
                                                     args.rho_max)
         rho.append(m["critic/rho_mean"])
         index = [int(i) for i in batch.prompt_index.unique() for _ in range(opts.fresh_rollouts_per_prompt)]

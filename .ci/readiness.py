@@ -228,7 +228,7 @@ def checkpoint_readiness(args: Args, name: str, problems: list, opts, reward_fn,
     # the mean token entropy, estimated by -log mu of the sampled tokens (E_a~pi[-log pi(a|s)] = H(pi(.|s)))
     ent = per_problem(-(batch.sampler_logprobs * mask).sum(1)) / tokens  # [n] nats
     costate = torch.where(torch.arange(n) < opts.costate_prompts, per_problem(norms.sum(1)) / tokens, math.nan)  # [n]
-    h, signal = headroom(rewards, index, args.alpha_headroom)[0], usable_signal(costate, ent)  # [n] each
+    h, signal = headroom(rewards, index, opts.alpha_headroom)[0], usable_signal(costate, ent)  # [n] each
     measures = {**({"greedy pass@1": succeeded(answers(greedy=True)[1]).double()} if opts.greedy else {}),
                 "pass@1": right / k, f"pass@{k}": right.clone().apply_(lambda c: pass_at_k(k, int(c), k)),
                 "mixed": ((right > 0) & (right < k)).double(), "headroom": h, "entropy": ent, "costate": costate,
@@ -236,7 +236,7 @@ def checkpoint_readiness(args: Args, name: str, problems: list, opts, reward_fn,
     print(f"{name}: sampling {t1 - t0:.0f} s, costates {t2 - t1:.0f} s, greedy {time.time() - t2:.0f} s",
           file=sys.stderr)
     finite = lambda v: v[v.isfinite()]  # costate and S: only the --costate-prompts problems have them
-    return [{"model": name, "stratum": stratum, "n": len(rows), "k": k, "alpha": args.alpha_headroom, "block": block,
+    return [{"model": name, "stratum": stratum, "n": len(rows), "k": k, "alpha": opts.alpha_headroom, "block": block,
              **{key: {"mean": finite(v[rows]).mean().item(), "std": finite(v[rows]).std(correction=0).item()}
                 for key, v in measures.items()}, "impact": impact_score(finite(signal[rows]), h[rows])}
             for stratum, rows in strata_groups(problems, opts.strata).items()]
@@ -267,6 +267,7 @@ def readiness(argv=None):
             ("--block", "auto", "the block m whose output's costates are measured; auto = L // 2, the middle"),
             ("--costate-prompts", 32, "the problems (the first of the sample) whose costates are measured: a "
              "backward pass per mixed group"),
+            ("--alpha-headroom", 1.0, "alpha of the headroom H_alpha: the K samples reweighted by exp(alpha R)"),
             ("--strata", "auto", "auto: each field alone and all together | f1,f2: those together (and all)"),
             ("--out", "readiness.jsonl", "JSON lines, one per checkpoint and stratum")):
         parser.add_argument(flag, type=type(default), default=default, help=text)
