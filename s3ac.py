@@ -1765,18 +1765,23 @@ def generate_responses(args: Args, state: TrainState, prompts: list, index: list
 #   2. The answer is the content of the LAST \boxed{...} (or \fbox{...}), braces balanced, a closing period dropped
 #      (\boxed{E.} is E); an unclosed last box is "no_answer", an empty one (the instruction's echo) is ignored.
 #   3. Without a box, for a plain-number gold only, --answer-fallback final_number reads the last number of the final
-#      statement, after its last "=" (final_statement_number). No answer: a question, a hedge ('41 or -42', 'x = 2 or
-#      x = -2'; in a box too, for a plain-number gold: 'x = 3 \text{ or } x = 5', 'x_1 = 3, x_2 = 5'), a negation
-#      ('not 42', '1 is not equal to 10'), a list ('1,2,3'), an operand ('6 * 7', '42 +'), an approximation ('≈ 64',
-#      '~ 43', 'about 42', 'approx. 42'), a number in LaTeX, or one followed by a digit-free closing sentence that
-#      retracts it or denies this problem's answer ('The equation has no solution.').
+#      statement, after its last "=" (final_statement_number), where the sentence asserts it as the result:
+#      after "=", ":", is/are/was/be, 's, equals, equal/equivalent to, same as, gives, gets, yields, makes, results in,
+#      costs, needs, takes, answer, total, sum (a word between at most: 'is exactly 6'), before 'is the answer', or
+#      alone with its unit ('42 apples'); not in 'you add the number 81 to the original number'. No answer: a
+#      question, a hedge ('41 or -42', 'x = 2 or x = -2'; in a box too, for a plain-number gold: 'x = 3 \text{ or }
+#      x = 5', 'x_1 = 3, x_2 = 5'), a negation ('not 42', '1 is not equal to 10'), a list ('1,2,3'), an operand
+#      ('6 * 7', '42 +'), an approximation ('≈ 64', '~ 43', 'about 42', 'approx. 42'), a number in LaTeX, or one
+#      followed by a digit-free closing sentence that retracts it or denies this problem's answer ('The equation has
+#      no solution.').
 #   4. A plain-number gold needs a plain-number answer (integer, decimal or reduced fraction; a sign, thousands
 #      separators, LaTeX spacing, a unit): "23 + 19", "6 \times 7", "5!" are "not_a_number", as is a number followed by
 #      a power (2^3, 2³), a value word ('5 thousand', _VALUE_WORD) or an exponent (1e6). Digit groups are one number or
 #      none (2,500 and 2\,500 are 2500; 0,500 and 12 500 none). A mixed number is one value on one line, its fraction
 #      proper and reduced: 3 1/4 and 3\frac{1}{4} are 13/4, -3 1/4 is -13/4; the fallback never reads part of one.
-#   5. Exact values compare exactly (Fraction / sympy), REL_TOL only for a decimal against one without finite decimal
-#      expansion; undefined (1:00, \frac{1}{0}, NaN) equals nothing. Other golds: rules 7-12, math-verify on the box.
+#   5. Exact values compare exactly (Fraction / sympy, each decimal at its written value: 1.5 \times 10^{-3} is 3/2000),
+#      REL_TOL only for a decimal against one without finite decimal expansion; undefined (1:00, \frac{1}{0}, NaN)
+#      equals nothing. Other golds: rules 7-13, math-verify on the box.
 #   6. Units: when gold and answer both write a unit after a number, its power must agree (m^2 is not m^3; "square"
 #      2, "cubic" 3, none 1); else a unit, %, ^\circ or currency is ignored (4 4/9% is 40/9, a gold 50\% is 50).
 #   Golds that are not plain numbers, before math-verify (which drops subscripts, units and case, and reads a part):
@@ -1786,6 +1791,9 @@ def generate_responses(args: Args, state: TrainState, prompts: list, index: list
 #  10. A base subscript is part of the number: 41_6 (41_{6}) must be the gold's digits and base; none: the gold's base.
 #  11. Degrees are not radians: an answer in degrees (^\circ) against a gold without a degree sign is wrong.
 #  12. Letters are case-sensitive: an answer letter that the gold has only in the other case (r for R) is wrong.
+#  13. math-verify must read the whole text, as LaTeX: a gold it cannot (0.\overline{3}, x \mapsto 2x) is "bad_gold", an
+#      answer "wrong", never a number inside them. A bare letter is a variable, never a unit (2ab, 5d, 2\pi rh);
+#      a unit in \text{} after the value drops (3\sqrt{2}\text{ cm} is 3\sqrt{2}).
 REL_TOL = 1e-4  # relative tolerance for a decimal answer against an exact value with no finite decimal expansion
 ANSWER_FALLBACKS = ("final_number", "none")
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
@@ -1828,6 +1836,10 @@ _NOT_EQUAL = re.compile(  # an inequality just before the number read: '1 is not
     r"(?:(?:\bnot|\bcannot|n['\u2019]?t)\s+(?:equal(?:s|led)?|the\s+same|equivalent|identical)(?:\s+(?:to|as|with))?"
     r"|\bunequal\s+to|(?<![\d)}!])!=|=/=|<>|[\u2260\u2249]|\\neq?|\\not\s*=)"  # ≠ ≉; not 5!=120
     r"\s*(?:[-+]\s*)?$", re.IGNORECASE)
+_ASSERTS = (  # rule 3: words that assert a number as the result, before it (a word between at most) or after it
+    re.compile(r"(?:[=:]|['\u2019]s\b|\b(?:is|are|was|were|be|equals?|equal|equivalent|same|gives?|gets?|got|yields?|"
+               r"makes?|results?|costs?|needs?|takes|answer|total|sum)\b(?:\s+\w+)?)\W*$", re.IGNORECASE),
+    re.compile(r"^\s*(?:is|was)\s+(?:the|my|our)\s+(?:final\s+)?(?:answer|result)\b", re.IGNORECASE))
 
 
 def last_boxed(text: str):
@@ -1907,11 +1919,14 @@ def final_statement_number(text: str):
     before, after = statement[: last.start()], statement[last.end():]
     if _NOT_AN_ANSWER.search(before):  # '41 or 42': a hedge
         return None, True
-    if _NOT_EQUAL.search(sentences[-1][: len(sentences[-1]) - len(statement) + last.start()]):  # '9 \neq 10'
+    prefix = sentences[-1][: len(sentences[-1]) - len(statement) + last.start()]  # the sentence up to the number
+    if _NOT_EQUAL.search(prefix):  # '9 \neq 10'
         return None, True
     if any(p.search(before) for p in (_OPERATOR_BEFORE, _APPROXIMATE, _LATEX_AROUND[0], _LIST_AROUND[0])) or \
             any(p.match(after) for p in (_OPERATOR_AFTER, _LATEX_AROUND[1], _LIST_AROUND[1], _VALUE_WORD)):
         return last.group(), False
+    if not (_ASSERTS[0].search(prefix) or _ASSERTS[1].match(after) or parse_number(statement) is not None):
+        return None, True  # 'you add the number 81 to the original number': no result
     sign = "-" if re.search(r"(?:^|[\s(:])-$", before) else ""  # 'is -5'; not 'answer - 42' or '3 - 5'
     return sign + last.group(), True
 
@@ -1951,18 +1966,16 @@ def _equal_exact_or_verify(gold_parsed, pred_parsed) -> bool:
     if any(isinstance(x, sympy.Basic) and x.has(sympy.zoo, sympy.nan) for x in (g, p)):
         return False  # undefined (1:00 and 12:00 are both 1/0 = zoo): equal to nothing
     if isinstance(g, sympy.Expr) and isinstance(p, sympy.Expr) and g.is_number and p.is_number:
-        if g == p:
+        exact_g, exact_p = (x.xreplace({f: sympy.Rational(str(f)) for f in x.atoms(sympy.Float)}) for x in (g, p))
+        if g == p or sympy.simplify(exact_g - exact_p) == 0:  # each decimal at its written value: 1.5/10**3 = 3/2000
             return True
         floats = [x for x in (g, p) if x.has(sympy.Float)]
-        if floats:
-            if len(floats) == 2:
-                return sympy.Rational(str(g)) == sympy.Rational(str(p))
-            exact, decimal = (p, g) if floats[0] is g else (g, p)
-            exact = sympy.simplify(exact)  # 2**10 -> 1024
-            if exact.is_Rational and _finite_decimal(int(exact.q)):  # 0.75 against 3/4: exact
-                return sympy.nsimplify(decimal, rational=True) == exact
-            return bool(abs(sympy.N(exact - decimal, 30)) <= REL_TOL * abs(sympy.N(exact, 30)))
-        return sympy.simplify(g - p) == 0
+        if len(floats) != 1:
+            return False
+        exact = sympy.simplify(exact_p if floats[0] is g else exact_g)  # 2**10 -> 1024
+        if exact.is_Rational and _finite_decimal(int(exact.q)):  # 0.75 against 3/4: exact, and not equal
+            return False
+        return bool(abs(sympy.N(exact - floats[0], 30)) <= REL_TOL * abs(sympy.N(exact, 30)))
     return verify(gold_parsed, pred_parsed)
 
 
@@ -1973,6 +1986,7 @@ _ELLIPSIS = re.compile(r"\\(?:[lcv]dots|dots[cbmio]?)(?![A-Za-z])|\.\.\.|\u2026"
 _BASE_NUMBER = re.compile(r"(?<![\\A-Za-z0-9])([0-9A-Z]*[0-9][0-9A-Z]*)_\{?\s*(\d+)\s*\}?")  # 41_6, 41_{6}
 _E_NOTATION = re.compile(r"(?<![\\A-Za-z\d.])(\d+(?:\.\d+)?)[eE]([-+]?\d+)(?![\d.])")  # 1e6: 1 \times 10^{6}
 _DEGREES = re.compile(r"\^\s*\{?\s*\\circ|\\degree|\u00b0|\bdeg(?:ree)?s?\b")
+_TEXT_UNIT = re.compile(r"(?<=[\w})])\s*\\(?:text\w*|mbox|mathrm)\s*\{[^{}]*\}(?:\s*\^\s*\{?\d\}?)?(?=[\s$]*$)")
 _TEXT_OR_COMMAND = re.compile(r"\\(?:text\w*|mbox|mathrm|operatorname|begin|end)\s*\{[^{}]*\}|\\[A-Za-z]+")
 
 
@@ -2007,8 +2021,8 @@ def _letters(s: str) -> set:
 
 
 def _symbolic_status(gold: str, answer: str) -> str:
-    """'correct' | 'wrong' | 'no_answer' | 'bad_gold' of a non-number gold: rules 7-12, then _equal_exact_or_verify."""
-    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
+    """'correct' | 'wrong' | 'no_answer' | 'bad_gold' of a non-number gold: rules 7-13, then _equal_exact_or_verify."""
+    from math_verify import LatexExtractionConfig, parse
     gold, answer = (_E_NOTATION.sub(r"\1\\times 10^{\2}", _ELLIPSIS.sub(r"\\ldots", _CONSTANT.sub(r"\1", x)))
                     for x in (gold, answer))
     (gold_brackets, gold_items), (brackets, items) = _as_list(gold), _as_list(answer)
@@ -2026,12 +2040,14 @@ def _symbolic_status(gold: str, answer: str) -> str:
         return "wrong"  # \pi^\circ is not \pi
     if any(c.swapcase() in _letters(gold) and c not in _letters(gold) for c in _letters(answer)):
         return "wrong"  # r is not R
-    configs = [LatexExtractionConfig(), ExprExtractionConfig()]
-    gold_parsed = parse(gold if "$" in gold or "\\boxed" in gold else f"${gold}$", extraction_config=configs)
-    if not gold_parsed:
+    latex = [LatexExtractionConfig(normalization_config=dataclasses.replace(  # LaTeX only, no unit list (rule 13)
+        LatexExtractionConfig().normalization_config, units=False))]
+    gold, answer = _TEXT_UNIT.sub("", gold), _TEXT_UNIT.sub("", answer)
+    gold_parsed = parse(gold if "$" in gold or "\\boxed" in gold else f"${gold}$", extraction_config=latex)
+    if not gold_parsed or isinstance(gold_parsed[0], str):  # a string: math-verify could not read the whole gold
         return "bad_gold"
-    pred_parsed = parse(f"${' '.join(answer.split())}$", extraction_config=configs[:1])  # whole, never its last number
-    if not pred_parsed:
+    pred_parsed = parse(f"${' '.join(answer.split())}$", extraction_config=latex)
+    if not pred_parsed:  # a string (not read whole) is wrong: it matches no gold, which has a value
         return "no_answer"
     return "correct" if _equal_exact_or_verify(gold_parsed, pred_parsed) else "wrong"
 

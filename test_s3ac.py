@@ -772,6 +772,38 @@ ANSWER_POLICY_CLASSES = {
         ("\\infty", "\\boxed{\\infty}", "correct"), ("\\frac{40}{9}", "\\boxed{4 4/9\\%}", "correct"),  # rule 6
         ("\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", "\\boxed{\n\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}\n}",
          "correct")],
+    "11_parse_whole": [  # math-verify's parse must read the whole gold or answer: no number inside a formula
+        ("0.\\overline{3}", "\\boxed{0}", "bad_gold"), ("0.\\overline{3}", "\\boxed{0.\\overline{3}}", "bad_gold"),
+        ("x \\mapsto 2x", "\\boxed{2}", "bad_gold"), ("\\sqrt{2}", "\\boxed{x \\mapsto \\sqrt{2}}", "wrong"),
+        ("\\sqrt{2}", "\\boxed{\\sqrt{2}}", "correct"), ("x^2 + 1", "\\boxed{1 + x^2}", "correct"),
+        ("1 - \\frac{1}{\\mathrm{e}}", "\\boxed{1 - 1/e}", "correct"), ("\\text{(C)}", "\\boxed{C}", "correct")],
+    "12_letters_not_units": [  # a bare letter is a variable, never a unit (m, s, h, d, ab); a unit in \\text{} drops
+        ("2ab", "\\boxed{2}", "wrong"), ("a + 5d", "\\boxed{a+5}", "wrong"), ("4t", "\\boxed{4}", "wrong"),
+        ("2ab", "\\boxed{2ab}", "correct"), ("a + 5d", "\\boxed{5d + a}", "correct"),
+        ("2\\pi r h", "\\boxed{2\\pi rh}", "correct"), ("2\\pi rh", "\\boxed{2\\pi r h}", "correct"),
+        ("3\\sqrt{2}\\text{ cm}", "\\boxed{3\\sqrt{2}}", "correct"),
+        ("3\\sqrt{2}", "\\boxed{3\\sqrt{2}\\mbox{ m}^2}", "correct"),
+        ("\\frac{270}7\\text{ degrees}", "\\boxed{\\frac{270}{7}}", "correct"),
+        ("5", "\\boxed{5\\text{ cm}}", "correct")],
+    "13_scientific": [  # each decimal at its written value, exactly: a decimal mantissa is no crash, an exponent counts
+        ("1.5 \\times 10^{-3}", "\\boxed{0.0015}", "correct"), ("1.5 \\times 10^{-3}", "\\boxed{0.015}", "wrong"),
+        ("1.5 \\times 10^{-3}", "\\boxed{1.5 \\times 10^{-4}}", "wrong"),
+        ("1.5 \\times 10^{-3}", "\\boxed{15 \\times 10^{-4}}", "correct"),
+        ("1.5 \\times 10^{-3}", "\\boxed{\\frac{3}{2000}}", "correct"), ("2.5e-05", "\\boxed{0.000025}", "correct"),
+        ("2.5e-05", "\\boxed{2.5 \\times 10^{-4}}", "wrong"), ("2.5e-05", "\\boxed{2.50 \\times 10^{-5}}", "correct"),
+        ("2 \\times 10^{-3}", "\\boxed{0.002}", "correct"),
+        ("0.002", "\\boxed{2 \\times 10^{-3}}", "not_a_number"),  # rule 4: a plain-number gold, a plain number
+        ("\\frac{\\pi}{1000}", "\\boxed{3.1416 \\times 10^{-3}}", "correct"),
+        ("\\frac{\\pi}{1000}", "\\boxed{3.1416 \\times 10^{-2}}", "wrong")],
+    "14_asserted_result": [  # the fallback pays a number the sentence asserts as its result, not one it operates on
+        ("81", "To add 81, you simply add the number 81 to the original number.", "no_answer"),
+        ("81", "You add the number 81 to 0.", "no_answer"), ("81", "First take 81 away from nothing.", "no_answer"),
+        ("81", "0 + 81 = 81", "correct"), ("81", "The answer is 81.", "correct"), ("81", "81", "correct"),
+        ("81", "So 0 + 81 equals 81.", "correct"), ("81", "The total is 81 apples.", "correct"),
+        ("81", "It is exactly 81.", "correct"), ("81", "The sum of 0 and 81 is 81.", "correct"),
+        ("81", "Answer: 81", "correct"), ("81", "The result of adding them is equal to 81.", "correct"),
+        ("81", "81 is the final answer.", "correct"), ("81", "So it's 81.", "correct"),
+        ("82", "To add 81, you simply add the number 81 to the original number.", "no_answer")],
 }
 
 
@@ -807,7 +839,7 @@ def test_math_verify_suite_pays_no_wrong_answer():
         counts["agree" if paid == case["expected"] else "stricter" if case["expected"] else "paid_wrong"] += 1
         paid_wrong += [case["id"]] if paid and not case["expected"] else []
     assert sorted(paid_wrong) == sorted(SUITE_POLICY_EXCEPTIONS)
-    assert len(cases) == 362 and counts["agree"] >= 304, counts
+    assert len(cases) == 362 and counts["agree"] >= 302, counts  # rule 13: 2 golds not read whole are bad_gold
     print(f"math-verify's suite: {dict(counts)}")
 
 
