@@ -15,31 +15,18 @@ P prompt tokens, H hidden size, V vocabulary; response_mask [B, T] is 1.0 on the
 included, 0.0 on padding.
 
 Before step 1, train() pretrains the critic with the actor frozen (critic_pretraining: coverage trajectories when
-asked for, then warm-up batches of fresh rollouts until the held-out fit stops improving, --critic-warmup-steps auto),
-as S3AC pretrains its critic. Then one training step, train_step, with the real names (each phase one call;
-section 2):
-
-    batch, rewards, statuses, records, m = sample_rollouts(args, state, reward_fn)
-        # DAPS's counts S, N decayed; per round: choose_prompts (uniform, or DAPS: daps_select draws with
-        # daps_accept_prob), then collect_rollouts: generate_responses, call_reward (R in [-1, 1]), S and N grow
-    values, raw = critic_pass(args, state, batch)                # V(s_t) [B, T], full or partial-trunk critic
-    advantages, returns, m = compute_advantages(args, batch, rewards, values, mask)   # decoupled_gae
-        # mask = batch.response_mask; advantages raw, returns the critic's targets
-    loss_mask = actor_loss_mask(args, batch, mask)               # less cut-off responses with --overlong-filter
-    # --adv-norm center: advantages = masked_whiten(advantages, loss_mask, scale=False); default raw; returns raw
-    old_logprobs = old_policy_logprobs(args, state, batch)       # [B, T] log pi_old, one no-grad pass
-    is_weights, m = importance_weights(args, batch, old_logprobs, loss_mask)   # TIS: min(pi_old / mu, C), or 1
-    sampler_logprobs = logprobs_of_mu(args, batch, old_logprobs)  # log mu: the engine's own, else log pi_old
-    m = train_actor(args, state, batch, is_weights * advantages, old_logprobs, sampler_logprobs, loss_mask)
-        # update_actor -> optimize (counts num_tokens per mini-batch: the one normaliser) -> cispo_loss
-    m = train_critic(args, state, batch, values, returns, sampler_logprobs)
-        # update_critic toward returns (critic_lam 1: the Monte-Carlo return), or PACT's pact_targets
-    m = critic_metrics(values, returns, rewards, mask, ...)      # EV, V(s_0) EV, Delta+-, sparsity, c, efficiency
+asked for, then warm-up batches of fresh rollouts until the held-out fit stops improving). Then each step is
+train_step (section 2), one call per phase: sample_rollouts (choose_prompts: uniform or DAPS; generate_responses;
+call_reward, R in [-1, 1]) -> critic_pass (V(s_t) [B, T]) -> compute_advantages (decoupled_gae: raw advantages, the
+critic's returns; --adv-norm centres the actor's alone) -> actor_loss_mask -> old_policy_logprobs (log pi_old) ->
+importance_weights (TIS: min(pi_old / mu, C)) -> logprobs_of_mu (log mu) -> train_actor (update_actor -> optimize,
+the one loss normaliser -> cispo_loss) -> train_critic (update_critic toward the returns, or PACT's pact_targets) ->
+critic_metrics (explained variance EV, V(s_0) EV, c: the critic's compute over the actor's, ...).
 
 Where to look: section 3a opens with the reward's contract, its checker call_reward, and make_rewards (which
-reward trains, which evaluates, which golds each reads); what each "auto" flag becomes is in its
-help (Args) and resolve_args. Section 1's functions paste alone with torch and the helpers their "Needs:" line
-names (none without one; all_reduce is the identity in one process; @triton_on_cuda pastes too).
+reward trains, which evaluates, which golds each reads); every "auto" flag's rule is in the last block of
+resolve_args (a run says each at start). Section 1's functions paste alone with torch and the helpers their "Needs:"
+line names (none without one; all_reduce is the identity in one process; @triton_on_cuda pastes too).
 
 Run:
     python s3ac.py --model Qwen/Qwen2.5-Math-1.5B          # paper setting, GPU: DAPO-Math, evaluated on MATH-500
@@ -1041,7 +1028,7 @@ def coverage_pretraining(args: Args, state: TrainState, reward_fn) -> list:
         _write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
     with open(path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    epochs = pretrain_critic(state.critic, state.critic_opt, rows, args, state.pad_id, state.update_gen)
+    epochs = pretrain_critic(args, state, rows)
     epochs[-1]["time/pretrain"] = time.time() - t0
     return [{"pretrain/trajectories": len(rows), **m} for m in epochs]
 
@@ -1088,34 +1075,41 @@ def critic_fit(values, raw, returns, response_mask, critic_loss: str) -> dict:
             "pretrain/v_loss": v_loss.item(), "pretrain/offset": (values[:, 0] - returns[:, 0]).mean().item()}
 
 
-def pretrain_critic(critic, optimizer, rows: list, args: Args, pad_id: int, generator) -> list:
-    """Coverage pretraining: coverage_epochs passes over 90% of the prompts' trajectories, the online critic update
-    toward Monte-Carlo returns per batch_prompts * k rows. Returns per epoch the fit (EV, loss) on the 10% held out."""
+def held_out_fit(args: Args, state: TrainState, held_out) -> dict:
+    """critic_fit of the critic now on held_out = (batch, rewards [B]), rollouts kept out of its training."""
+    batch, rewards = held_out
+    values, raw = critic_pass(args, state, batch)  # [B, T] each
+    returns = mc_returns(rewards.to(state.device), batch.response_mask.to(state.device), args.gamma)  # [B, T]
+    return critic_fit(values, raw, returns, batch.response_mask.to(state.device), args.critic_loss)
+
+
+def critic_update(args: Args, state: TrainState, batch: Batch, rewards) -> dict:
+    """One critic update (update_critic, the actor frozen) toward the Monte-Carlo returns of rewards [B]: the step of
+    both pretraining loops. Metrics: the update's, and V(s_0) before it (critic/v0_mean)."""
+    mask = batch.response_mask.to(state.device)  # [B, T]
+    values, _ = critic_pass(args, state, batch)  # [B, T]
+    state.critic.train()
+    returns = mc_returns(rewards.to(state.device), mask, args.gamma)  # [B, T]
+    return {"critic/v0_mean": values[:, 0].mean().item(),
+            **update_critic(state.critic, state.critic_opt, batch, values, returns, mask, args, state.update_gen)}
+
+
+def pretrain_critic(args: Args, state: TrainState, rows: list) -> list:
+    """Coverage pretraining: coverage_epochs passes over 90% of the prompts' trajectories, a critic_update per
+    batch_prompts * k rows. Returns per epoch the fit (EV, loss) on the 10% held out."""
     prompts = sorted({r["prompt_index"] for r in rows})
     random.Random(args.seed + 4242).shuffle(prompts)
     held = set(prompts[: max(1, len(prompts) // 10)] if len(prompts) > 1 else [])
     fit_rows = [r for r in rows if r["prompt_index"] not in held]
-    device = critic.value_head.weight.device
-    held_batch, held_rewards = rows_to_batch([r for r in rows if r["prompt_index"] in held] or rows, pad_id)
-    held_mask = held_batch.response_mask.to(device)  # [B_held, T]
-    held_returns = mc_returns(held_rewards.to(device), held_mask, args.gamma)  # [B_held, T]
+    held_out = rows_to_batch([r for r in rows if r["prompt_index"] in held] or rows, state.pad_id)
     size, out = args.batch_prompts * args.k, []
     for epoch in range(args.coverage_epochs):
-        order = torch.randperm(len(fit_rows), generator=generator).tolist()
-        losses = []
-        for start in range(0, len(order), size):
-            batch, rewards = rows_to_batch([fit_rows[i] for i in order[start: start + size]], pad_id)
-            store_critic_features(critic, batch, args.micro_batch_tokens)  # one trunk pass: values and update
-            values, _ = value_pass(critic, batch, args.critic_loss, args.micro_batch_tokens)  # [B, T]
-            critic.train()
-            mask = batch.response_mask.to(device)  # [B, T]
-            m = update_critic(critic, optimizer, batch, values, mc_returns(rewards.to(device), mask, args.gamma),
-                              mask, args, generator)
-            losses.append(m["critic/v_loss"])
-        values, raw = value_pass(critic, held_batch, args.critic_loss, args.micro_batch_tokens)  # [B_held, T] each
+        order = torch.randperm(len(fit_rows), generator=state.update_gen).tolist()
+        losses = [critic_update(args, state, *rows_to_batch([fit_rows[i] for i in order[start: start + size]],
+                                                            state.pad_id))["critic/v_loss"]
+                  for start in range(0, len(order), size)]
         out.append({"pretrain/epoch": epoch + 1, "pretrain/train_v_loss": sum(losses) / max(len(losses), 1),
-                    "pretrain/held_out_rows": len(rows) - len(fit_rows),
-                    **critic_fit(values, raw, held_returns, held_mask, args.critic_loss)})
+                    "pretrain/held_out_rows": len(rows) - len(fit_rows), **held_out_fit(args, state, held_out)})
     return out
 
 
@@ -1131,31 +1125,20 @@ def warmup_plateaued(held_out_losses: list) -> bool:
 
 
 def warmup_rollouts(args: Args, state: TrainState, reward_fn):
-    """Fresh rollouts (counted in state): (batch, rewards [B], Monte-Carlo returns [B, T], mask [B, T], metrics)."""
+    """Fresh rollouts of the next batch_prompts prompts, this rank's share (counted in state): (batch, rewards [B],
+    metrics)."""
     prompts = state.sampler.draw(args.batch_prompts)[state.rank::state.world]
     batch, rewards, _, _, metrics = collect_rollouts(args, state, prompts, reward_fn)
-    mask = batch.response_mask.to(state.device)  # [B, T]
-    return batch, rewards, mc_returns(rewards.to(state.device), mask, args.gamma), mask, metrics  # returns [B, T]
-
-
-def held_out_fit(args: Args, state: TrainState, held_out) -> dict:
-    """critic_fit of the critic now on held_out, warmup_rollouts' output kept out of training."""
-    batch, _, returns, mask, _ = held_out
-    values, raw = critic_pass(args, state, batch)  # [B, T] each
-    return critic_fit(values, raw, returns, mask, args.critic_loss)
+    return batch, rewards, metrics
 
 
 def critic_warmup_step(args: Args, state: TrainState, reward_fn, held_out) -> dict:
-    """One critic update toward the Monte-Carlo returns of fresh rollouts, then its fit on the fixed held-out
-    rollouts held_out (held_out_fit). Returns this rank's metrics."""
+    """A critic_update on warmup_rollouts, then its fit on the fixed held-out rollouts held_out (held_out_fit).
+    Returns this rank's metrics."""
     t0 = time.time()
-    batch, rewards, returns, mask, metrics = warmup_rollouts(args, state, reward_fn)
-    values, _ = critic_pass(args, state, batch)  # [B, T]
+    batch, rewards, metrics = warmup_rollouts(args, state, reward_fn)
     metrics.update({"rollout/reward": rewards.mean().item(), "rollout/acc": succeeded(rewards).float().mean().item(),
-                    "critic/v0_mean": values[:, 0].mean().item()})  # what the critic is fitting, and V(s_0) before
-    state.critic.train()
-    metrics.update(update_critic(state.critic, state.critic_opt, batch, values, returns, mask, args, state.update_gen))
-    metrics.update(held_out_fit(args, state, held_out))
+                    **critic_update(args, state, batch, rewards), **held_out_fit(args, state, held_out)})
     metrics["time/pretrain"] = time.time() - t0
     return metrics
 
@@ -1163,7 +1146,8 @@ def critic_warmup_step(args: Args, state: TrainState, reward_fn, held_out) -> di
 def critic_pretraining(args: Args, state: TrainState, reward_fn, log, say):
     """Before step 1, the actor frozen (S3AC's critic pretraining): coverage pretraining when asked for, then on-policy
     warm-up, N batches or plateau (warmup_plateaued, at most WARMUP_MAX_BATCHES; ours), each update scored on one
-    batch drawn first and never trained on; --max-minutes counts it. Logged (log), said (say), timed in state.train_s."""
+    batch drawn first and never trained on; --max-minutes counts it. Logged (log), said (say), timed in
+    state.train_s."""
     if uses_coverage(args):
         epochs = coverage_pretraining(args, state, reward_fn)
         state.train_s += epochs[-1]["time/pretrain"]  # generation (unless --coverage-data) and every epoch
@@ -1175,8 +1159,8 @@ def critic_pretraining(args: Args, state: TrainState, reward_fn, log, say):
     if not (plateau or args.critic_warmup_steps):
         return
     t0 = time.time()
-    held_out = warmup_rollouts(args, state, reward_fn)  # the first batch: never trained on, scores every update
-    first = mean_over_ranks({"rollout/samples": held_out[4]["rollout/samples"],
+    *held_out, drawn = warmup_rollouts(args, state, reward_fn)  # the first batch: never trained on, scores each update
+    first = mean_over_ranks({"rollout/samples": drawn["rollout/samples"],
                              **{f"{k}_before": v for k, v in held_out_fit(args, state, held_out).items()}})
     held_out_losses, spent = [first["pretrain/v_loss_before"]], time.time() - t0  # the same on every rank
     batches = WARMUP_MAX_BATCHES if plateau else args.critic_warmup_steps
@@ -2187,7 +2171,8 @@ class Args:
     dtype: str = flag("auto", "autocast: auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16; weights stay fp32")
     device: str = flag("auto", "auto | cpu | cuda")
     cache_dir: str = flag("~/.cache/s3ac", "where .gguf models are converted to safetensors, once")
-    gradient_checkpointing: Literal["auto", "true", "false"] = flag("auto", "recompute activations in backward: true | false | auto (memory plan)")
+    gradient_checkpointing: Literal["auto", "true", "false"] = flag("auto", "recompute activations in backward; auto: "
+                                                                    "the memory plan's")
     # data
     data: str = flag(DAPO_MATH, "training problems: hub name[:config], .jsonl/.parquet file, or builtin:arithmetic[:N]")
     eval_data: str = flag("HuggingFaceH4/MATH-500", "sources like --data, comma-separated, or heldout (out of --data)")
@@ -2198,15 +2183,17 @@ class Args:
     max_prompt_tokens: int = flag(1024, "longer prompts (template included) are dropped at load time, never truncated")
     prompt_template: str = flag("", "overrides the chat template: a string with {question}")
     instruction: str = flag(INSTRUCTION, "appended to the question in the chat (or plain) template")
-    # algorithm (the flags left at "auto" are resolved once by resolve_args and printed)
-    algo: Literal["s3ac", "ppo", "grpo", "rloo", "reinforce_pp", "flash_reinforce"] = flag("s3ac", "advantages: s3ac | ppo (critic, GAE) | grpo | rloo | reinforce_pp | flash_reinforce")
-    actor_loss: Literal["auto", "cispo", "ppo", "flash_reinforce"] = flag("auto", "cispo | ppo (clipped surrogate) | flash_reinforce (sg(pi / mu) A log pi, sample "
-                           "mean, sequence trust region) | auto: the --algo's own (ppo, flash_reinforce), else cispo")
+    # algorithm (every "auto" rule: the last block of resolve_args; a run says what each became)
+    algo: Literal["s3ac", "ppo", "grpo", "rloo", "reinforce_pp", "flash_reinforce"] = flag(
+        "s3ac", "the advantages: s3ac, ppo (a critic and GAE) or a critic-free baseline")
+    actor_loss: Literal["auto", "cispo", "ppo", "flash_reinforce"] = flag(
+        "auto", "cispo | ppo (clipped surrogate) | flash_reinforce (sg(pi / mu) A log pi, sample mean, sequence trust "
+        "region) | auto: the --algo's own (ppo, flash_reinforce), else cispo")
     grpo_std: bool = flag(True, "grpo: divide by the group's population std (false: mean-centring only)")
     dynamic_sampling: bool = flag(False, "drop groups whose rewards are all equal, refill with new prompts (K >= 2)")
     max_refills: int = flag(3, "dynamic sampling: extra generation rounds per step, at most")
     # rollout
-    rollout: Literal["auto", "vllm", "hf"] = flag("auto", "auto (vllm when CUDA and vllm are available, else hf) | vllm | hf (transformers)")
+    rollout: Literal["auto", "vllm", "hf"] = flag("auto", "auto: vllm with CUDA and vllm, else hf")
     batch_prompts: int = flag(512, "prompts per step (DAPO's recipe)")
     k: int = flag(1, "rollouts per prompt (1 = S3AC's single-rollout mode, >1 = group mode; the paper's is 16)")
     max_new_tokens: int = flag(3072, "response length limit, tokens (Qwen2.5-Math: 4096-token context less the prompt)")
@@ -2221,29 +2208,34 @@ class Args:
     reward_fn: str = flag("math", "training reward: math (the verifier) | path/to/file.py:function, R in [-1, 1]")
     eval_reward_fn: str = flag("auto", "evaluations' reward: auto (the training reward) | math | file.py:function")
     verify_timeout: float = flag(10.0, "seconds per answer before the check is killed and counted as a timeout")
-    answer_fallback: Literal["final_number", "none"] = flag("final_number", "no box: final_number (a number gold: the last statement's) | none")
+    answer_fallback: Literal["final_number", "none"] = flag("final_number", "no box: final_number (a number gold: the "
+                                                            "number the last statement asserts) | none")
     overlong_filter: bool = flag(False, "DAPO: responses cut at the limit leave the actor loss, not the critic's")
     log_samples: int = flag(4, "rollouts per step appended to <out_dir>/samples.jsonl (every evaluation writes all)")
     # GAE
     gamma: float = flag(1.0, "discount")
-    critic_lam: number_or(float, "auto") = flag("auto", "lambda of the critic's targets in (0, 1] | auto: 0.95 for ppo (not pact), else 1")
-    actor_lam: number_or(float, "auto", "adaptive") = flag("auto", "(0, 1] | adaptive: 1 - 1/(alpha T_i) | auto: 0.95 ppo, 1 pact, else adaptive")
+    critic_lam: number_or(float, "auto") = flag("auto", "lambda of the critic's targets, in (0, 1] | auto: 1, ppo 0.95")
+    actor_lam: number_or(float, "auto", "adaptive") = flag("auto", "(0, 1] | adaptive: 1 - 1/(alpha T_i) | auto: "
+                                                           "adaptive, pact 1, ppo 0.95")
     alpha: float = flag(1.5, "adaptive actor lambda_i = 1 - 1/(alpha * T_i); VAPO itself uses alpha = 0.05")
     # actor
     lr: float = flag(1e-6, "actor learning rate")
-    eps_low: number_or(float, "auto") = flag("auto", "lower clip, relative: ratio or weight >= 1 - eps_low | auto: 1 cispo (none), 0.2 ppo")
+    eps_low: number_or(float, "auto") = flag("auto", "lower clip: ratio or weight >= 1 - eps_low | auto: 1, ppo 0.2")
     eps_high: float = flag(0.28, "upper clip, relative: ratio (ppo) or weight (cispo) <= 1 + eps_high")
     actor_grad_clip: float = flag(1.0, "global grad-norm clip of the actor")
     actor_epochs: int = flag(1, "passes over each rollout batch")
-    adv_norm: Literal["none", "center", "whiten"] = flag("none", "the actor's advantages (never the critic's returns): none | center: less their "
-                         "token mean over the batch | whiten: centred and / their std (as verl)")
-    is_correction: Literal["tis", "none"] = flag("tis", "tis: each token's actor loss times min(pi_old / mu_sampler, is_cap) | none")
+    adv_norm: Literal["none", "center", "whiten"] = flag("none", "the actor's advantages (never the critic's returns): "
+                                                         "center: less their token mean over the batch | whiten: "
+                                                         "centred and / their std (as verl)")
+    is_correction: Literal["tis", "none"] = flag("tis", "tis: each token's actor loss times min(pi_old / mu, is_cap)")
     is_cap: float = flag(2.0, "tis: the cap C of the weight")
     trust_delta: float = flag(3e-3, "flash_reinforce: a response with mean Bernoulli KL(mu || pi) above this leaves "
                               "the loss (FlashREINFORCE's Qwen2.5-Math recipe; inf: no region)")
     # critic (s3ac and ppo only; the critic-free algorithms load no critic)
-    critic_loss: Literal["mse", "bce"] = flag("mse", "mse: clipped value loss | bce: sigmoid critic, soft BCE toward (target + 1) / 2")
-    critic_sync: Literal["s3ac", "pact"] = flag("s3ac", "s3ac: fit the returns | pact: fit rho_t-weighted ones after the actor update")
+    critic_loss: Literal["mse", "bce"] = flag("mse", "mse: clipped value loss | bce: sigmoid critic, soft BCE toward "
+                                              "(target + 1) / 2")
+    critic_sync: Literal["s3ac", "pact"] = flag("s3ac", "s3ac: fit the returns | pact: fit rho_t-weighted ones after "
+                                                "the actor update")
     rho_min: float = flag(0.0, "pact: tokens with rho_t outside [rho_min, rho_max] leave the critic loss (rho > 0)")
     rho_max: float = flag(6.0, "pact: upper bound of the kept rho_t")
     critic_lr_ratio: float = flag(5.0, "critic learning rate = critic_lr_ratio * lr")
@@ -2254,8 +2246,9 @@ class Args:
     critic_layers: int = flag(0, "0: a separate critic model | k: a copy of the actor's last k blocks on its trunk")
     credit_eps: float = flag(0.05, "critic/credit_sparsity counts token credits |C_i| > credit_eps ([0, 1] scale)")
     # critic pretraining (before step 1; the actor is frozen)
-    critic_warmup_steps: number_or(int, "auto", "plateau") = flag("auto", "critic updates on fresh rollouts before step 1: N | plateau: until "
-                                    "the held-out fit stops improving (<= 8) | auto: plateau (0: coverage, no critic)")
+    critic_warmup_steps: number_or(int, "auto", "plateau") = flag(
+        "auto", "critic updates on fresh rollouts before step 1: N | plateau: until the held-out fit stops improving "
+        "(<= 8) | auto: plateau")
     coverage_models: str = flag("", "coverage: comma-separated checkpoints/names of other policies (same tokenizer)")
     coverage_temperatures: str = flag("", "comma-separated; each temperature is one more policy (empty = temperature)")
     coverage_prompts: int = flag(256, "prompts each coverage policy answers (k responses each)")
@@ -2268,9 +2261,10 @@ class Args:
     daps_a_min: float = flag(0.1, "acceptance floor for very easy and very hard prompts, in (0, 1]")
     daps_decay: float = flag(0.99, "per-step decay of the success and attempt counts")
     # updates (actor and critic)
-    minibatches: number_or(int, "auto") = flag("auto", "optimizer steps per pass | auto: batch_prompts // 32, >= 1 (flash_reinforce: 1)")
-    micro_batch_tokens: number_or(int, "auto") = flag("auto", "slots per forward/backward, rows x (longest prompt + response), longest "
-                                   "rows first; gradients accumulate over a mini-batch | auto: the memory plan's")
+    minibatches: number_or(int, "auto") = flag("auto", "optimizer steps per pass | auto: batch_prompts // 32")
+    micro_batch_tokens: number_or(int, "auto") = flag("auto", "slots per forward/backward, rows x (longest prompt + "
+                                                      "response), longest rows first; gradients accumulate over a "
+                                                      "mini-batch | auto: the memory plan's")
     max_skipped_steps: int = flag(3, "stop after this many steps in a row that skipped an optimizer step (a non-finite "
                                   "grad norm; counted in actor/ and critic/skipped_steps); 0 = never stop")
     # run
@@ -2284,12 +2278,13 @@ class Args:
     eval_every: int = flag(10, "steps between greedy evaluations (0 = only at the start and the end)")
     eval_size: int = flag(500, "problems per evaluation source, at most (the first ones; heldout: one fixed sample)")
     eval_k: int = flag(32, "competition sets (aime*, amc*, hmmt*) also report avg@k over k samples at --temperature")
-    eval_max_new_tokens: number_or(int, "auto") = flag("auto", "response length limit of evaluations, tokens; auto = max_new_tokens")
+    eval_max_new_tokens: number_or(int, "auto") = flag("auto", "evaluations' response length limit | auto: the same")
     save_every: int = flag(10, "steps between checkpoints (0 = only at the end)")
     keep_checkpoints: int = flag(2, "newest checkpoints kept on disk")
     resume: bool = flag(False, "continue from the newest checkpoint in out_dir; changed flags apply (printed), but "
                         "--model, --critic-model, --algo, --critic-loss, --critic-layers, --seed, the data must stay")
-    report_to: Literal["none", "tensorboard", "wandb"] = flag("none", "none | tensorboard (<out_dir>/tb) | wandb; metrics.jsonl is always written")
+    report_to: Literal["none", "tensorboard", "wandb"] = flag("none", "tensorboard: <out_dir>/tb; metrics.jsonl is "
+                                                              "always written")
     debug: bool = flag(False, "show the traceback of a data, model or flag error (default: one line)")
 
 
@@ -2809,7 +2804,7 @@ def step_line(metrics: dict, has_critic: bool) -> str:
 PLAN_MARGIN = 0.10  # share of the device the plan leaves free (allocator fragmentation)
 PLAN_RESERVE_GIB = 2.0  # the CUDA context and vLLM asleep (level 1: weights offloaded, KV cache freed); assumed
 MAX_MICRO_BATCH_TOKENS = 65536  # auto plans no larger micro-batch (a GPU's matmuls saturate well before)
-LOGITS_BYTES = 3 * 4 * (1 << 24)  # kernels.logprobs_from_hidden's chunk: fp32 logits, softmax and gradient
+LOGITS_BYTES = 3 * 4 * kernels.LOGITS_CHUNK_ELEMENTS  # logprobs_from_hidden's chunk: fp32 logits, softmax, gradient
 GIB = 2 ** 30
 
 

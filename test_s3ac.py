@@ -518,6 +518,36 @@ def test_memory_plan_chooses_recomputation_only_when_needed():
     assert not forced["gradient_checkpointing"] and forced["micro_batch_tokens"] < 2 * 2048
 
 
+def test_memory_plan_by_hand_each_term_and_the_largest_budget():
+    """The plan's actor and critic peaks, summed by hand from parameter_counts and activation_constants (fp32 weights
+    and AdamW 12 B a parameter, gradients 4 B, bf16 casts, activations a token, two blocks' working set, the log-prob
+    chunk), on a device sized so that the budget binds below MAX_MICRO_BATCH_TOKENS: the budget is the largest whole
+    number of tokens that fits, and one token more does not. Mutants caught (each fails here): the log-prob term at 0,
+    the gradient term removed, a phase's budget halved, the critic's phase left out."""
+    from transformers import AutoConfig
+    config = AutoConfig.for_model(**json.loads(tiny_config(layers=4).to_json_string()))
+    args = s3ac.resolve_args(s3ac.Args(max_prompt_tokens=512, max_new_tokens=1536, rollout="hf",
+                                       gradient_checkpointing="false"))
+    c, n = s3ac.activation_constants(config.to_json_string()), s3ac.parameter_counts(config)
+    L, H, gib = 4, 32, 2 ** 30
+    critic = n["base"] + H  # a separate critic: its trunk and value head
+    fixed = {"actor_update": 12 * (n["actor"] + critic) + 4 * n["actor"] + c["block_casts"] * L
+             + 3 * 4 * K.LOGITS_CHUNK_ELEMENTS,  # kernels.py's chunk: fp32 logits, softmax and their gradient
+             "critic_update": 12 * (n["actor"] + critic) + 4 * critic + c["block_casts"] * L}
+    per_token = {"actor_update": L * c["block"] + c["actor_rest"] + 2 * c["block"],
+                 "critic_update": L * c["block"] + c["critic_rest"] + 2 * c["block"]}
+    usable = max(fixed.values()) + 3 * 2048 * max(per_token.values())  # room for about three longest rows
+    device = (usable / gib + s3ac.PLAN_RESERVE_GIB) / (1 - s3ac.PLAN_MARGIN)
+    plan = s3ac.memory_plan(config, args, device)
+    tokens = min(int((usable - fixed[p]) // per_token[p]) for p in fixed)
+    assert 2 * 2048 <= tokens < s3ac.MAX_MICRO_BATCH_TOKENS and plan["micro_batch_tokens"] == tokens
+    for phase in fixed:
+        assert plan["phases_gib"][phase] == round((fixed[phase] + per_token[phase] * tokens) / gib, 2), phase
+    assert plan["fits"] and plan["peak_gib"] <= plan["usable_gib"]
+    more = s3ac.memory_plan(config, dataclasses.replace(args, micro_batch_tokens=tokens + 1), device)
+    assert more["peak_gib"] > more["usable_gib"] and not more["fits"]
+
+
 def test_disk_check_stops_before_step_one(tiny, tmp_path, monkeypatch):
     """Free space short of (keep_checkpoints + 1) checkpoints stops the run before any rollout, naming the sizes."""
     import collections
@@ -2675,10 +2705,18 @@ batch, advantages = data["batch"].rows(rows), data["advantages"][rows]
 whole = lambda: {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
                  for k, v in policy.state_dict().items()}
 start = whole()
-poisoned = advantages.clone()
-if rank == 1:
-    poisoned[0, 0] = float("nan")  # a response token of rank 1 only: its local gradient alone is NaN
-m_nan = s3ac.update_actor(policy, opt, batch, poisoned, None, args, torch.Generator().manual_seed(0))
+clip, calls = torch.nn.utils.clip_grad_norm_, []
+
+
+def poisoned_clip(params, max_norm):  # the first step: a NaN in one element of rank 1's own shard, nowhere else
+    if rank == 1 and not calls:
+        next(policy.parameters()).grad.to_local().view(-1)[0] = float("nan")  # after the reduce-scatter
+    calls.append(rank)
+    return clip(params, max_norm)
+
+
+torch.nn.utils.clip_grad_norm_ = poisoned_clip
+m_nan = s3ac.update_actor(policy, opt, batch, advantages, None, args, torch.Generator().manual_seed(0))
 after_nan = whole()
 m_clean = s3ac.update_actor(policy, opt, batch, advantages, None, args, torch.Generator().manual_seed(0))
 torch.save({"start": start, "after_nan": after_nan, "end": whole(), "m_nan": m_nan, "m_clean": m_clean},
@@ -2721,9 +2759,11 @@ def test_torchrun_ranks_run_as_many_micro_batches(tiny, tmp_path):
 
 
 def test_torchrun_a_nan_gradient_on_one_rank_skips_the_step_on_both(tiny, tmp_path):
-    """2 ranks (FSDP2, gloo), a NaN advantage on rank 1 only: the gradient norm is global, so both ranks skip the
-    same optimizer step (weights bit for bit as they were on both, counted on both); the next finite batch trains
-    both ranks alike. A rank deciding from its own gradient alone would step on rank 0 and split the replicas."""
+    """2 ranks (FSDP2, gloo), a NaN in one element of rank 1's own gradient shard (after the reduce-scatter, so rank
+    0's shards stay finite): the gradient norm is global, so both ranks skip the same optimizer step (weights bit for
+    bit as they were on both, counted on both); the next finite batch trains both ranks alike. The mutant that decides
+    from a rank's own shards (a local norm) steps on rank 0 alone and fails here; a NaN advantage would not tell them
+    apart, as the reduce-scatter carries it into both ranks' shards."""
     path, model, tok = tiny
     batch = sampled_batch(model, tok, n=6)
     torch.save({"batch": batch, "advantages": torch.randn(*batch.response_mask.shape,
@@ -5191,7 +5231,7 @@ def test_warmup_stops_where_the_hand_count_says_on_one_held_out_set(monkeypatch)
     draws, seen = [], []
     scripted = iter([0.6, 0.5, 0.3, 0.28, 0.1, 0.05])
     monkeypatch.setattr(s3ac, "warmup_rollouts", lambda args, state, fn: draws.append(object()) or
-                        (draws[-1], None, None, None, {"rollout/samples": 4}))
+                        (draws[-1], None, {"rollout/samples": 4}))
     monkeypatch.setattr(s3ac, "held_out_fit", lambda args, state, held: {"pretrain/v_loss": 1.0,
                                                                           "pretrain/explained_var": 0.0})
 
