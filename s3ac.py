@@ -2827,7 +2827,9 @@ def activation_constants(config_json: str) -> dict:
     1- and 2-block causal LMs of its widths run actor_logprobs and critic_values under bf16 autocast on one sequence
     of S = 8, 16, 24 tokens (saved_bytes); c + a S + b S^2 is solved for one block (2 blocks less 1) and for the rest.
     Returns a block's a ("block", bytes a token), b ("block_quad": attention probabilities where kept, as on a CPU
-    math path; CUDA's SDPA keeps O(S)) and c ("block_casts": its bf16 weight copies), and the rest's a."""
+    math path; CUDA's SDPA keeps O(S)) and c ("block_casts": its bf16 weight copies), and the rest's a. A pair of rows,
+    the second padded, measures what padding adds a block (the attention mask each layer saves): its S^2 coefficient
+    per row, "block_pad" (bytes a token per token of row length)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     lengths, counts = (8, 16, 24), {}
     for blocks in (1, 2):
@@ -2845,12 +2847,18 @@ def activation_constants(config_json: str) -> dict:
                           torch.zeros(1, dtype=torch.bool), torch.zeros(1, dtype=torch.long))
             counts["actor", blocks, S] = saved_bytes(lambda: actor_logprobs(lm, batch, 1.0), lm.parameters())
             counts["critic", blocks, S] = saved_bytes(lambda: critic_values(critic, batch), critic.parameters())
+            pair = [Batch(ids[:, :S // 2].repeat(2, 1), torch.ones(2, S // 2), ids[:, S // 2:].repeat(2, 1),
+                          torch.ones(2, S - S // 2), torch.zeros(2, dtype=torch.bool), torch.arange(2)) for _ in "ab"]
+            pair[1].prompt_mask[1, :2] = 0.0  # the second row left-padded by two slots
+            padded, plain = (saved_bytes(lambda: actor_logprobs(lm, b, 1.0), lm.parameters()) for b in pair[::-1])
+            counts["pad", blocks, S] = padded - plain
     fit = lambda y: torch.linalg.solve(torch.tensor([[1.0, S, S * S] for S in lengths], dtype=torch.float64),
                                        torch.tensor(y, dtype=torch.float64)).tolist()  # [c, a, b]
     c, a, b = fit([counts["actor", 2, S] - counts["actor", 1, S] for S in lengths])
     rest = {m: fit([counts[m, 1, S] - (c + a * S + b * S * S) for S in lengths])[1] for m in ("actor", "critic")}
+    pad = fit([counts["pad", 2, S] - counts["pad", 1, S] for S in lengths])[2] / 2  # per row: bytes / S^2
     return {"block": a, "block_quad": max(b, 0.0), "block_casts": c, "actor_rest": rest["actor"],
-            "critic_rest": rest["critic"]}
+            "critic_rest": rest["critic"], "block_pad": max(pad, 0.0)}
 
 
 def parameter_counts(config) -> dict:
@@ -2864,31 +2872,44 @@ def parameter_counts(config) -> dict:
 
 
 def memory_plan(config, args: Args, device_gib: float, cuda: bool = True, world: int = 1) -> dict:
-    """The memory plan of training args (config: the model's) on device_gib GiB. Per phase: fp32 weights and AdamW
-    states (over `world` ranks), the updated model's gradients and bf16 casts, activations a token
-    (activation_constants; recomputing, a block keeps its fp32 input) x the micro-batch, one block's backward working
-    set, against (1 - PLAN_MARGIN) of the device less PLAN_RESERVE_GIB. "auto": recompute only when two longest rows
-    do not fit; the largest budget that fits. Returns a dict: peak_gib, device_gib, fits, micro_batch_tokens, ..."""
+    """The memory plan of training args (config: the model's) on device_gib GiB over `world` ranks. Per phase, named
+    terms (terms_gib): fp32 weights and AdamW states and the gradients (sharded over the ranks), bf16 weight casts,
+    activations a token (activation_constants; recomputing, a block keeps its fp32 input) x the micro-batch, the
+    padded attention mask, two blocks' backward working set, the log-prob chunk and the output layer's fp32 weight
+    gradient (held until the tied embedding's joins it), and under torchrun the root's unsharded parameters and
+    gradients and two blocks' all-gather and reduce-scatter buffers; against (1 - PLAN_MARGIN) of the device less
+    PLAN_RESERVE_GIB. "auto": recompute only when two longest rows do not fit; the largest budget that fits. Returns a
+    dict: peak_gib, device_gib, fits, micro_batch_tokens, phases_gib, terms_gib, ..."""
     const, n = activation_constants(config.to_json_string()), parameter_counts(config)
-    L, H, k = config.num_hidden_layers, config.hidden_size, args.critic_layers
+    L, H, V, k = config.num_hidden_layers, config.hidden_size, config.vocab_size, args.critic_layers
     critic = 0 if args.algo not in CRITIC_ALGOS else n["block"] * k + 3 * H if k else n["base"] + H  # trainable
     longest = args.max_prompt_tokens + args.max_new_tokens  # slots of the longest row
     quad = 0.0 if cuda else const["block_quad"] * longest  # per token, of a row as long as the longest
+    pad = const["block_pad"] * longest  # per token and block: the mask of a padded micro-batch
     persistent = 12 * (n["actor"] + critic) / world  # fp32 weights and AdamW's two moments; a partial trunk's
     persistent += 4 * H * longest * args.batch_prompts * args.k / world if k else 0  # stored features [B, P + T, H]
+    shared = 0.0 if world == 1 else 16 * n["block"]  # FSDP2: two blocks' fp32 all-gather and reduce-scatter buffers
+
+    def terms(tokens: int, recompute: bool) -> dict:  # {phase: {term: bytes}}
+        def update(params: int, root: int, blocks: int, rest: float) -> dict:
+            return {"weights_and_adam": persistent, "gradients": 4 * params / world,
+                    "bf16_casts": const["block_casts"] * blocks,
+                    "activations": tokens * (blocks * (4 * H if recompute else const["block"] + quad) + rest),
+                    "padded_mask": tokens * (0 if recompute else blocks) * pad,
+                    "block_backward": 2 * tokens * (const["block"] + quad + pad),
+                    "root_unsharded": 8 * root * (1 - 1 / world), "fsdp_buffers": shared}
+        out = {"actor_update": {**update(n["actor"], n["actor"] - L * n["block"], L, const["actor_rest"]),
+                                "logprob_chunk": LOGITS_BYTES, "head_weight_grad": 4 * V * H}}
+        if critic:
+            root = 3 * H if k else n["base"] - L * n["block"] + H  # the value head (and the embedding)
+            out["critic_update"] = update(critic, root, k or L, const["critic_rest"])
+        if cuda and args.rollout != "hf":
+            out["rollout"] = {"weights_and_adam": persistent,
+                              "vllm": args.vllm_gpu_memory_utilization * device_gib * GIB}
+        return out
 
     def peaks(tokens: int, recompute: bool) -> dict:
-        block = (const["block"] + quad) * tokens  # one block's saved activations for the micro-batch
-        kept = lambda blocks, rest: tokens * (blocks * (4 * H if recompute else const["block"] + quad) + rest)
-        out = {"actor_update": persistent + 4 * n["actor"] / world + const["block_casts"] * L  # bf16 weight casts
-               + kept(L, const["actor_rest"]) + 2 * block + LOGITS_BYTES}
-        if critic:
-            blocks = k or L
-            out["critic_update"] = (persistent + 4 * critic / world + const["block_casts"] * blocks
-                                    + kept(blocks, const["critic_rest"]) + 2 * block)
-        if cuda and args.rollout != "hf":
-            out["rollout"] = persistent + args.vllm_gpu_memory_utilization * device_gib * GIB
-        return out
+        return {phase: sum(t.values()) for phase, t in terms(tokens, recompute).items()}
 
     usable = ((1 - PLAN_MARGIN) * device_gib - PLAN_RESERVE_GIB) * GIB
 
@@ -2905,8 +2926,10 @@ def memory_plan(config, args: Args, device_gib: float, cuda: bool = True, world:
     return {"model": config.architectures[0] if getattr(config, "architectures", None) else config.model_type,
             "actor_params": n["actor"], "critic_params": critic, "device_gib": device_gib, "usable_gib": usable / GIB,
             "peak_gib": peak / GIB, "fits": tokens >= longest and peak <= usable, "micro_batch_tokens": int(tokens),
-            "gradient_checkpointing": recompute, "longest_row": longest,
+            "gradient_checkpointing": recompute, "longest_row": longest, "world": world,
             "phases_gib": {p: round(v / GIB, 2) for p, v in phases.items()},
+            "terms_gib": {p: {name: v / GIB for name, v in t.items() if v}
+                          for p, t in terms(max(tokens, 0), recompute).items()},
             "activation_kib_per_token": round((peaks(1, recompute)["actor_update"] - zero) / 1024, 1),
             "checkpoint_gib": 12 * (n["actor"] + critic) / GIB, "attention": "O(S) (SDPA)" if cuda else "S^2 (CPU)"}
 
@@ -2960,16 +2983,18 @@ def check_disk(args: Args, models: list):
 
 
 def memory(argv=None):
-    """python s3ac.py memory --model M [--gpu-memory GiB] [training flags] [--json]: the memory plan from M's
+    """python s3ac.py memory --model M [--gpu-memory GiB] [--world N] [training flags] [--json]: the plan from M's
     config.json alone (no weights, no GPU), for --gpu-memory GiB (default: this machine's CUDA device, else 80)."""
     from transformers import AutoConfig
     parser = argparse.ArgumentParser(prog="s3ac.py memory")
     parser.add_argument("--gpu-memory", type=float, default=torch.cuda.get_device_properties(0).total_memory / GIB
                         if torch.cuda.is_available() else 80.0)
+    parser.add_argument("--world", type=int, default=1, help="ranks under torchrun (FSDP2)")
     parser.add_argument("--json", action="store_true")
     opts, rest = parser.parse_known_args(argv)
     args = parse_args(rest)
-    plan = memory_plan(AutoConfig.from_pretrained(resolve_model(args.model, args.cache_dir)), args, opts.gpu_memory)
+    plan = memory_plan(AutoConfig.from_pretrained(resolve_model(args.model, args.cache_dir)), args, opts.gpu_memory,
+                       world=opts.world)
     print(json.dumps(plan) if opts.json else plan_line(plan))
     return plan
 

@@ -479,6 +479,44 @@ def test_memory_plan_constants_against_counted_bytes():
     assert adam == 8 * n["actor"]  # the plan's 12 bytes a parameter: 4 of weight, 8 of AdamW moments
 
 
+def test_memory_plan_padded_mask_head_gradient_and_torchrun_terms_against_counts():
+    """Three of the plan's terms against counts on the tiny models: a padded 3-row micro-batch saves what the
+    constants with block_pad predict (within 5%; without the padded mask they miss by more); the output layer's weight
+    gradient is the [V, H] fp32 tensor the log-prob head's backward hands the weight, tied or untied (a hook counts
+    it); at 2 ranks the root's unsharded parameters and gradients (every parameter outside the blocks, counted on the
+    model) and two blocks' FSDP2 buffers, none in one process. Mutants caught: each term removed (a missing key, or a
+    prediction off by more than 5%)."""
+    from transformers import AutoConfig, LlamaForCausalLM
+    config = tiny_config()
+    c = s3ac.activation_constants(config.to_json_string())
+    torch.manual_seed(0)
+    lm = LlamaForCausalLM(config)
+    ids = torch.randint(3, 97, (3, 40))
+    prompt_mask = torch.ones(3, 15)
+    prompt_mask[1, :4], prompt_mask[2, :9] = 0.0, 0.0  # rows 1 and 2 left-padded
+    batch = s3ac.Batch(ids[:, :15], prompt_mask, ids[:, 15:], torch.ones(3, 25), torch.zeros(3, dtype=torch.bool),
+                       torch.arange(3))
+    counted = s3ac.saved_bytes(lambda: s3ac.actor_logprobs(lm, batch, 1.0), lm.parameters())
+    plain = 3 * (c["block_casts"] + c["block"] * 120) + c["actor_rest"] * 120  # 3 blocks, 120 tokens
+    assert plain + 3 * c["block_pad"] * 40 * 120 == pytest.approx(counted, rel=0.05)
+    assert plain != pytest.approx(counted, rel=0.05) and c["block_pad"] > 0
+    args = s3ac.resolve_args(s3ac.Args(max_prompt_tokens=15, max_new_tokens=25, rollout="hf"))
+    for tied in (False, True):
+        cfg = AutoConfig.for_model(**{**json.loads(config.to_json_string()), "tie_word_embeddings": tied})
+        model, seen = LlamaForCausalLM(cfg), []
+        model.get_output_embeddings().weight.register_hook(lambda g: seen.append(g.nbytes))
+        s3ac.actor_logprobs(model, batch, 1.0)[0].sum().backward()
+        plan = s3ac.memory_plan(cfg, args, 80.0)
+        assert seen == [4 * 97 * 32]
+        assert plan["terms_gib"]["actor_update"]["head_weight_grad"] * 2 ** 30 == seen[0], tied
+    one, two = (s3ac.memory_plan(config, args, 80.0, world=w)["terms_gib"] for w in (1, 2))
+    outside = sum(p.numel() for name, p in lm.named_parameters() if ".layers." not in name)  # embedding, norm, head
+    block = sum(p.numel() for p in lm.model.layers[0].parameters())
+    assert two["actor_update"]["root_unsharded"] * 2 ** 30 == pytest.approx(8 * outside / 2)
+    assert two["actor_update"]["fsdp_buffers"] * 2 ** 30 == pytest.approx(16 * block)
+    assert not {"root_unsharded", "fsdp_buffers"} & set(one["actor_update"]) and "fsdp_buffers" in two["critic_update"]
+
+
 def test_memory_command_from_a_config_alone(tmp_path):
     """python s3ac.py memory on a folder holding only config.json: the plan as JSON; a device too small for one
     longest row does not fit; the persistent part matches the parameter count."""
@@ -520,22 +558,25 @@ def test_memory_plan_chooses_recomputation_only_when_needed():
 
 def test_memory_plan_by_hand_each_term_and_the_largest_budget():
     """The plan's actor and critic peaks, summed by hand from parameter_counts and activation_constants (fp32 weights
-    and AdamW 12 B a parameter, gradients 4 B, bf16 casts, activations a token, two blocks' working set, the log-prob
-    chunk), on a device sized so that the budget binds below MAX_MICRO_BATCH_TOKENS: the budget is the largest whole
-    number of tokens that fits, and one token more does not. Mutants caught (each fails here): the log-prob term at 0,
-    the gradient term removed, a phase's budget halved, the critic's phase left out."""
+    and AdamW 12 B a parameter, gradients 4 B, bf16 casts, activations a token, a padded micro-batch's mask, two
+    blocks' working set, the log-prob chunk, the output layer's fp32 weight gradient [V, H]), on a device sized so
+    that the budget binds below MAX_MICRO_BATCH_TOKENS: the budget is the largest whole number of tokens that fits,
+    and one token more does not. Mutants caught (each fails here): the log-prob term at 0, the gradient term removed,
+    the head's gradient or the padded mask left out, a phase's budget halved, the critic's phase left out."""
     from transformers import AutoConfig
     config = AutoConfig.for_model(**json.loads(tiny_config(layers=4).to_json_string()))
     args = s3ac.resolve_args(s3ac.Args(max_prompt_tokens=512, max_new_tokens=1536, rollout="hf",
                                        gradient_checkpointing="false"))
     c, n = s3ac.activation_constants(config.to_json_string()), s3ac.parameter_counts(config)
-    L, H, gib = 4, 32, 2 ** 30
+    L, H, V, gib = 4, 32, 97, 2 ** 30
     critic = n["base"] + H  # a separate critic: its trunk and value head
     fixed = {"actor_update": 12 * (n["actor"] + critic) + 4 * n["actor"] + c["block_casts"] * L
-             + 3 * 4 * K.LOGITS_CHUNK_ELEMENTS,  # kernels.py's chunk: fp32 logits, softmax and their gradient
+             + 3 * 4 * K.LOGITS_CHUNK_ELEMENTS  # kernels.py's chunk: fp32 logits, softmax and their gradient
+             + 4 * V * H,  # the output layer's weight gradient, fp32
              "critic_update": 12 * (n["actor"] + critic) + 4 * critic + c["block_casts"] * L}
-    per_token = {"actor_update": L * c["block"] + c["actor_rest"] + 2 * c["block"],
-                 "critic_update": L * c["block"] + c["critic_rest"] + 2 * c["block"]}
+    block = c["block"] + c["block_pad"] * 2048  # a block's bytes a token, its padded mask's at the longest row included
+    per_token = {"actor_update": L * block + c["actor_rest"] + 2 * block,
+                 "critic_update": L * block + c["critic_rest"] + 2 * block}
     usable = max(fixed.values()) + 3 * 2048 * max(per_token.values())  # room for about three longest rows
     device = (usable / gib + s3ac.PLAN_RESERVE_GIB) / (1 - s3ac.PLAN_MARGIN)
     plan = s3ac.memory_plan(config, args, device)
