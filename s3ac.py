@@ -1308,20 +1308,13 @@ def load_reward_fn(spec: str, flag: str = "--reward-fn"):
 
 def make_rewards(args: Args, reward_fn=None, eval_reward_fn=None):
     """(reward_fn, eval_reward_fn, owned) unless given: --reward-fn (math: the Verifier, whose golds load_problems
-    parses; else load_reward_fn), --eval-reward-fn (auto: the training one); owned: the Verifier to close."""
-    owned = []
-
-    def reward_of(spec: str, flag: str):
-        if spec != "math":
-            return load_reward_fn(spec, flag)
-        owned[:] = owned or [Verifier(args.verify_timeout, args.answer_fallback)]
-        return owned[0]
-
-    reward_fn = reward_fn or reward_of(args.reward_fn, "--reward-fn")
+    parses; else load_reward_fn), --eval-reward-fn (auto: the training one); owned: [the Verifier], to close."""
+    verifier = Verifier(args.verify_timeout, args.answer_fallback)  # its worker starts at its first call
+    reward_fn = reward_fn or (verifier if args.reward_fn == "math" else load_reward_fn(args.reward_fn, "--reward-fn"))
     if eval_reward_fn is None:
-        eval_reward_fn = reward_fn if args.eval_reward_fn == "auto" else reward_of(args.eval_reward_fn,
-                                                                                   "--eval-reward-fn")
-    return reward_fn, eval_reward_fn, owned
+        eval_reward_fn = (reward_fn if args.eval_reward_fn == "auto" else verifier if args.eval_reward_fn == "math"
+                          else load_reward_fn(args.eval_reward_fn, "--eval-reward-fn"))
+    return reward_fn, eval_reward_fn, [verifier]
 
 
 # --- 3b. The actor: log-probs of the sampled tokens ---
@@ -1438,14 +1431,11 @@ class Critic(nn.Module):
     def forward(self, input_ids, attention_mask, position_ids, features=None):
         """Values at every position, [B, P + T] fp32. features [B, P + T, H]: the trunk's hidden states of these
         rows (trunk_features), computed here when None; unused by a separate critic (k = 0)."""
-        if self.trunk is None:
-            out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                use_cache=False)
-        else:
-            features = self.trunk(input_ids, attention_mask, position_ids) if features is None else features
-            out = self.backbone(inputs_embeds=features, attention_mask=attention_mask, position_ids=position_ids,
-                                use_cache=False)
-        hidden = out.last_hidden_state  # [B, P + T, H]
+        if self.trunk is not None and features is None:
+            features = self.trunk(input_ids, attention_mask, position_ids)  # [B, P + T, H]
+        inputs = {"input_ids": input_ids} if self.trunk is None else {"inputs_embeds": features}  # k = 0: token ids
+        hidden = self.backbone(**inputs, attention_mask=attention_mask, position_ids=position_ids,
+                               use_cache=False).last_hidden_state  # [B, P + T, H]
         with torch.autocast(hidden.device.type, enabled=False):  # the head stays fp32 under bf16 autocast
             return hidden.float() @ self.value_head.weight[0]  # [B, P + T] (a new tensor, not a view of one)
 
@@ -1621,7 +1611,8 @@ def _pad_prompts(prompts: list, pad_id: int):
 
 
 def cat_batches(batches: list, pad_id: int) -> Batch:
-    """One Batch of the rows of several (prompts re-padded on the left, responses on the right)."""
+    """One Batch of the rows of several (prompts re-padded on the left, responses and features on the right: a row's
+    features [p + t, H] land at positions P - p to P + t of [P + T, H])."""
     P, T = (max(getattr(b, name).shape[1] for b in batches) for name in ("prompt_ids", "response_ids"))
 
     def cat(name, value, left=False):  # [B, P] on the left, [B, T] on the right; None when a part has none
@@ -1632,16 +1623,8 @@ def cat_batches(batches: list, pad_id: int) -> Batch:
     return Batch(cat("prompt_ids", pad_id, True), cat("prompt_mask", 0, True), cat("response_ids", pad_id),
                  cat("response_mask", 0.0), torch.cat([b.truncated for b in batches]),  # [B]
                  torch.cat([b.prompt_index for b in batches]), cat("sampler_logprobs", 0.0),  # [B], [B, T]
-                 None if any(b.features is None for b in batches) else
-                 torch.cat([pad_features(b.features, b.prompt_ids.shape[1], P, T) for b in batches]))  # [B, P + T, H]
-
-
-def pad_features(features, p: int, P: int, T: int):
-    """[b, p + t, H] hidden states of p prompt and t response positions -> [b, P + T, H]: zeros added on the left
-    of the prompt part and on the right of the response part, as cat_batches pads the token ids."""
-    t = features.shape[1] - p
-    prompt = torch.nn.functional.pad(features[:, :p], (0, 0, P - p, 0))  # [b, P, H]
-    return torch.cat([prompt, torch.nn.functional.pad(features[:, p:], (0, 0, 0, T - t))], 1)  # [b, P + T, H]
+                 None if any(b.features is None for b in batches) else torch.cat([torch.nn.functional.pad(
+                     b.features, (0, 0, P - b.prompt_ids.shape[1], T - b.response_ids.shape[1])) for b in batches]))
 
 
 class SamplerLogprobs:
@@ -1701,42 +1684,36 @@ def generate_hf(model, prompts: list, prompt_index: list, eos_ids, pad_id: int, 
     config = GenerationConfig(do_sample=not greedy, temperature=1.0, top_k=None if greedy else 0, top_p=1.0,
                               max_new_tokens=max_new_tokens, eos_token_id=sorted(eos_ids), pad_token_id=pad_id)
     device = next(model.parameters()).device
-    responses, features, sampler_logprobs = [], [], []
+    chunks = []  # a Batch per batch_size prompts, joined by cat_batches
     bar = tqdm(total=len(prompts), desc=progress, unit="prompt", leave=False, file=sys.stderr, disable=not progress)
     for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start: start + batch_size]
-        ids, attn = (x.to(device) for x in _pad_prompts(chunk, pad_id))  # [b, p] each
+        prompt_ids, prompt_mask = _pad_prompts(prompts[start: start + batch_size], pad_id)  # [b, p] each
         mu = SamplerLogprobs()
         processors = LogitsProcessorList([] if greedy else [
             TemperatureLogitsWarper(float(temperature)), *([TopKLogitsWarper(top_k)] if top_k else []),
             *([TopPLogitsWarper(top_p)] if top_p < 1 else []), mu])
         with (recording_block_input(model, record_block) if record_block is not None
               else contextlib.nullcontext([])) as calls, neutral_generation_config(model):
-            out = model.generate(input_ids=ids, attention_mask=attn, generation_config=config,
-                                 logits_processor=processors, synced_gpus=distributed())  # [b, p + t]
-        responses += out[:, ids.shape[1]:].cpu().tolist()  # generated tokens only
-        if not greedy:
-            sampler_logprobs += mu.logprobs(out[:, ids.shape[1]:]).cpu().tolist()  # [b, t]
+            out = model.generate(input_ids=prompt_ids.to(device), attention_mask=prompt_mask.to(device),
+                                 generation_config=config, logits_processor=processors,
+                                 synced_gpus=distributed())  # [b, p + t]
+        response_ids = out[:, prompt_ids.shape[1]:].cpu()  # [b, t] generated tokens only
+        response_mask, truncated = response_mask_from_ids(response_ids, eos_ids)  # [b, t], [b]
+        response_ids = torch.where(response_mask.bool(), response_ids, pad_id)  # [b, t] pad_id after the stop
+        chunk = Batch(prompt_ids, prompt_mask, response_ids, response_mask, truncated,
+                      torch.as_tensor(prompt_index[start: start + batch_size]))
+        if not greedy:  # log mu, 0 on padding (where top-k leaves -inf after a stop)
+            logprobs = mu.logprobs(out[:, prompt_ids.shape[1]:]).cpu()  # [b, t]
+            chunk.sampler_logprobs = torch.where(response_mask.bool(), logprobs, 0.0)  # [b, t]
         if record_block is not None:  # the inputs of out[:, :-1] (synced_gpus may add calls after the end)
             fed = torch.cat(calls, 1)[:, :out.shape[1] - 1]  # [b, p + t - 1, H]
-            features.append((torch.nn.functional.pad(fed, (0, 0, 0, 1)), ids.shape[1]))  # [b, p + t, H], p
-        bar.update(len(chunk))
+            followed = torch.nn.functional.pad(response_mask[:, 1:], (0, 1))  # [b, t] 1 where a later token follows
+            keep = torch.cat([prompt_mask.float(), followed], 1).to(device)  # [b, p + t] what the critic reads
+            chunk.features = torch.nn.functional.pad(fed, (0, 0, 0, 1)) * keep[:, :, None]  # [b, p + t, H] 0 elsewhere
+        chunks.append(chunk)
+        bar.update(len(prompt_ids))
     bar.close()
-    response_ids = _pad(responses, pad_id, left=False)  # [B, T]
-    response_mask, truncated = response_mask_from_ids(response_ids, eos_ids)
-    response_ids = torch.where(response_mask.bool(), response_ids, pad_id)  # clean tail after the stop
-    batch = Batch(*_pad_prompts(prompts, pad_id), response_ids, response_mask, truncated, torch.as_tensor(prompt_index))
-    if not greedy:
-        logprobs = _pad(sampler_logprobs, 0.0, left=False, dtype=torch.float32)  # [B, T]; -inf after a stop with top-k
-        batch.sampler_logprobs = torch.where(response_mask.bool(), logprobs, 0.0)  # [B, T] 0 on padding
-    if record_block is not None:
-        P, T = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
-        padded = [pad_features(*features.pop(0), P, T) for _ in range(len(features))]  # each chunk freed once padded
-        batch.features = torch.cat(padded)  # [B, P + T, H]
-        followed = torch.nn.functional.pad(response_mask[:, 1:], (0, 1))  # [B, T] 1 where a later token follows
-        keep = torch.cat([batch.prompt_mask.float(), followed], 1).to(device)  # [B, P + T] what the critic reads
-        batch.features *= keep[:, :, None]  # 0 on padding and at each row's last token, whether fed or not
-    return batch
+    return cat_batches(chunks, pad_id)
 
 
 def generate_responses(args: Args, state: TrainState, prompts: list, index: list, max_new_tokens: int,
