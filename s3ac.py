@@ -1379,15 +1379,14 @@ def micro_batches(batch: Batch, max_tokens: int, rows=None) -> list:
     and its padding within MAX_PADDING, else opens the next (a row over the budget: alone). [b] index tensors."""
     rows = torch.arange(batch.response_ids.shape[0]) if rows is None else torch.as_tensor(rows, dtype=torch.long)
     p, t = batch.prompt_mask.sum(1).long()[rows].tolist(), batch.response_mask.sum(1).long()[rows].tolist()
-    out, width_p, width_t, real = [], 0, 0, 0
+    out = []
     for i in sorted(range(len(rows)), key=lambda i: (p[i] + t[i], t[i]), reverse=True):
-        slots = (len(out[-1]) + 1) * (max(width_p, p[i]) + max(width_t, t[i])) if out else 0
-        if out and slots <= max_tokens and slots - real - p[i] - t[i] <= MAX_PADDING * slots:
-            out[-1].append(i)
-            width_p, width_t, real = max(width_p, p[i]), max(width_t, t[i]), real + p[i] + t[i]
+        mb = (out[-1] if out else []) + [i]  # the current micro-batch with row i
+        slots = len(mb) * (max(p[j] for j in mb) + max(t[j] for j in mb))
+        if len(mb) > 1 and slots <= max_tokens and slots - sum(p[j] + t[j] for j in mb) <= MAX_PADDING * slots:
+            out[-1] = mb
         else:
             out.append([i])
-            width_p, width_t, real = p[i], t[i], p[i] + t[i]
     for _ in range(int(all_reduce(torch.tensor(len(out)), "max")) - len(out)):  # FSDP2: as many forwards on every
         j = max(range(len(out)), key=lambda j: len(out[j]))  # rank (as many rows too): split the one of most rows
         out[j: j + 1] = [out[j][: len(out[j]) // 2], out[j][len(out[j]) // 2:]]
@@ -1423,8 +1422,7 @@ class Critic(nn.Module):
         hidden = backbone.config.hidden_size
         self.backbone = backbone
         self.value_head = nn.Linear(hidden, 1, bias=False, dtype=torch.float32)
-        nn.init.normal_(self.value_head.weight, 0.0, 1.0 / (hidden + 1),
-                        generator=torch.Generator().manual_seed(seed))
+        nn.init.normal_(self.value_head.weight, 0.0, 1.0 / (hidden + 1), generator=torch.Generator().manual_seed(seed))
         self.trunk = trunk  # k >= 1: (ids, mask, positions) -> [B, P + T, H]; a function, not a submodule
         self.block = block  # k >= 1: L - k, the actor block whose input the trunk gives; None for k = 0
 
@@ -1539,11 +1537,10 @@ def trunk_features(critic: Critic, batch: Batch, micro_batch_tokens: int):
         return None
     device = critic.value_head.weight.device
     (B, P), T = batch.prompt_ids.shape, batch.response_ids.shape[1]
-    out = None
+    out = torch.zeros(B, P + T, critic.backbone.config.hidden_size, device=device)  # [B, P + T, H]
     for mb in micro_batches(batch, micro_batch_tokens):
         sub = batch.rows(mb)  # p prompt and t response columns
         h = critic.trunk(*(x.to(device) for x in model_inputs(sub)))  # [b, p + t, H]
-        out = h.new_zeros(B, P + T, h.shape[2]) if out is None else out  # [B, P + T, H]
         out[mb.to(device), P - sub.prompt_ids.shape[1]: P + sub.response_ids.shape[1]] = h
     return out
 
@@ -1551,9 +1548,9 @@ def trunk_features(critic: Critic, batch: Batch, micro_batch_tokens: int):
 def store_critic_features(critic: Critic, batch: Batch, micro_batch_tokens: int):
     """batch.features, computed once (trunk_features, unless generate_hf recorded them), [B, P + T, H]; None for a
     full critic. The values and every critic epoch then share one trunk pass."""
-    if critic.trunk is not None and batch.features is None:
-        batch.features = trunk_features(critic, batch, micro_batch_tokens)  # [B, P + T, H]
-    return batch.features if critic.trunk is not None else None
+    if batch.features is None:
+        batch.features = trunk_features(critic, batch, micro_batch_tokens)  # [B, P + T, H]; None for k = 0
+    return batch.features
 
 
 def value_from_raw(raw, critic_loss: str):
@@ -1587,12 +1584,9 @@ def prompt_values(critic: Critic, prompts: list, pad_id: int, critic_loss: str, 
 def response_mask_from_ids(response_ids, eos_ids):
     """(response_mask [B, T] float, 1 up to and including the first stop token, or everywhere; truncated [B] bool)
     of response_ids [B, T]. Found from positions, never by comparing with the pad id (which may be a stop id)."""
-    B, T = response_ids.shape
-    is_stop = torch.isin(response_ids, torch.tensor(sorted(eos_ids), device=response_ids.device))  # [B, T]
-    truncated = ~is_stop.any(1)  # [B]
-    first_stop = torch.where(truncated, T - 1, is_stop.int().argmax(1))  # [B] last valid position
-    positions = torch.arange(T, device=response_ids.device)  # [T]
-    return (positions[None, :] <= first_stop[:, None]).float(), truncated  # [B, T], [B]
+    is_stop = torch.isin(response_ids, torch.tensor(sorted(eos_ids), device=response_ids.device)).long()  # [B, T]
+    stops_before = is_stop.cumsum(1) - is_stop  # [B, T] stop tokens before position t
+    return (stops_before == 0).float(), is_stop.sum(1) == 0  # [B, T], [B]
 
 
 def _pad(seqs, value, left: bool, dtype=torch.long):
@@ -1642,10 +1636,8 @@ class SamplerLogprobs:
 
     def logprobs(self, response_ids):
         """log mu [b, t] of response_ids [b, t], the tokens generate returned."""
-        if self.previous is None:
-            return torch.zeros(response_ids.shape, device=response_ids.device)
-        taken = self.taken + [self.previous.gather(1, response_ids[:, len(self.taken):len(self.taken) + 1])]
-        return torch.cat(taken, 1)[:, :response_ids.shape[1]]  # [b, t]
+        last = self.previous.gather(1, response_ids[:, len(self.taken):len(self.taken) + 1])  # [b, 1] the last token's
+        return torch.cat(self.taken + [last], 1)[:, :response_ids.shape[1]]  # [b, t]
 
 
 def blank_generation_config(config):
