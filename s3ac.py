@@ -1347,9 +1347,8 @@ def model_inputs(batch: Batch):
 
 
 def actor_logprobs(model, batch: Batch, temperature: float):
-    """log pi(a_t | s_t) and the entropy of pi(. | s_t) at the sampling temperature, both [B, T] fp32 (0 on
-    padding). model: a Policy or a Hugging Face causal LM. The [B, T, V] logits are never materialised
-    (kernels.logprobs_from_hidden works in chunks over valid tokens). Entropy carries no gradient."""
+    """log pi(a_t | s_t) and the entropy of pi(. | s_t) (no gradient) at the sampling temperature, both [B, T] fp32
+    (0 on padding), never the [B, T, V] logits (Policy.forward). model: a Policy or a Hugging Face causal LM."""
     policy = model if isinstance(model, Policy) else Policy(model)
     device = next(policy.parameters()).device
     input_ids, attention_mask, position_ids = (x.to(device) for x in model_inputs(batch))
@@ -1520,9 +1519,8 @@ def load_critic(path: str, device, seed: int, head_file: str = "", layers: int =
 
 
 def critic_values(critic: Critic, batch: Batch, features=None):
-    """V(s_t) for t = 0..T-1, [B, T] fp32: V(s_0) at the last prompt token (position P - 1), V(s_t) at the
-    position whose logits score response token t. Padding positions hold whatever the head outputs there;
-    callers mask them. features [B, P + T, H]: the partial-trunk critic's input (trunk_features), or None."""
+    """V(s_t) for t = 0..T-1, [B, T] fp32: V(s_0) at the last prompt token (position P - 1), V(s_t) where the logits
+    score response token t; padding holds the head's output there (callers mask it). features: see Critic.forward."""
     device = critic.value_head.weight.device
     input_ids, attention_mask, position_ids = (x.to(device) for x in model_inputs(batch))
     P, T = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
