@@ -1292,20 +1292,13 @@ def load_reward_fn(spec: str, flag: str = "--reward-fn"):
 
 def make_rewards(args: Args, reward_fn=None, eval_reward_fn=None):
     """(reward_fn, eval_reward_fn, owned) unless given: --reward-fn (math: the Verifier, whose golds load_problems
-    parses; else load_reward_fn), --eval-reward-fn (auto: the training one); owned: the Verifier to close."""
-    owned = []
-
-    def reward_of(spec: str, flag: str):
-        if spec != "math":
-            return load_reward_fn(spec, flag)
-        owned[:] = owned or [Verifier(args.verify_timeout, args.answer_fallback)]
-        return owned[0]
-
-    reward_fn = reward_fn or reward_of(args.reward_fn, "--reward-fn")
+    parses; else load_reward_fn), --eval-reward-fn (auto: the training one); owned: [the Verifier], to close."""
+    verifier = Verifier(args.verify_timeout, args.answer_fallback)  # its worker starts at its first call
+    reward_fn = reward_fn or (verifier if args.reward_fn == "math" else load_reward_fn(args.reward_fn, "--reward-fn"))
     if eval_reward_fn is None:
-        eval_reward_fn = reward_fn if args.eval_reward_fn == "auto" else reward_of(args.eval_reward_fn,
-                                                                                   "--eval-reward-fn")
-    return reward_fn, eval_reward_fn, owned
+        eval_reward_fn = (reward_fn if args.eval_reward_fn == "auto" else verifier if args.eval_reward_fn == "math"
+                          else load_reward_fn(args.eval_reward_fn, "--eval-reward-fn"))
+    return reward_fn, eval_reward_fn, [verifier]
 
 
 # --- 3b. The actor: log-probs of the sampled tokens ---
@@ -1338,9 +1331,8 @@ def model_inputs(batch: Batch):
 
 
 def actor_logprobs(model, batch: Batch, temperature: float):
-    """log pi(a_t | s_t) and the entropy of pi(. | s_t) at the sampling temperature, both [B, T] fp32 (0 on
-    padding). model: a Policy or a Hugging Face causal LM. The [B, T, V] logits are never materialised
-    (kernels.logprobs_from_hidden works in chunks over valid tokens). Entropy carries no gradient."""
+    """log pi(a_t | s_t) and the entropy of pi(. | s_t) (no gradient) at the sampling temperature, both [B, T] fp32
+    (0 on padding), never the [B, T, V] logits (Policy.forward). model: a Policy or a Hugging Face causal LM."""
     policy = model if isinstance(model, Policy) else Policy(model)
     device = next(policy.parameters()).device
     input_ids, attention_mask, position_ids = (x.to(device) for x in model_inputs(batch))
@@ -1370,15 +1362,14 @@ def micro_batches(batch: Batch, max_tokens: int, rows=None) -> list:
     and its padding within MAX_PADDING, else opens the next (a row over the budget: alone). [b] index tensors."""
     rows = torch.arange(batch.response_ids.shape[0]) if rows is None else torch.as_tensor(rows, dtype=torch.long)
     p, t = batch.prompt_mask.sum(1).long()[rows].tolist(), batch.response_mask.sum(1).long()[rows].tolist()
-    out, width_p, width_t, real = [], 0, 0, 0
+    out = []
     for i in sorted(range(len(rows)), key=lambda i: (p[i] + t[i], t[i]), reverse=True):
-        slots = (len(out[-1]) + 1) * (max(width_p, p[i]) + max(width_t, t[i])) if out else 0
-        if out and slots <= max_tokens and slots - real - p[i] - t[i] <= MAX_PADDING * slots:
-            out[-1].append(i)
-            width_p, width_t, real = max(width_p, p[i]), max(width_t, t[i]), real + p[i] + t[i]
+        mb = (out[-1] if out else []) + [i]  # the current micro-batch with row i
+        slots = len(mb) * (max(p[j] for j in mb) + max(t[j] for j in mb))
+        if len(mb) > 1 and slots <= max_tokens and slots - sum(p[j] + t[j] for j in mb) <= MAX_PADDING * slots:
+            out[-1] = mb
         else:
             out.append([i])
-            width_p, width_t, real = p[i], t[i], p[i] + t[i]
     for _ in range(int(all_reduce(torch.tensor(len(out)), "max")) - len(out)):  # FSDP2: as many forwards on every
         j = max(range(len(out)), key=lambda j: len(out[j]))  # rank (as many rows too): split the one of most rows
         out[j: j + 1] = [out[j][: len(out[j]) // 2], out[j][len(out[j]) // 2:]]
@@ -1414,22 +1405,18 @@ class Critic(nn.Module):
         hidden = backbone.config.hidden_size
         self.backbone = backbone
         self.value_head = nn.Linear(hidden, 1, bias=False, dtype=torch.float32)
-        nn.init.normal_(self.value_head.weight, 0.0, 1.0 / (hidden + 1),
-                        generator=torch.Generator().manual_seed(seed))
+        nn.init.normal_(self.value_head.weight, 0.0, 1.0 / (hidden + 1), generator=torch.Generator().manual_seed(seed))
         self.trunk = trunk  # k >= 1: (ids, mask, positions) -> [B, P + T, H]; a function, not a submodule
         self.block = block  # k >= 1: L - k, the actor block whose input the trunk gives; None for k = 0
 
     def forward(self, input_ids, attention_mask, position_ids, features=None):
         """Values at every position, [B, P + T] fp32. features [B, P + T, H]: the trunk's hidden states of these
         rows (trunk_features), computed here when None; unused by a separate critic (k = 0)."""
-        if self.trunk is None:
-            out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                use_cache=False)
-        else:
-            features = self.trunk(input_ids, attention_mask, position_ids) if features is None else features
-            out = self.backbone(inputs_embeds=features, attention_mask=attention_mask, position_ids=position_ids,
-                                use_cache=False)
-        hidden = out.last_hidden_state  # [B, P + T, H]
+        if self.trunk is not None and features is None:
+            features = self.trunk(input_ids, attention_mask, position_ids)  # [B, P + T, H]
+        inputs = {"input_ids": input_ids} if self.trunk is None else {"inputs_embeds": features}  # k = 0: token ids
+        hidden = self.backbone(**inputs, attention_mask=attention_mask, position_ids=position_ids,
+                               use_cache=False).last_hidden_state  # [B, P + T, H]
         with torch.autocast(hidden.device.type, enabled=False):  # the head stays fp32 under bf16 autocast
             return hidden.float() @ self.value_head.weight[0]  # [B, P + T] (a new tensor, not a view of one)
 
@@ -1516,9 +1503,8 @@ def load_critic(path: str, device, seed: int, head_file: str = "", layers: int =
 
 
 def critic_values(critic: Critic, batch: Batch, features=None):
-    """V(s_t) for t = 0..T-1, [B, T] fp32: V(s_0) at the last prompt token (position P - 1), V(s_t) at the
-    position whose logits score response token t. Padding positions hold whatever the head outputs there;
-    callers mask them. features [B, P + T, H]: the partial-trunk critic's input (trunk_features), or None."""
+    """V(s_t) for t = 0..T-1, [B, T] fp32: V(s_0) at the last prompt token (position P - 1), V(s_t) where the logits
+    score response token t; padding holds the head's output there (callers mask it). features: see Critic.forward."""
     device = critic.value_head.weight.device
     input_ids, attention_mask, position_ids = (x.to(device) for x in model_inputs(batch))
     P, T = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
@@ -1533,11 +1519,10 @@ def trunk_features(critic: Critic, batch: Batch, micro_batch_tokens: int):
         return None
     device = critic.value_head.weight.device
     (B, P), T = batch.prompt_ids.shape, batch.response_ids.shape[1]
-    out = None
+    out = torch.zeros(B, P + T, critic.backbone.config.hidden_size, device=device)  # [B, P + T, H]
     for mb in micro_batches(batch, micro_batch_tokens):
         sub = batch.rows(mb)  # p prompt and t response columns
         h = critic.trunk(*(x.to(device) for x in model_inputs(sub)))  # [b, p + t, H]
-        out = h.new_zeros(B, P + T, h.shape[2]) if out is None else out  # [B, P + T, H]
         out[mb.to(device), P - sub.prompt_ids.shape[1]: P + sub.response_ids.shape[1]] = h
     return out
 
@@ -1545,9 +1530,9 @@ def trunk_features(critic: Critic, batch: Batch, micro_batch_tokens: int):
 def store_critic_features(critic: Critic, batch: Batch, micro_batch_tokens: int):
     """batch.features, computed once (trunk_features, unless generate_hf recorded them), [B, P + T, H]; None for a
     full critic. The values and every critic epoch then share one trunk pass."""
-    if critic.trunk is not None and batch.features is None:
-        batch.features = trunk_features(critic, batch, micro_batch_tokens)  # [B, P + T, H]
-    return batch.features if critic.trunk is not None else None
+    if batch.features is None:
+        batch.features = trunk_features(critic, batch, micro_batch_tokens)  # [B, P + T, H]; None for k = 0
+    return batch.features
 
 
 def value_from_raw(raw, critic_loss: str):
@@ -1581,12 +1566,9 @@ def prompt_values(critic: Critic, prompts: list, pad_id: int, critic_loss: str, 
 def response_mask_from_ids(response_ids, eos_ids):
     """(response_mask [B, T] float, 1 up to and including the first stop token, or everywhere; truncated [B] bool)
     of response_ids [B, T]. Found from positions, never by comparing with the pad id (which may be a stop id)."""
-    B, T = response_ids.shape
-    is_stop = torch.isin(response_ids, torch.tensor(sorted(eos_ids), device=response_ids.device))  # [B, T]
-    truncated = ~is_stop.any(1)  # [B]
-    first_stop = torch.where(truncated, T - 1, is_stop.int().argmax(1))  # [B] last valid position
-    positions = torch.arange(T, device=response_ids.device)  # [T]
-    return (positions[None, :] <= first_stop[:, None]).float(), truncated  # [B, T], [B]
+    is_stop = torch.isin(response_ids, torch.tensor(sorted(eos_ids), device=response_ids.device)).long()  # [B, T]
+    stops_before = is_stop.cumsum(1) - is_stop  # [B, T] stop tokens before position t
+    return (stops_before == 0).float(), is_stop.sum(1) == 0  # [B, T], [B]
 
 
 def _pad(seqs, value, left: bool, dtype=torch.long):
@@ -1605,7 +1587,8 @@ def _pad_prompts(prompts: list, pad_id: int):
 
 
 def cat_batches(batches: list, pad_id: int) -> Batch:
-    """One Batch of the rows of several (prompts re-padded on the left, responses on the right)."""
+    """One Batch of the rows of several (prompts re-padded on the left, responses and features on the right: a row's
+    features [p + t, H] land at positions P - p to P + t of [P + T, H])."""
     P, T = (max(getattr(b, name).shape[1] for b in batches) for name in ("prompt_ids", "response_ids"))
 
     def cat(name, value, left=False):  # [B, P] on the left, [B, T] on the right; None when a part has none
@@ -1616,16 +1599,8 @@ def cat_batches(batches: list, pad_id: int) -> Batch:
     return Batch(cat("prompt_ids", pad_id, True), cat("prompt_mask", 0, True), cat("response_ids", pad_id),
                  cat("response_mask", 0.0), torch.cat([b.truncated for b in batches]),  # [B]
                  torch.cat([b.prompt_index for b in batches]), cat("sampler_logprobs", 0.0),  # [B], [B, T]
-                 None if any(b.features is None for b in batches) else
-                 torch.cat([pad_features(b.features, b.prompt_ids.shape[1], P, T) for b in batches]))  # [B, P + T, H]
-
-
-def pad_features(features, p: int, P: int, T: int):
-    """[b, p + t, H] hidden states of p prompt and t response positions -> [b, P + T, H]: zeros added on the left
-    of the prompt part and on the right of the response part, as cat_batches pads the token ids."""
-    t = features.shape[1] - p
-    prompt = torch.nn.functional.pad(features[:, :p], (0, 0, P - p, 0))  # [b, P, H]
-    return torch.cat([prompt, torch.nn.functional.pad(features[:, p:], (0, 0, 0, T - t))], 1)  # [b, P + T, H]
+                 None if any(b.features is None for b in batches) else torch.cat([torch.nn.functional.pad(
+                     b.features, (0, 0, P - b.prompt_ids.shape[1], T - b.response_ids.shape[1])) for b in batches]))
 
 
 class SamplerLogprobs:
@@ -1643,10 +1618,8 @@ class SamplerLogprobs:
 
     def logprobs(self, response_ids):
         """log mu [b, t] of response_ids [b, t], the tokens generate returned."""
-        if self.previous is None:
-            return torch.zeros(response_ids.shape, device=response_ids.device)
-        taken = self.taken + [self.previous.gather(1, response_ids[:, len(self.taken):len(self.taken) + 1])]
-        return torch.cat(taken, 1)[:, :response_ids.shape[1]]  # [b, t]
+        last = self.previous.gather(1, response_ids[:, len(self.taken):len(self.taken) + 1])  # [b, 1] the last token's
+        return torch.cat(self.taken + [last], 1)[:, :response_ids.shape[1]]  # [b, t]
 
 
 def blank_generation_config(config):
@@ -1685,42 +1658,36 @@ def generate_hf(model, prompts: list, prompt_index: list, eos_ids, pad_id: int, 
     config = GenerationConfig(do_sample=not greedy, temperature=1.0, top_k=None if greedy else 0, top_p=1.0,
                               max_new_tokens=max_new_tokens, eos_token_id=sorted(eos_ids), pad_token_id=pad_id)
     device = next(model.parameters()).device
-    responses, features, sampler_logprobs = [], [], []
+    chunks = []  # a Batch per batch_size prompts, joined by cat_batches
     bar = tqdm(total=len(prompts), desc=progress, unit="prompt", leave=False, file=sys.stderr, disable=not progress)
     for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start: start + batch_size]
-        ids, attn = (x.to(device) for x in _pad_prompts(chunk, pad_id))  # [b, p] each
+        prompt_ids, prompt_mask = _pad_prompts(prompts[start: start + batch_size], pad_id)  # [b, p] each
         mu = SamplerLogprobs()
         processors = LogitsProcessorList([] if greedy else [
             TemperatureLogitsWarper(float(temperature)), *([TopKLogitsWarper(top_k)] if top_k else []),
             *([TopPLogitsWarper(top_p)] if top_p < 1 else []), mu])
         with (recording_block_input(model, record_block) if record_block is not None
               else contextlib.nullcontext([])) as calls, neutral_generation_config(model):
-            out = model.generate(input_ids=ids, attention_mask=attn, generation_config=config,
-                                 logits_processor=processors, synced_gpus=distributed())  # [b, p + t]
-        responses += out[:, ids.shape[1]:].cpu().tolist()  # generated tokens only
-        if not greedy:
-            sampler_logprobs += mu.logprobs(out[:, ids.shape[1]:]).cpu().tolist()  # [b, t]
+            out = model.generate(input_ids=prompt_ids.to(device), attention_mask=prompt_mask.to(device),
+                                 generation_config=config, logits_processor=processors,
+                                 synced_gpus=distributed())  # [b, p + t]
+        response_ids = out[:, prompt_ids.shape[1]:].cpu()  # [b, t] generated tokens only
+        response_mask, truncated = response_mask_from_ids(response_ids, eos_ids)  # [b, t], [b]
+        response_ids = torch.where(response_mask.bool(), response_ids, pad_id)  # [b, t] pad_id after the stop
+        chunk = Batch(prompt_ids, prompt_mask, response_ids, response_mask, truncated,
+                      torch.as_tensor(prompt_index[start: start + batch_size]))
+        if not greedy:  # log mu, 0 on padding (where top-k leaves -inf after a stop)
+            logprobs = mu.logprobs(out[:, prompt_ids.shape[1]:]).cpu()  # [b, t]
+            chunk.sampler_logprobs = torch.where(response_mask.bool(), logprobs, 0.0)  # [b, t]
         if record_block is not None:  # the inputs of out[:, :-1] (synced_gpus may add calls after the end)
             fed = torch.cat(calls, 1)[:, :out.shape[1] - 1]  # [b, p + t - 1, H]
-            features.append((torch.nn.functional.pad(fed, (0, 0, 0, 1)), ids.shape[1]))  # [b, p + t, H], p
-        bar.update(len(chunk))
+            followed = torch.nn.functional.pad(response_mask[:, 1:], (0, 1))  # [b, t] 1 where a later token follows
+            keep = torch.cat([prompt_mask.float(), followed], 1).to(device)  # [b, p + t] what the critic reads
+            chunk.features = torch.nn.functional.pad(fed, (0, 0, 0, 1)) * keep[:, :, None]  # [b, p + t, H] 0 elsewhere
+        chunks.append(chunk)
+        bar.update(len(prompt_ids))
     bar.close()
-    response_ids = _pad(responses, pad_id, left=False)  # [B, T]
-    response_mask, truncated = response_mask_from_ids(response_ids, eos_ids)
-    response_ids = torch.where(response_mask.bool(), response_ids, pad_id)  # clean tail after the stop
-    batch = Batch(*_pad_prompts(prompts, pad_id), response_ids, response_mask, truncated, torch.as_tensor(prompt_index))
-    if not greedy:
-        logprobs = _pad(sampler_logprobs, 0.0, left=False, dtype=torch.float32)  # [B, T]; -inf after a stop with top-k
-        batch.sampler_logprobs = torch.where(response_mask.bool(), logprobs, 0.0)  # [B, T] 0 on padding
-    if record_block is not None:
-        P, T = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
-        padded = [pad_features(*features.pop(0), P, T) for _ in range(len(features))]  # each chunk freed once padded
-        batch.features = torch.cat(padded)  # [B, P + T, H]
-        followed = torch.nn.functional.pad(response_mask[:, 1:], (0, 1))  # [B, T] 1 where a later token follows
-        keep = torch.cat([batch.prompt_mask.float(), followed], 1).to(device)  # [B, P + T] what the critic reads
-        batch.features *= keep[:, :, None]  # 0 on padding and at each row's last token, whether fed or not
-    return batch
+    return cat_batches(chunks, pad_id)
 
 
 def generate_responses(args: Args, state: TrainState, prompts: list, index: list, max_new_tokens: int,
