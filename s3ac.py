@@ -909,17 +909,19 @@ def update_critic(critic, optimizer, batch: Batch, old_values, targets, critic_m
         return v_loss, dict(m, v_loss=v_loss.detach())
 
     metrics = optimize(critic, optimizer, batch, loss_fn, critic_mask, args.critic_epochs, args.minibatches,
-                       args.micro_batch_tokens, args.critic_grad_clip, generator, compute_dtype(args.dtype, device))
+                       args.micro_batch_tokens, args.critic_grad_clip, generator, compute_dtype(args.dtype, device),
+                       features=True)
     return {f"critic/{k}": v for k, v in metrics.items()}
 
 
 def optimize(module, optimizer, batch: Batch, loss_fn, token_mask, epochs: int, minibatches: int,
-             micro_batch_tokens: int, grad_clip: float, generator, amp_dtype, normaliser: str = "tokens") -> dict:
+             micro_batch_tokens: int, grad_clip: float, generator, amp_dtype, normaliser: str = "tokens",
+             features: bool = False) -> dict:
     """The update loop of actor and critic: `epochs` passes, each of `minibatches` optimizer steps, each accumulating
     micro-batches (micro_batches). loss_fn(rows, mbatch, num_tokens) -> (loss, metrics): rows [b] index the batch,
-    mbatch = batch.rows(rows, features=True) (its t response columns are the batch's first t), num_tokens the
-    normaliser counted below, so the micro-batching changes no gradient. A step with a non-finite gradient norm is
-    skipped (weights and optimizer state untouched; the norm is global under FSDP2, so every rank skips it). Returns
+    mbatch = batch.rows(rows, features) (its t response columns are the batch's first t; the partial trunk's
+    features copied only when asked: the critic reads them), num_tokens the normaliser counted below, so the
+    micro-batching changes no gradient. A step with a non-finite gradient norm is skipped (weights and optimizer state untouched; the norm is global under FSDP2, so every rank skips it). Returns
     metrics averaged over steps: grad_norm before clipping, the share clipped (NaN when no step was taken)."""
     device = next(module.parameters()).device
     sums, steps, skipped, pads = {"grad_norm": 0.0, "clipped": 0.0}, 0, 0, [0, 0]
@@ -937,7 +939,7 @@ def optimize(module, optimizer, batch: Batch, loss_fn, token_mask, epochs: int, 
             pads = [a + b for a, b in zip(pads, padding_counts(batch, micro))]  # pad slots, computed slots
             for rows in micro:
                 with autocast(device, amp_dtype):  # forward only; backward runs outside autocast
-                    loss, metrics = loss_fn(rows.to(device), batch.rows(rows, features=True), num_tokens)
+                    loss, metrics = loss_fn(rows.to(device), batch.rows(rows, features), num_tokens)
                 loss.backward()
                 for key, value in metrics.items():
                     sums[key] = sums.get(key, 0.0) + float(value)
@@ -2937,14 +2939,16 @@ def apply_memory_plan(args: Args, model_path: str, device, world: int) -> Args:
 
 
 def check_disk(args: Args, models: list):
-    """Before step 1: OSError, with the figures and the flags that change them, when --out-dir lacks room for
-    keep_checkpoints + 1 checkpoints (fp32 weights, the trainable ones' AdamW moments) less those already there."""
+    """Before step 1: OSError, with the figures and the flags that change them, when --out-dir lacks room for the
+    checkpoints the run holds at once (fp32 weights, the trainable ones' AdamW moments): keep_checkpoints + 1, or
+    as many as --steps and --save-every save, less those already there."""
     size = sum((12 if p.requires_grad else 4) * p.numel() for m in models if m is not None for p in m.parameters())
     root = os.path.join(args.out_dir, "checkpoints")
     there = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(root) for f in files)
-    need, free = (args.keep_checkpoints + 1) * size - there, shutil.disk_usage(args.out_dir).free
+    saves = min(args.keep_checkpoints + 1, args.steps // args.save_every + 1 if args.save_every else 1)
+    need, free = saves * size - there, shutil.disk_usage(args.out_dir).free
     if free < need:
-        raise OSError(f"--out-dir {args.out_dir}: {free / GIB:.1f} GiB free, but {args.keep_checkpoints + 1} "
+        raise OSError(f"--out-dir {args.out_dir}: {free / GIB:.1f} GiB free, but {saves} "
                       f"checkpoints of {size / GIB:.1f} GiB need {need / GIB:.1f} GiB more: free space, lower "
                       f"--keep-checkpoints, choose another --out-dir, or --critic-layers k for a smaller critic")
 

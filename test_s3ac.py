@@ -590,15 +590,17 @@ def test_memory_plan_by_hand_each_term_and_the_largest_budget():
 
 
 def test_disk_check_stops_before_step_one(tiny, tmp_path, monkeypatch):
-    """Free space short of (keep_checkpoints + 1) checkpoints stops the run before any rollout, naming the sizes."""
+    """Free space short of the checkpoints the run holds at once (keep_checkpoints + 1, or fewer when --steps and
+    --save-every save fewer) stops the run before any rollout, naming the sizes."""
     import collections
     path, _, _ = tiny
     usage = collections.namedtuple("usage", "total used free")
     monkeypatch.setattr(s3ac.shutil, "disk_usage", lambda p: usage(10 ** 9, 10 ** 9, 1000))
-    args = s3ac.parse_args(smoke_flags(path, str(tmp_path / "out"), "--steps", "2"))
     monkeypatch.setattr(s3ac, "train_step", lambda *a: pytest.fail("a step ran"))
-    with pytest.raises(OSError, match=r"GiB free, but 3 checkpoints of .* GiB need"):
-        s3ac.train(args, EvenLengthReward(), EvenLengthReward())
+    for flags, saves in ((["--steps", "2", "--save-every", "1"], 3), (["--steps", "2", "--save-every", "10"], 1)):
+        args = s3ac.parse_args(smoke_flags(path, str(tmp_path / "out"), *flags))
+        with pytest.raises(OSError, match=rf"GiB free, but {saves} checkpoints of .* GiB need"):
+            s3ac.train(args, EvenLengthReward(), EvenLengthReward())
     assert not os.path.exists(os.path.join(str(tmp_path / "out"), "metrics.jsonl"))
 
 
