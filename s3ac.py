@@ -921,8 +921,9 @@ def optimize(module, optimizer, batch: Batch, loss_fn, token_mask, epochs: int, 
     micro-batches (micro_batches). loss_fn(rows, mbatch, num_tokens) -> (loss, metrics): rows [b] index the batch,
     mbatch = batch.rows(rows, features) (its t response columns are the batch's first t; the partial trunk's
     features copied only when asked: the critic reads them), num_tokens the normaliser counted below, so the
-    micro-batching changes no gradient. A step with a non-finite gradient norm is skipped (weights and optimizer state untouched; the norm is global under FSDP2, so every rank skips it). Returns
-    metrics averaged over steps: grad_norm before clipping, the share clipped (NaN when no step was taken)."""
+    micro-batching changes no gradient. A step with a non-finite gradient norm is skipped (weights and optimizer
+    state untouched; the norm is global under FSDP2, so every rank skips it). Returns metrics averaged over steps:
+    grad_norm before clipping, the share clipped (NaN when no step was taken)."""
     device = next(module.parameters()).device
     sums, steps, skipped, pads = {"grad_norm": 0.0, "clipped": 0.0}, 0, 0, [0, 0]
     for _ in range(epochs):

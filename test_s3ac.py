@@ -5323,7 +5323,7 @@ def test_critic_algorithms_warm_up_the_critic_by_default(tiny, tmp_path):
     assert _pretrain_records(off) == []
     grpo = str(tmp_path / "grpo")
     proc = run_s3ac(*smoke_flags(path, grpo, "--steps", "1", "--algo", "grpo", "--critic-warmup-steps", "auto"))
-    assert _pretrain_records(grpo) == [] and "(no critic)" in proc.stderr
+    assert _pretrain_records(grpo) == [] and "s3ac: --critic-warmup-steps 0 (auto: " in proc.stderr
 
 
 def test_builtin_arithmetic_strata_and_filters_against_an_independent_computation():
