@@ -2395,32 +2395,25 @@ def make_arithmetic(n: int, seed: int, ops: str = ARITHMETIC_OPS, digits: tuple 
     return problems
 
 
-def builtin_problems(spec: str, seed: int) -> list:
-    """make_arithmetic's problems of `builtin:arithmetic[:N=5000][:op=OPS][:digits=D,D...]`; ValueError naming spec."""
-    name, *parts = spec.split(":")[1:]
-    if name != "arithmetic":
-        raise ValueError(f"{spec}: the builtin task is builtin:arithmetic[:N][:op=OPS][:digits=D,D]")
-    n, filters = 5000, {}
-    for part in parts:
-        key, eq, value = part.partition("=")
-        if not eq and key.isdigit() and int(key) > 0:
-            n = int(key)
-        elif eq and key in ("op", "digits") and value:
-            filters[key] = value if key == "op" else tuple(value.split(","))
-        else:
-            raise ValueError(f"{spec}: {part!r} is neither a count N nor op=OPS nor digits=D,D")
-    try:
-        return make_arithmetic(n, seed, **{"ops" if k == "op" else k: v for k, v in filters.items()})
-    except ValueError as e:
-        raise ValueError(f"{spec}: {e}") from None
-
-
 def load_problems(spec: str, prompt_key: str = "auto", answer_key: str = "auto", split: str = "train",
                   seed: int = 0, math_golds: bool = True):
-    """Problems of a .jsonl/.parquet file, a hub dataset (`name[:config]`) or builtin:arithmetic (_row_to_problem's
-    layouts). ValueError naming file, row, field: a bad row, no data, a failed fetch; FileNotFoundError; ImportError."""
+    """Problems of a .jsonl/.parquet file, a hub dataset (`name[:config]`) (_row_to_problem's layouts) or
+    builtin:arithmetic[:N=5000][:op=OPS][:digits=D,D...] (make_arithmetic's). ValueError naming file, row, field: a bad
+    row, no data, a failed fetch; FileNotFoundError; ImportError."""
     if spec.startswith("builtin:"):
-        problems = builtin_problems(spec, seed)
+        task, *parts = spec.split(":")[1:]
+        if task != "arithmetic":
+            raise ValueError(f"{spec}: the builtin task is builtin:arithmetic[:N][:op=OPS][:digits=D,D]")
+        n, filters = 5000, {}
+        for part in parts:
+            key, eq, value = part.partition("=")
+            if not eq and key.isdigit() and int(key) > 0:
+                n = int(key)
+            elif eq and key in ("op", "digits") and value:
+                filters["ops" if key == "op" else key] = value if key == "op" else tuple(value.split(","))
+            else:
+                raise ValueError(f"{spec}: {part!r} is neither a count N nor op=OPS nor digits=D,D")
+        problems = make_arithmetic(n, seed, **filters)
     elif spec.endswith((".jsonl", ".parquet")) or os.path.exists(spec):
         if not os.path.isfile(spec):
             raise FileNotFoundError(f"{spec}: no such data file")
@@ -2429,14 +2422,8 @@ def load_problems(spec: str, prompt_key: str = "auto", answer_key: str = "auto",
             rows = [(f"row {i}", row) for i, row in enumerate(pq.read_table(spec).to_pylist())]  # dicts already
         else:
             with open(spec, encoding="utf-8") as f:
-                rows = [(f"line {i}", line) for i, line in enumerate(f, 1) if line.strip()]
-        problems = []
-        for where, line in rows:
-            try:
-                row = json.loads(line) if isinstance(line, str) else line
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{spec}, {where}: not valid JSON ({e.msg})") from None
-            problems.append(_row_to_problem(row, prompt_key, answer_key, f"{spec}, {where}", math_golds))
+                rows = [(f"line {i}", line) for i, line in enumerate(f, 1) if line.strip()]  # JSON text
+        problems = [_row_to_problem(row, prompt_key, answer_key, f"{spec}, {where}", math_golds) for where, row in rows]
     else:
         local = "local alternatives: --data file.jsonl (or .parquet, same fields; --eval-data likewise), --data " \
                 "builtin:arithmetic"
@@ -2462,14 +2449,13 @@ def load_problems(spec: str, prompt_key: str = "auto", answer_key: str = "auto",
     return problems
 
 
-# DAPO-Math's own answer-format lines around the problem, removed: --instruction asks for the \boxed{} answer instead
 ANSWER_FORMAT = re.compile(r"^\s*Solve the following math problem step by step\. The last line of your response "
                            r"should be of the form Answer: .*? where \$Answer is the answer to the problem\.\s*"
                            r"|\s*Remember to put your answer on its own line after \"Answer:\"\.?\s*$", re.DOTALL)
 
 
 def strip_answer_format(question: str) -> str:
-    """The question without DAPO-Math's answer-format lines (ANSWER_FORMAT); others unchanged."""
+    """The question without DAPO-Math's own answer-format lines (--instruction asks for a \\boxed{} answer instead)."""
     return ANSWER_FORMAT.sub("", question)
 
 
@@ -2477,9 +2463,14 @@ _WORKED_SOLUTION = re.compile(r"\n|(?<!\\)[.?!]\s+[A-Za-z]")  # a line break, or
 
 
 def _row_to_problem(row, prompt_key: str, answer_key: str, where: str, math_golds: bool = True) -> Problem:
-    """One row as a Problem: GSM8K (question, answer after '####'), MATH-500 (problem, answer), MATH (problem, its
-    solution's last \\boxed{}), DAPO-Math-17k[-Processed] (prompt, maybe chat; solution or reward_model.ground_truth),
-    or prompt_key / answer_key; math_golds False: answer as written. ValueError at `where`: bad row, boxless solution."""
+    """One row (a dict or a JSON line) as a Problem: GSM8K (question, answer after '####'), MATH-500 (problem, answer),
+    MATH (problem, its solution's last \\boxed{}), DAPO-Math-17k[-Processed] (prompt, maybe chat; solution or
+    reward_model.ground_truth), or prompt_key / answer_key; math_golds False: answer as written. ValueError at `where`:
+    bad row, boxless solution."""
+    try:
+        row = json.loads(row) if isinstance(row, str) else row
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
     if not isinstance(row, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
     if isinstance(row.get("prompt"), list) and row["prompt"] and isinstance(row["prompt"][-1], dict):
@@ -2529,9 +2520,8 @@ def split_problems(train: list, eval_spec: str, args: Args, math_golds: bool = T
                 gold_of = {p.question: p.answer for p in distinct(heldout_golds())}
                 held_out = [dataclasses.replace(p, answer=gold_of[p.question]) for p in held_out]
         else:
-            held_out = load_problems(spec, args.prompt_key, args.answer_key, args.eval_split, seed=DATA_SEED + 1,
-                                     math_golds=math_golds)
-            held_out = distinct(held_out)[: args.eval_size]
+            held_out = distinct(load_problems(spec, args.prompt_key, args.answer_key, args.eval_split,
+                                              seed=DATA_SEED + 1, math_golds=math_golds))[: args.eval_size]
         sources.append((eval_name(spec), held_out))
     if len({name for name, _ in sources}) < len(sources):
         raise ValueError(f"--eval-data {eval_spec}: two sources with one name ({[name for name, _ in sources]})")
@@ -2591,40 +2581,35 @@ class PromptSampler:
     def __init__(self, n: int, seed: int):
         self.n, self.seed, self.epoch, self.pos = n, seed, 0, 0
 
-    def _order(self):
-        return torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 7919 + self.epoch))
-
     def draw(self, count: int) -> list:
         """The next `count` problem indices."""
         out = []
         while len(out) < count:
             if self.pos == self.n:
                 self.epoch, self.pos = self.epoch + 1, 0
+            order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 7919 + self.epoch))
             take = min(count - len(out), self.n - self.pos)
-            out += self._order()[self.pos: self.pos + take].tolist()
+            out += order[self.pos: self.pos + take].tolist()
             self.pos += take
         return out
 
 
 def prepare_prompts(args: Args, tokenizer, train_problems: list, eval_sources: list, main: bool):
     """(train_problems, prompt ids, eval_sets [(name, problems, prompts)]) within --max-prompt-tokens; ValueError."""
-    ids = functools.lru_cache(maxsize=None)(lambda q: build_prompt(tokenizer, q, args.prompt_template,
-                                                                   args.instruction))
-    train_problems, dropped = drop_long_prompts(train_problems, ids, args.max_prompt_tokens)
-    eval_sources = [(name, *drop_long_prompts(problems, ids, args.max_prompt_tokens)) for name, problems in
-                    eval_sources]
-    if main and (dropped or any(d for _, _, d in eval_sources)):
-        print(f"--max-prompt-tokens {args.max_prompt_tokens}: dropped {dropped} training prompts" + "".join(
-              f", {d} of {name}" for name, _, d in eval_sources), file=sys.stderr)
-    empty = [name for name, problems, _ in [("--data", train_problems, 0), *eval_sources] if not problems]
-    if empty:
+    ids = functools.cache(lambda q: build_prompt(tokenizer, q, args.prompt_template, args.instruction))
+    kept = [(name, *drop_long_prompts(problems, ids, args.max_prompt_tokens))  # (name, problems, dropped)
+            for name, problems in [("--data", train_problems), *eval_sources]]
+    if main and any(dropped for _, _, dropped in kept):
+        print(f"--max-prompt-tokens {args.max_prompt_tokens}: dropped {kept[0][2]} training prompts" + "".join(
+              f", {dropped} of {name}" for name, _, dropped in kept[1:]), file=sys.stderr)
+    if empty := [name for name, problems, _ in kept if not problems]:
         raise ValueError(f"--max-prompt-tokens {args.max_prompt_tokens}: every prompt of {', '.join(empty)} is longer")
-    eval_sets = [(name, problems, [ids(p.question) for p in problems]) for name, problems, _ in eval_sources]
-    return train_problems, [ids(p.question) for p in train_problems], eval_sets
+    sets = [(name, problems, [ids(p.question) for p in problems]) for name, problems, _ in kept]
+    return sets[0][1], sets[0][2], sets[1:]
 
 
 @dataclass
-class Run:
+class Run(contextlib.AbstractContextManager):  # `with setup_run(...) as run`: the run itself
     """What train() gets from setup_run: the resolved flags, the TrainState, the rewards, and the logging ends."""
     args: Args
     state: TrainState
@@ -2636,8 +2621,7 @@ class Run:
     main: bool  # rank 0: prints, logs and writes checkpoints
     log: object  # record -> None: metrics.jsonl and the tracker (a no-op off rank 0)
     say: object  # text -> None: one line to the terminal (a no-op off rank 0)
-    tracker: object
-    owned: list  # the reward functions setup_run made, closed at the end of the with block
+    owned: list  # the reward functions setup_run made and the Tracker, closed at the end of the with block
     record: dict = None  # the flags and data identity each checkpoint records (run_record)
 
     def steps(self):
@@ -2655,13 +2639,9 @@ class Run:
                     bar.set_postfix_str(f"step {s.step}" if unit == "min" else "", refresh=False)
                     bar.update(progress_position(s.step, s.train_s, a.steps, a.max_minutes)[0] - bar.n)
 
-    def __enter__(self):
-        return self
-
     def __exit__(self, error, *_):  # the verifier's worker stops and the tracker closes, whatever happened
-        for fn in self.owned:
-            fn.close()
-        self.tracker.close()
+        for resource in self.owned:
+            resource.close()
         if self.main and error is None:
             print(f"metrics: {self.metrics_path}\nsamples: {self.samples_path}\ncurves: python .ci/curves.py "
                   f"{self.args.out_dir}", file=sys.stderr)
@@ -2710,13 +2690,9 @@ def setup_run(args: Args, reward_fn=None, eval_reward_fn=None) -> Run:
                      for f in dataclasses.fields(args))  # every flag as it applies (model, keys: as given)
     for line in autos + [every + (f" on {world} ranks" if world > 1 else "")] if main else ():
         print("s3ac:", line, file=sys.stderr)
-    changed = check_resume(ckpt, args, train_problems) if ckpt else []
-    if main and changed is None:
-        print(f"--resume: {ckpt} has no run.json (an older checkpoint): its flags and data are not checked",
-              file=sys.stderr)
-    elif main and changed:
-        print(f"--resume: flags changed since the checkpoint, the new values apply: {', '.join(changed)}",
-              file=sys.stderr)
+    for note in check_resume(ckpt, args, train_problems) if ckpt else []:  # on every rank: its errors stop them all
+        if main:
+            print(f"--resume: {note}", file=sys.stderr)
     policy, critic, engine, eos_ids, pad_id = load_models(args, actor_src, critic_src, ckpt, tokenizer, device, rank,
                                                           world)
     if main:
@@ -2724,9 +2700,8 @@ def setup_run(args: Args, reward_fn=None, eval_reward_fn=None) -> Run:
     random.seed(args.seed)  # after loading: a one-time .gguf conversion draws from the global RNG
     torch.manual_seed(args.seed + rank)  # each rank samples its own rollouts
     n = len(train_problems)
-    critic_opt = None
-    if critic is not None:
-        critic_opt = torch.optim.AdamW(critic.parameters(), lr=args.lr * args.critic_lr_ratio, weight_decay=0.0)
+    critic_opt = None if critic is None else torch.optim.AdamW(critic.parameters(), lr=args.lr * args.critic_lr_ratio,
+                                                               weight_decay=0.0)
     state = TrainState(
         policy=policy, critic=critic, actor_opt=torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0),
         critic_opt=critic_opt, engine=engine, sampler=PromptSampler(n, args.seed),
@@ -2737,9 +2712,11 @@ def setup_run(args: Args, reward_fn=None, eval_reward_fn=None) -> Run:
     samples_path = os.path.join(args.out_dir, "samples.jsonl")
     same_ranks = restore_checkpoint(state, ckpt, args) if ckpt else True
     for path in (metrics_path, samples_path) if main else ():
-        if ckpt:
-            _drop_records_after(path, state.step)  # records of steps that the kill threw away
-        elif os.path.exists(path):
+        if ckpt and os.path.isfile(path):  # records of steps that the kill threw away go
+            with open(path) as f:
+                kept = [line for line in f if json.loads(line)["step"] <= state.step]
+            _write_atomic(path, "".join(kept))
+        elif not ckpt and os.path.exists(path):
             os.remove(path)  # a fresh run starts fresh logs
     if ckpt and main:
         print(f"resumed from {ckpt} (the newest complete checkpoint) at step {state.step}" + ("" if same_ranks else
@@ -2748,7 +2725,7 @@ def setup_run(args: Args, reward_fn=None, eval_reward_fn=None) -> Run:
     from tqdm import tqdm
     return Run(args, state, eval_sets, reward_fn, eval_reward_fn, metrics_path, samples_path, main,
                log=functools.partial(log_metrics, metrics_path, tracker=tracker) if main else (lambda record: None),
-               say=tqdm.write if main else (lambda *a, **k: None), tracker=tracker, owned=owned,
+               say=tqdm.write if main else (lambda *a, **k: None), owned=owned + [tracker],
                record=run_record(args, train_problems))
 
 
@@ -2977,9 +2954,7 @@ def resolve_model(name: str, cache_dir: str) -> str:
     checkpoint under cache_dir (written atomically), that directory. Raises FileNotFoundError for a missing file."""
     if not name.endswith(".gguf"):
         return name
-    if not os.path.isfile(name):
-        raise FileNotFoundError(f"{name}: no such .gguf file")
-    stat = os.stat(name)
+    stat = os.stat(name)  # FileNotFoundError names a missing file
     key = hashlib.sha1(f"{os.path.abspath(name)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     out = os.path.join(os.path.expanduser(cache_dir), f"{os.path.basename(name)[:-5]}-{key}")
     if os.path.isdir(out):
@@ -2989,10 +2964,9 @@ def resolve_model(name: str, cache_dir: str) -> str:
     print(f"converting {name} to safetensors in {out} (once)", file=sys.stderr)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
     quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
-    config = quantized.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config  # save_pretrained refuses a model still marked as gguf-quantised
-    plain = type(quantized)(config)
+    if hasattr(quantized.config, "quantization_config"):
+        del quantized.config.quantization_config  # save_pretrained refuses a model still marked as gguf-quantised
+    plain = type(quantized)(quantized.config)
     plain.load_state_dict(quantized.state_dict())
     tmp = f"{out}.tmp-{os.getpid()}"
     plain.save_pretrained(tmp)
@@ -3058,10 +3032,9 @@ def load_actor(path: str, device):
 
 
 def check_context(args: Args, path: str, vllm: bool, train_prompts: list, eval_sets: list):
-    """Before any model loads, ValueError in one line (flags, model) when the longest training prompt plus
-    --max-new-tokens outgrows a model that reads it (the actor at `path`, --critic-model, each --coverage-models), or
-    the longest evaluation prompt plus --eval-max-new-tokens the actor: max_position_embeddings (HF positions past it
-    are untrained), or --vllm-max-model-len when vLLM samples; a config without it is unchecked."""
+    """ValueError in one line (flags, model): the longest training prompt + --max-new-tokens outgrows a model reading
+    it (the actor at `path`, --critic-model, --coverage-models), or the longest evaluation prompt +
+    --eval-max-new-tokens the actor; limit: max_position_embeddings (unset: unchecked), vLLM: --vllm-max-model-len."""
     from transformers import AutoConfig
     others = ([args.critic_model] if args.critic_model != "auto" else []) + args.coverage_models.split(",")
     readers = [(path, args.model, [p for _, _, prompts in eval_sets for p in prompts])] + [
@@ -3081,8 +3054,8 @@ def check_context(args: Args, path: str, vllm: bool, train_prompts: list, eval_s
 
 
 def load_models(args: Args, actor_src: str, critic_src: str, ckpt, tokenizer, device, rank: int, world: int):
-    """(policy, critic or None, vLLM engine or None, eos_ids, pad_id), from ckpt when given, sharded with FSDP2
-    under torchrun. Raises ValueError for --rollout vllm without vllm."""
+    """(policy, critic or None, vLLM engine or None, eos_ids, pad_id), from ckpt if given, FSDP2 under torchrun;
+    ValueError for --rollout vllm without vllm."""
     model = load_actor(actor_src, device)
     if args.rollout == "vllm" and not vllm_available():
         raise ValueError("--rollout vllm: the vllm package is not installed here (on a CUDA machine: pip install "
@@ -3099,8 +3072,8 @@ def load_models(args: Args, actor_src: str, critic_src: str, ckpt, tokenizer, de
         if critic is not None:
             critic.backbone.gradient_checkpointing_enable()
     eos = model.generation_config.eos_token_id  # one id, a list of ids, or None
-    eos_ids = {tokenizer.eos_token_id, *(eos if isinstance(eos, (list, tuple)) else [eos]), *chat_stop_ids(tokenizer)}
-    eos_ids.discard(None)
+    eos_ids = {tokenizer.eos_token_id, *(eos if isinstance(eos, (list, tuple)) else [eos]),
+               *chat_stop_ids(tokenizer)} - {None}
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
     if world > 1:  # FSDP2: every rank holds 1/world of each block's parameters, gathered per forward
         shard(policy, model)
@@ -3118,23 +3091,19 @@ class VLLMRollout:
     (after temperature, top-p, top-k) are the mu of the TIS weight. On CUDA it sleeps while the trainer runs."""
 
     def __init__(self, path: str, args: Args, device, rank: int, world: int, **engine_kwargs):
-        """Start the engine on checkpoint `path` in the compute dtype, seeded args.seed + rank; engine_kwargs go to
-        vllm.LLM. Raises ImportError without vllm."""
+        """The engine on `path` in the compute dtype, seeded args.seed + rank; engine_kwargs to vllm.LLM."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process: sync by reference
         from vllm import LLM
         cuda = device.type == "cuda"
         self.dtype = compute_dtype(args.dtype, device)
         kwargs = dict(model=path, dtype=str(self.dtype).split(".")[1], seed=args.seed + rank,
-                      logprobs_mode="processed_logprobs", enable_prefix_caching=True)
-        if args.vllm_max_model_len:
-            kwargs["max_model_len"] = args.vllm_max_model_len
+                      logprobs_mode="processed_logprobs", enable_prefix_caching=True, enable_sleep_mode=cuda,
+                      enforce_eager=not cuda, max_model_len=args.vllm_max_model_len or None,  # None: the model's
+                      distributed_executor_backend="external_launcher" if world > 1 else None)  # an engine per rank
         if cuda:
-            kwargs.update(gpu_memory_utilization=args.vllm_gpu_memory_utilization, enable_sleep_mode=True)
+            kwargs["gpu_memory_utilization"] = args.vllm_gpu_memory_utilization
         else:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB
-            kwargs["enforce_eager"] = True
-        if world > 1:
-            kwargs["distributed_executor_backend"] = "external_launcher"  # one engine per torchrun rank
         kwargs.update(engine_kwargs)  # e.g. load_format="dummy" (.ci/gpu_check.py)
         self.llm, self.sleeps, self.asleep, self.stale = LLM(**kwargs), cuda, False, False
         self.sleep()
@@ -3146,9 +3115,8 @@ class VLLMRollout:
             self.asleep = True
 
     def wake(self, tags: list = None):
-        """Wake the sleeping engine (tags: the part to wake, as vllm's wake_up; None: all), PyTorch's cached free
-        blocks released first: vLLM maps new memory, which the trainer's last update may still hold in its cache.
-        Every path that wakes the engine comes here."""
+        """Wake the engine (tags: the part, as vllm's wake_up; None: all), every path through here: PyTorch's cached
+        free blocks released first, as vLLM maps new memory the trainer's last update may still hold in its cache."""
         torch.cuda.empty_cache()  # a no-op where CUDA was never used
         self.llm.wake_up(tags=tags)
 
@@ -3166,11 +3134,9 @@ class VLLMRollout:
     def generate(self, prompts: list, prompt_index: list, eos_ids, pad_id: int, max_new_tokens: int,
                  temperature: float, greedy: bool = False, top_p: float = 1.0, top_k: int = 0,
                  policy: nn.Module = None, progress: str = None) -> Batch:
-        """As generate_hf, plus Batch.sampler_logprobs [B, T]; policy: synced in first when the engine is stale.
-        Each request's seed comes from torch's RNG (a checkpoint saves it), so a resumed run samples alike. A request
-        that ended other than by a stop token or the length limit (vLLM's abort, error) is unfinished: truncated (its
-        reward -1), its mask its own tokens. Raises ValueError for log-probs that do not pair with the tokens or are
-        not finite (engine_logprobs)."""
+        """As generate_hf, plus Batch.sampler_logprobs [B, T]; policy: synced in first when the engine is stale. Request
+        seeds come from torch's RNG (a resume samples alike). A request that ended without a stop token or the length
+        limit (abort, error) is truncated (reward -1), masked to its own tokens. ValueError: engine_logprobs."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         if self.stale and policy is not None:
@@ -3183,8 +3149,8 @@ class VLLMRollout:
                                  top_k=0 if greedy else top_k, max_tokens=max_new_tokens, seed=seed,
                                  stop_token_ids=sorted(eos_ids), logprobs=None if greedy else 0, detokenize=False)
                   for seed in seeds]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                                    use_tqdm=bool(progress))
+        requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        outputs = self.llm.generate(requests, params, use_tqdm=bool(progress))
         self.sleep()
         samples = [o.outputs[0] for o in outputs]
         response_ids = _pad([list(c.token_ids) for c in samples], pad_id, left=False)  # [B, T]
@@ -3199,31 +3165,27 @@ class VLLMRollout:
 
 
 def engine_logprobs(samples, prompt_index: list) -> list:
-    """log mu of every sampled token, one list per sample, from vLLM CompletionOutputs (logprobs=0). Raises
-    ValueError naming the sample and prompt when its log-probs do not pair one to one with its token ids, a position
-    lacks the sampled token, or one is not finite (its position: a NaN mu would skip the good rows' step too)."""
+    """log mu of each sampled token, one list per sample, of vLLM CompletionOutputs (logprobs=0). ValueError naming the
+    sample and prompt: log-probs not one per token id, a sampled token missing, or a non-finite one (its position)."""
     rows = []
     for i, (c, prompt) in enumerate(zip(samples, prompt_index)):
-        ids, logprobs = list(c.token_ids), c.logprobs if c.logprobs is not None else []
+        ids, logprobs, sample = list(c.token_ids), c.logprobs or [], f"rollout engine: sample {i} (prompt {prompt})"
         if len(logprobs) != len(ids):
-            raise ValueError(f"rollout engine: sample {i} (prompt {prompt}) has {len(ids)} token ids but "
-                             f"{len(logprobs)} log-probs; each sampled token needs its own log mu")
+            raise ValueError(f"{sample} has {len(ids)} token ids but {len(logprobs)} log-probs; each sampled token "
+                             f"needs its own log mu")
         missing = [t for t, position in zip(ids, logprobs) if not position or t not in position]
         if missing:
-            raise ValueError(f"rollout engine: sample {i} (prompt {prompt}) has no log-prob for its sampled token "
-                             f"{missing[0]}")
+            raise ValueError(f"{sample} has no log-prob for its sampled token {missing[0]}")
         rows.append([position[t].logprob for position, t in zip(logprobs, ids)])
         bad = next((t for t, x in enumerate(rows[-1]) if not math.isfinite(x)), None)
         if bad is not None:
-            raise ValueError(f"rollout engine: sample {i} (prompt {prompt}) has log-prob {rows[-1][bad]} at position "
-                             f"{bad}; log mu must be finite")
+            raise ValueError(f"{sample} has log-prob {rows[-1][bad]} at position {bad}; log mu must be finite")
     return rows
 
 
 def sync_vllm_weights(llm, policy: nn.Module, dtype):
-    """Copy the actor's weights (a Policy or causal LM; under FSDP2 every rank calls this) into the vLLM engine
-    `llm`, cast to its dtype, in ONE call: vLLM 0.32-0.33's collective_rpc("reload_weights") reloads the whole model
-    per call and warns for every layer a call leaves out (the engine is in this process). An engine error propagates."""
+    """Copy the actor's weights (a Policy or causal LM; under FSDP2 every rank calls this) into the vLLM engine `llm`,
+    cast to `dtype`, in ONE call: vLLM 0.32-0.33's reload_weights reloads the whole model per call (in this process)."""
     lm = policy.lm if isinstance(policy, Policy) else policy
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": (  # lm_head.weight even when tied (vLLM on CPU)
         (name, (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().to(dtype))  # read lazily: one cast at
@@ -3243,8 +3205,7 @@ def vllm_available() -> bool:
 
 # --- torchrun: data parallel over prompts, actor and critic sharded with FSDP2 ---
 def init_distributed(device_name: str):
-    """(rank, world size, device) of this process; under torchrun (WORLD_SIZE > 1) the process group is
-    initialised, nccl on CUDA (one GPU per local rank), gloo on CPU."""
+    """(rank, world size, device); under torchrun (WORLD_SIZE > 1) the process group starts: nccl on CUDA, else gloo."""
     import torch.distributed as dist
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     cuda = device_name == "cuda" or (device_name == "auto" and torch.cuda.is_available())
@@ -3261,8 +3222,7 @@ def init_distributed(device_name: str):
 
 def distributed() -> bool:
     """True under torchrun with more than one process."""
-    import torch.distributed as dist
-    return dist.is_initialized() and dist.get_world_size() > 1
+    return torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
 
 
 def all_reduce(x, op: str = "sum"):
@@ -3277,9 +3237,8 @@ def all_reduce(x, op: str = "sum"):
 
 
 def shard(module: nn.Module, lm: nn.Module):
-    """FSDP2 (fully_shard) on every transformer block of the Hugging Face model lm (_no_split_modules), then on
-    module. Gradients are summed over ranks, not averaged: every loss here is already divided by the global token
-    count (optimize). Returns module. Raises ValueError when lm names no block class."""
+    """module, FSDP2-sharded (fully_shard) per transformer block of the HF model lm (_no_split_modules), then whole.
+    Gradients are summed over ranks, not averaged: each loss is already over the global token count. ValueError."""
     from torch.distributed.fsdp import fully_shard
     blocks = [m for m in lm.modules() if type(m).__name__ in (lm._no_split_modules or [])]
     if not blocks:
@@ -3295,8 +3254,7 @@ def shard(module: nn.Module, lm: nn.Module):
 
 @contextlib.contextmanager
 def gathered(module: nn.Module):
-    """Context in which an FSDP2 module's own parameters are whole (for generate(), which calls the inner
-    model's forward and never the root's); a no-op without FSDP."""
+    """Context: an FSDP2 module's own parameters whole (generate() never calls the root's forward); else a no-op."""
     sharded = hasattr(module, "unshard")
     if sharded:
         module.unshard()
@@ -3308,8 +3266,7 @@ def gathered(module: nn.Module):
 
 
 def full_state_dict(module: nn.Module) -> dict:
-    """The whole state dict on the CPU: gathered from the shards under FSDP2 (every rank must call this; only
-    rank 0 gets the tensors, the others an empty dict), module.state_dict() otherwise."""
+    """The whole state dict on the CPU; under FSDP2 gathered (every rank calls this; ranks but 0 get {})."""
     if not distributed():
         return {k: v.detach().cpu() for k, v in module.state_dict().items()}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -3317,8 +3274,8 @@ def full_state_dict(module: nn.Module) -> dict:
 
 
 def optimizer_state(module: nn.Module, optimizer, state: dict = None):
-    """The optimizer's state keyed by parameter name, whole (not sharded), so a checkpoint loads on any number
-    of ranks; with `state`, load it instead. Every rank must call this under FSDP2."""
+    """The optimizer's state keyed by parameter name, whole: a checkpoint loads on any number of ranks; with `state`,
+    load it instead. Every rank must call this under FSDP2."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                          set_optimizer_state_dict)
     if state is not None:
@@ -3356,19 +3313,17 @@ def gather_records(records: list) -> list:
     """Every rank's list of JSON-able records, concatenated in rank order (the list itself in one process)."""
     if not distributed():
         return records
-    import torch.distributed as dist
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, records)
+    parts = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(parts, records)
     return [r for part in parts for r in part]
 
 
 # --- Checkpoints (atomic) and resume ---
 def save_checkpoint(out_dir: str, step: int, model, tokenizer, critic, actor_opt, critic_opt, sampler, update_gen,
                     keep: int, prompt_counts=None, train_s: float = 0.0, record: dict = None):
-    """Write checkpoints/step_N atomically (a temporary directory renamed, then the `latest` pointer replaced): a
-    kill at any moment leaves the previous one. model: the actor's Policy; critic / critic_opt may be None;
-    prompt_counts: DAPS's (successes, attempts); train_s: training seconds; record: run_record, as run.json. Under
-    torchrun every rank calls this; the states are gathered whole, and rank 0 writes them with every rank's RNG."""
+    """Write checkpoints/step_N atomically (a temporary directory renamed, then `latest` replaced): a kill leaves the
+    previous one. model: a Policy; critic / critic_opt may be None; prompt_counts: DAPS's (successes, attempts);
+    record: run_record, as run.json. Every torchrun rank calls this; rank 0 writes, with every rank's RNG."""
     from safetensors.torch import save_file
     policy = model if isinstance(model, Policy) else Policy(model)
     actor_weights, actor_state = full_state_dict(policy), optimizer_state(policy, actor_opt)
@@ -3377,14 +3332,10 @@ def save_checkpoint(out_dir: str, step: int, model, tokenizer, critic, actor_opt
     rng = {"python": random.getstate(), "torch": torch.get_rng_state(), "update": update_gen.get_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
-    rng_ranks = [rng]
-    if distributed():
-        import torch.distributed as dist  # (the barrier at the end too)
-        rng_ranks = [None] * dist.get_world_size()
-        dist.all_gather_object(rng_ranks, rng)
-        if dist.get_rank() != 0:
-            dist.barrier()  # rank 0 writes; the others wait until the checkpoint is complete
-            return
+    rng_ranks = gather_records([rng])  # every rank's, in rank order
+    if distributed() and torch.distributed.get_rank() != 0:
+        torch.distributed.barrier()  # rank 0 writes; the others wait until the checkpoint is complete
+        return
     root = os.path.join(out_dir, "checkpoints")
     final, tmp = os.path.join(root, f"step_{step}"), os.path.join(root, f".tmp-step_{step}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -3402,15 +3353,14 @@ def save_checkpoint(out_dir: str, step: int, model, tokenizer, critic, actor_opt
     if record is not None:
         with open(os.path.join(tmp, "run.json"), "w") as f:
             json.dump(record, f, indent=1)
-    if os.path.exists(final):
-        shutil.rmtree(final)
+    shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     _write_atomic(os.path.join(root, "latest"), f"step_{step}\n")
     done = sorted((int(d[5:]) for d in os.listdir(root) if re.fullmatch(r"step_\d+", d)), reverse=True)
     for old in [s for s in done if s <= step][keep:]:  # a later, incomplete step_N never pushes this one out
         shutil.rmtree(os.path.join(root, f"step_{old}"), ignore_errors=True)
     if distributed():
-        dist.barrier()
+        torch.distributed.barrier()
 
 
 def _write_atomic(path: str, text: str):
@@ -3422,8 +3372,7 @@ def _write_atomic(path: str, text: str):
 
 
 def latest_checkpoint(out_dir: str):
-    """The checkpoint `latest` names if it holds all a resume reads, else the newest such checkpoints/step_N (after
-    a roll-back or a lost `latest`), or None."""
+    """The checkpoint `latest` names if it holds all a resume reads, else the newest such step_N, or None."""
     root = os.path.join(out_dir, "checkpoints")
     steps = [int(d[5:]) for d in (os.listdir(root) if os.path.isdir(root) else []) if re.fullmatch(r"step_\d+", d)]
     named = open(os.path.join(root, "latest")).read().strip() if os.path.isfile(os.path.join(root, "latest")) else ""
@@ -3443,24 +3392,20 @@ FIXED_ON_RESUME = ("model", "critic_model", "algo", "critic_loss", "critic_layer
 DATA_FLAGS = ("data", "split", "prompt_key", "answer_key", "eval_data", "eval_size", "max_prompt_tokens", "reward_fn")
 
 
-def data_identity(problems: list) -> dict:
-    """{"problems": count, "sha256": hex digest of the questions and golds, in order}: what the data order
-    (PromptSampler's position) and DAPS's per-prompt counts index."""
-    text = json.dumps([[p.question, p.answer] for p in problems])
-    return {"problems": len(problems), "sha256": hashlib.sha256(text.encode()).hexdigest()}
-
-
 def run_record(args: Args, problems: list) -> dict:
-    """What a checkpoint records of its run for check_resume: the resolved flags and data_identity(problems)."""
-    return {"args": json.loads(json.dumps(dataclasses.asdict(args))), "data": data_identity(problems)}
+    """What a checkpoint records for check_resume: the resolved flags, and the problems' count and sha256 of their
+    questions and golds in order (what PromptSampler's position and DAPS's per-prompt counts index)."""
+    text = json.dumps([[p.question, p.answer] for p in problems])
+    return {"args": json.loads(json.dumps(dataclasses.asdict(args))),
+            "data": {"problems": len(problems), "sha256": hashlib.sha256(text.encode()).hexdigest()}}
 
 
 def check_resume(ckpt: str, args: Args, problems: list) -> list:
-    """The changed flags ("--name old -> new") against ckpt's run.json (None without one); ValueError names, with both
-    values, each changed FIXED_ON_RESUME flag, or the DATA_FLAGS behind other training problems (data_identity)."""
+    """What a resume says: the flags changed since ckpt's run.json ("--name old -> new"), or that it has none.
+    ValueError names each changed FIXED_ON_RESUME flag, or the DATA_FLAGS behind other problems, with both values."""
     path = os.path.join(ckpt, "run.json")
     if not os.path.isfile(path):
-        return None
+        return [f"{ckpt} has no run.json (an older checkpoint): its flags and data are not checked"]
     with open(path) as f:
         saved = json.load(f)
     now = run_record(args, problems)
@@ -3476,21 +3421,20 @@ def check_resume(ckpt: str, args: Args, problems: list) -> list:
         raise ValueError(f"{ckpt}: written for other training problems ({old['problems']}, sha256 "
                          f"{old['sha256'][:12]}; now {new['problems']}, {new['sha256'][:12]}), which its data order "
                          f"and DAPS counts index; resume with the same {what}")
-    return [f"{name(k)} {saved['args'][k]} -> {v}" for k, v in now["args"].items()
-            if k in saved["args"] and saved["args"][k] != v and k != "resume"]
+    changed = [f"{name(k)} {saved['args'][k]} -> {v}" for k, v in now["args"].items()
+               if k in saved["args"] and saved["args"][k] != v and k != "resume"]
+    return [f"flags changed since the checkpoint, the new values apply: {', '.join(changed)}"] if changed else []
 
 
 def restore_checkpoint(state: TrainState, ckpt: str, args: Args) -> bool:
     """Load ckpt's trainer state, this rank's RNGs (another number of ranks: reseeded) and the optimizer states with
-    args' learning rates. Returns whether the ranks matched. ValueError: older format, critic-free run, other data."""
+    args' learning rates. Returns whether the ranks matched. ValueError: older format, other data."""
     saved = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False, map_location="cpu")
     if isinstance(saved["rng"], dict) or any(isinstance(k, int) for k in saved["actor_opt"]["state"]):
         raise ValueError(f"{ckpt}: written by an older s3ac.py (optimizer states keyed by position); "
                          f"start a new run from its weights with --model {os.path.join(ckpt, 'actor')}")
     optimizer_state(state.policy, state.actor_opt, saved["actor_opt"])
-    if state.critic_opt is not None:
-        if saved["critic_opt"] is None:
-            raise ValueError(f"{ckpt}: a checkpoint of a critic-free run; resume it with the same --algo")
+    if state.critic_opt is not None:  # (a critic-free checkpoint has no critic/: load_models stopped)
         optimizer_state(state.critic, state.critic_opt, saved["critic_opt"])
     for optimizer, lr in ((state.actor_opt, args.lr), (state.critic_opt, args.lr * args.critic_lr_ratio)):
         for group in optimizer.param_groups if optimizer is not None else ():
@@ -3512,13 +3456,6 @@ def restore_checkpoint(state: TrainState, ckpt: str, args: Args) -> bool:
         torch.cuda.set_rng_state_all(rng["cuda"])
     state.update_gen.set_state(rng["update"])
     return same_ranks
-
-
-def _drop_records_after(path: str, step: int):
-    if os.path.isfile(path):
-        with open(path) as f:
-            kept = [line for line in f if json.loads(line)["step"] <= step]
-        _write_atomic(path, "".join(kept))
 
 
 # --- Evaluation, logging, tracking ---
@@ -3553,19 +3490,10 @@ def sample_record(problem: Problem, completion: str, truncated: bool, status: st
 COMPETITION_SETS = ("aime", "amc", "hmmt")  # eval names starting so: few problems, so avg@k is reported too
 
 
-@contextlib.contextmanager
-def own_draws(seed: int, device=None):
-    """Torch's RNG (the CPU's, and `device`'s when it is a CUDA device) seeded `seed` inside, and put back as it was
-    after: a sampled evaluation draws its own numbers, so training's next draws (the request seeds) do not move."""
-    with torch.random.fork_rng(devices=[device] if device is not None and device.type == "cuda" else []):
-        torch.manual_seed(seed)
-        yield
-
-
 def evaluate_sources(generate, tokenizer, sources, reward_fn, eval_k: int, rank: int = 0, world: int = 1,
                      seed: int = 0, device=None):
     """(eval/<name>/* metrics, the first's also unnamed, COMPETITION_SETS' avg@eval_k; records) of each evaluate();
-    the avg@k passes sample in own_draws(seed + source's position, device)."""
+    the avg@k passes draw from torch's RNG seeded seed + the source's position, put back after for training's draws."""
     out, samples = {}, []
     sampled = lambda prompts, index, greedy: generate(prompts, index, greedy=False)  # the same, sampled
     for j, (name, problems, prompts) in enumerate(sources):
@@ -3573,7 +3501,8 @@ def evaluate_sources(generate, tokenizer, sources, reward_fn, eval_k: int, rank:
         out.update({**(m if j == 0 else {}), **{f"eval/{name}/{key[5:]}": value for key, value in m.items()}})
         samples += [{"source": name, **record} for record in records]
         if eval_k > 1 and name.startswith(COMPETITION_SETS):  # every problem eval_k times: the sample mean
-            with own_draws(seed + j, device):  # training's draws untouched
+            with torch.random.fork_rng(devices=[device] if device is not None and device.type == "cuda" else []):
+                torch.manual_seed(seed + j)  # the evaluation's own draws
                 m, _ = evaluate(sampled, tokenizer, problems * eval_k, prompts * eval_k, reward_fn, rank, world)
             out[f"eval/{name}/avg@{eval_k}"] = m["eval/pass@1"]
     return out, samples
@@ -3595,15 +3524,11 @@ def run_evaluation(args: Args, state: TrainState, eval_sets: list, reward_fn, sa
                                               if key.startswith(f"eval/{name}/")
                                               and ("@" in key or key.endswith("/reward")))
                         + f" on {m[f'eval/{name}/n']}" for name, _, _ in eval_sets)  # pass@1 (and avg@k) per set
-    say(f"step {state.step:4d} | eval {scores} | sample: {shorten(samples[0])}")
+    first, text = samples[0], " ".join(samples[0]["completion"].split())  # a sample: the end of its completion
+    text = text if len(text) <= 160 else "..." + text[-160:]
+    say(f"step {state.step:4d} | eval {scores} | sample: [{first['status']}] gold {first['gold']} answer "
+        f"{first.get('answer')} | {text}")
     return m
-
-
-def shorten(record: dict, width: int = 160) -> str:
-    """One sample_record on one line: status, gold, the answer read, and the end of the completion."""
-    text = " ".join(record["completion"].split())
-    text = text if len(text) <= width else "..." + text[-width:]
-    return f"[{record['status']}] gold {record['gold']} answer {record.get('answer')} | {text}"
 
 
 def log_metrics(path: str, metrics: dict, tracker=None):
@@ -3645,9 +3570,8 @@ class Tracker:
 
 # --- main ---
 def main(argv=None):
-    """`python s3ac.py [flags]`: train. A bad flag stops in parse_args; an error from the data, the model or a
-    checkpoint (ValueError, OSError, ImportError), or a streak of non-finite gradients (FloatingPointError), ends the
-    run in one line, exit status 1 (--debug: the traceback)."""
+    """`python s3ac.py [flags]`: train. A bad flag stops in parse_args; a ValueError, OSError, ImportError (data,
+    model, checkpoint) or FloatingPointError (--max-skipped-steps) ends the run in one line, exit status 1 (--debug)."""
     args = parse_args(argv)
     try:
         train(args)

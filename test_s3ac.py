@@ -231,7 +231,7 @@ def test_progress_bar_counts_training_minutes_on_a_fake_clock(monkeypatch):
         monkeypatch.setattr(sys, "stderr", err)
         args = types.SimpleNamespace(steps=steps, max_minutes=max_minutes, algo="s3ac")
         state = types.SimpleNamespace(step=0, train_s=0.0)
-        run = s3ac.Run(args, state, [], None, None, "m", "s", main=True, log=None, say=None, tracker=None, owned=[])
+        run = s3ac.Run(args, state, [], None, None, "m", "s", main=True, log=None, say=None, owned=[])
         for step in run.steps():
             state.step, state.train_s, clock[0] = step, state.train_s + 60.0, clock[0] + 90.0  # 60 s train, 30 eval
             if step == stop:

@@ -490,7 +490,7 @@ def bench_demo(print_json, repeats: int = 3, rows: int = 16):
                                        minibatches=1, instruction="Put the final answer in \\boxed{}."))
     path, device = s3ac.resolve_model(gguf, args.cache_dir), torch.device("cpu")
     tokenizer = AutoTokenizer.from_pretrained(path)
-    problems = s3ac.builtin_problems("builtin:arithmetic:op=+*:digits=1x1,1x2,2x1", s3ac.DATA_SEED)[:rows]
+    problems = s3ac.load_problems("builtin:arithmetic:op=+*:digits=1x1,1x2,2x1", seed=s3ac.DATA_SEED)[:rows]
     prompts = [s3ac.build_prompt(tokenizer, p.question, "", args.instruction) for p in problems]
     policy = s3ac.Policy(s3ac.load_actor(path, device))
     critic = s3ac.load_critic(path, device, args.critic_seed, layers=4, actor=policy)
