@@ -9,8 +9,8 @@ actor minimises CISPO's loss; PACT's critic sync, DAPS's prompt selection and co
 and GRPO, RLOO, REINFORCE++, FlashREINFORCE and PPO are baselines (--algo).
 
 The file reads top-down: 1. the math (pure functions, to copy), 2. the algorithm box (train_step and train),
-3. the parts a step calls (reward, log-probs, critic, rollout), 4. plumbing (a reader may stop at its banner).
-The list of departures from the papers closes section 1. Shape letters: B sequences, T response tokens,
+3. the parts a step calls (reward, log-probs, critic, rollout, memory plan), 4. plumbing (a reader may stop at its
+banner). The list of departures from the papers closes section 1. Shape letters: B sequences, T response tokens,
 P prompt tokens, H hidden size, V vocabulary; response_mask [B, T] is 1.0 on the generated tokens, the stop token
 included, 0.0 on padding.
 
@@ -1236,7 +1236,7 @@ def train(args: Args, reward_fn=None, eval_reward_fn=None):
 
 
 # -----------------------------------------------------------------------------------------------------------------
-# 3. The parts a step calls: the reward, the actor's log-probs, the critic, rollout
+# 3. The parts a step calls: the reward, the actor's log-probs, the critic, rollout, and the memory plan they run in
 # -----------------------------------------------------------------------------------------------------------------
 # --- 3a. The reward: its contract, call_reward, make_rewards (the math verifier itself is in section 4) ---
 # The reward contract, stated once: reward_fn(golds: list[str], completions: list[str], truncated: list[bool]) ->
@@ -1707,6 +1707,193 @@ def generate_responses(args: Args, state: TrainState, prompts: list, index: list
     with gathered(state.policy), autocast(state.device, compute_dtype(args.dtype, state.device)):
         return generate_hf(state.policy.lm, prompts, index, state.eos_ids, state.pad_id, max_new_tokens,
                            args.temperature, args.gen_batch_size, greedy, args.top_p, args.top_k, block, progress)
+
+
+# --- 3e. The memory plan (python s3ac.py memory): the updates' bytes on the device, from constants measured per
+#     model; it sets --micro-batch-tokens and --gradient-checkpointing auto ---
+PLAN_MARGIN = 0.10  # share of the device the plan leaves free (allocator fragmentation)
+PLAN_RESERVE_GIB = 2.0  # the CUDA context and vLLM asleep (level 1: weights offloaded, KV cache freed); assumed
+MAX_MICRO_BATCH_TOKENS = 65536  # auto plans no larger micro-batch (a GPU's matmuls saturate well before)
+LOGITS_BYTES = 3 * 4 * kernels.LOGITS_CHUNK_ELEMENTS  # logprobs_from_hidden's chunk: fp32 logits, softmax, gradient
+GIB = 2 ** 30
+
+
+def saved_bytes(fn, params) -> int:
+    """Bytes of the distinct storages autograd saves for backward while fn() runs, the tensors params left out."""
+    skip, seen = {p.untyped_storage().data_ptr() for p in params}, {}
+
+    def pack(t):  # each storage once, by its address
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+        fn()
+    return sum(n for address, n in seen.items() if address not in skip)
+
+
+@functools.lru_cache(maxsize=4)
+def activation_constants(config_json: str) -> dict:
+    """Bytes autograd keeps for backward, measured on the CPU for an architecture (config_json: its config.json):
+    1- and 2-block causal LMs of its widths run actor_logprobs and critic_values under bf16 autocast on one sequence
+    of S = 8, 16, 24 tokens (saved_bytes); c + a S + b S^2 is solved for one block (2 blocks less 1) and for the rest.
+    Returns a block's a ("block", bytes a token), b ("block_quad": attention probabilities where kept, as on a CPU
+    math path; CUDA's SDPA keeps O(S)) and c ("block_casts": its bf16 weight copies), and the rest's a. A pair of rows,
+    the second padded, measures what padding adds a block (the attention mask each layer saves): its S^2 coefficient
+    per row, "block_pad" (bytes a token per token of row length)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    lengths, counts = (8, 16, 24), {}
+    for blocks in (1, 2):
+        fields = {**json.loads(config_json), "num_hidden_layers": blocks, "vocab_size": 256, "bos_token_id": None,
+                  "eos_token_id": None, "pad_token_id": None}
+        if fields.get("layer_types"):
+            fields["layer_types"] = fields["layer_types"][:blocks]
+        with torch.device("meta"):  # then uninitialised memory: the sizes saved do not depend on the values
+            lm = AutoModelForCausalLM.from_config(AutoConfig.for_model(**fields), dtype=torch.float32)
+        lm = lm.to_empty(device="cpu")
+        critic = Critic(lm.base_model, seed=0)
+        for S in lengths:
+            ids = torch.arange(S)[None] % 256  # [1, S]
+            batch = Batch(ids[:, :S // 2], torch.ones(1, S // 2), ids[:, S // 2:], torch.ones(1, S - S // 2),
+                          torch.zeros(1, dtype=torch.bool), torch.zeros(1, dtype=torch.long))
+            counts["actor", blocks, S] = saved_bytes(lambda: actor_logprobs(lm, batch, 1.0), lm.parameters())
+            counts["critic", blocks, S] = saved_bytes(lambda: critic_values(critic, batch), critic.parameters())
+            pair = [Batch(ids[:, :S // 2].repeat(2, 1), torch.ones(2, S // 2), ids[:, S // 2:].repeat(2, 1),
+                          torch.ones(2, S - S // 2), torch.zeros(2, dtype=torch.bool), torch.arange(2)) for _ in "ab"]
+            pair[1].prompt_mask[1, :2] = 0.0  # the second row left-padded by two slots
+            padded, plain = (saved_bytes(lambda: actor_logprobs(lm, b, 1.0), lm.parameters()) for b in pair[::-1])
+            counts["pad", blocks, S] = padded - plain
+    fit = lambda y: torch.linalg.solve(torch.tensor([[1.0, S, S * S] for S in lengths], dtype=torch.float64),
+                                       torch.tensor(y, dtype=torch.float64)).tolist()  # [c, a, b]
+    c, a, b = fit([counts["actor", 2, S] - counts["actor", 1, S] for S in lengths])
+    rest = {m: fit([counts[m, 1, S] - (c + a * S + b * S * S) for S in lengths])[1] for m in ("actor", "critic")}
+    pad = fit([counts["pad", 2, S] - counts["pad", 1, S] for S in lengths])[2] / 2  # per row: bytes / S^2
+    return {"block": a, "block_quad": max(b, 0.0), "block_casts": c, "actor_rest": rest["actor"],
+            "critic_rest": rest["critic"], "block_pad": max(pad, 0.0)}
+
+
+def parameter_counts(config) -> dict:
+    """Parameters of the actor ("actor", tied embeddings counted once), of one block ("block") and of the critic's
+    trunk without the output layer ("base"), from a model built on the meta device (no memory)."""
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(config)
+    count = lambda m: sum(p.numel() for p in m.parameters())
+    return {"actor": count(lm), "block": count(lm.base_model.layers[0]), "base": count(lm.base_model)}
+
+
+def memory_plan(config, args: Args, device_gib: float, cuda: bool = True, world: int = 1) -> dict:
+    """The memory plan of training args (config: the model's) on device_gib GiB over `world` ranks. Per phase, named
+    terms (terms_gib): fp32 weights and AdamW states and the gradients (sharded over the ranks), bf16 weight casts,
+    activations a token (activation_constants; recomputing, a block keeps its fp32 input) x the micro-batch, the
+    padded attention mask, two blocks' backward working set, the log-prob chunk and the output layer's fp32 weight
+    gradient (held until the tied embedding's joins it), and under torchrun the root's unsharded parameters and
+    gradients and two blocks' all-gather and reduce-scatter buffers; against (1 - PLAN_MARGIN) of the device less
+    PLAN_RESERVE_GIB. "auto": recompute only when two longest rows do not fit; the largest budget that fits. Returns a
+    dict: peak_gib, device_gib, fits, micro_batch_tokens, phases_gib, terms_gib, ..."""
+    const, n = activation_constants(config.to_json_string()), parameter_counts(config)
+    L, H, V, k = config.num_hidden_layers, config.hidden_size, config.vocab_size, args.critic_layers
+    critic = 0 if args.algo not in CRITIC_ALGOS else n["block"] * k + 3 * H if k else n["base"] + H  # trainable
+    longest = args.max_prompt_tokens + args.max_new_tokens  # slots of the longest row
+    quad = 0.0 if cuda else const["block_quad"] * longest  # per token, of a row as long as the longest
+    pad = const["block_pad"] * longest  # per token and block: the mask of a padded micro-batch
+    persistent = 12 * (n["actor"] + critic) / world  # fp32 weights and AdamW's two moments; a partial trunk's
+    persistent += 4 * H * longest * args.batch_prompts * args.k / world if k else 0  # stored features [B, P + T, H]
+    shared = 0.0 if world == 1 else 16 * n["block"]  # FSDP2: two blocks' fp32 all-gather and reduce-scatter buffers
+
+    def terms(tokens: int, recompute: bool) -> dict:  # {phase: {term: bytes}}
+        def update(params: int, root: int, blocks: int, rest: float) -> dict:
+            return {"weights_and_adam": persistent, "gradients": 4 * params / world,
+                    "bf16_casts": const["block_casts"] * blocks,
+                    "activations": tokens * (blocks * (4 * H if recompute else const["block"] + quad) + rest),
+                    "padded_mask": tokens * (0 if recompute else blocks) * pad,
+                    "block_backward": 2 * tokens * (const["block"] + quad + pad),
+                    "root_unsharded": 8 * root * (1 - 1 / world), "fsdp_buffers": shared}
+        out = {"actor_update": {**update(n["actor"], n["actor"] - L * n["block"], L, const["actor_rest"]),
+                                "logprob_chunk": LOGITS_BYTES, "head_weight_grad": 4 * V * H}}
+        if critic:
+            root = 3 * H if k else n["base"] - L * n["block"] + H  # the value head (and the embedding)
+            out["critic_update"] = update(critic, root, k or L, const["critic_rest"])
+        if cuda and args.rollout != "hf":
+            out["rollout"] = {"weights_and_adam": persistent,
+                              "vllm": args.vllm_gpu_memory_utilization * device_gib * GIB}
+        return out
+
+    def peaks(tokens: int, recompute: bool) -> dict:
+        return {phase: sum(t.values()) for phase, t in terms(tokens, recompute).items()}
+
+    usable = ((1 - PLAN_MARGIN) * device_gib - PLAN_RESERVE_GIB) * GIB
+
+    def budget(recompute: bool) -> int:  # the most tokens every phase holds
+        zero, one = peaks(0, recompute), peaks(1, recompute)
+        return int(min(MAX_MICRO_BATCH_TOKENS, *((usable - zero[p]) // (one[p] - zero[p]) for p in zero
+                                                  if one[p] > zero[p])))
+
+    recompute = (budget(False) < 2 * longest if args.gradient_checkpointing == "auto" else
+                 args.gradient_checkpointing == "true")  # the fastest that fits: recompute only when needed
+    tokens = budget(recompute) if args.micro_batch_tokens == "auto" else args.micro_batch_tokens
+    phases, zero = peaks(max(tokens, 0), recompute), peaks(0, recompute)["actor_update"]
+    peak = max(phases.values())
+    return {"model": config.architectures[0] if getattr(config, "architectures", None) else config.model_type,
+            "actor_params": n["actor"], "critic_params": critic, "device_gib": device_gib, "usable_gib": usable / GIB,
+            "peak_gib": peak / GIB, "fits": tokens >= longest and peak <= usable, "micro_batch_tokens": int(tokens),
+            "gradient_checkpointing": recompute, "longest_row": longest, "world": world,
+            "phases_gib": {p: round(v / GIB, 2) for p, v in phases.items()},
+            "terms_gib": {p: {name: v / GIB for name, v in t.items() if v}
+                          for p, t in terms(max(tokens, 0), recompute).items()},
+            "activation_kib_per_token": round((peaks(1, recompute)["actor_update"] - zero) / 1024, 1),
+            "checkpoint_gib": 12 * (n["actor"] + critic) / GIB, "attention": "O(S) (SDPA)" if cuda else "S^2 (CPU)"}
+
+
+CPU_MICRO_BATCH_TOKENS = 4096  # auto on a CPU, where the plan (a GPU's) is not made
+
+
+def plan_line(plan: dict) -> str:
+    """The plan in one line (printed at start and by python s3ac.py memory)."""
+    phases = ", ".join(f"{p} {v:.1f}" for p, v in plan["phases_gib"].items())
+    return (f"memory plan: {plan['model']} actor {plan['actor_params'] / 1e9:.2f}B + critic "
+            f"{plan['critic_params'] / 1e9:.2f}B trainable on {plan['device_gib']:.0f} GiB: --micro-batch-tokens "
+            f"{plan['micro_batch_tokens']} --gradient-checkpointing {str(plan['gradient_checkpointing']).lower()}, "
+            f"{plan['activation_kib_per_token']:.0f} KiB a token; peak {plan['peak_gib']:.1f} GiB of "
+            f"{plan['usable_gib']:.1f} usable ({phases}); {'fits' if plan['fits'] else 'does NOT fit'}; a checkpoint "
+            f"{plan['checkpoint_gib']:.1f} GiB")
+
+
+def apply_memory_plan(args: Args, model_path: str, device, world: int) -> Args:
+    """args with --micro-batch-tokens and --gradient-checkpointing auto resolved: on CUDA by memory_plan (printed;
+    ValueError naming what would fit when nothing does), on a CPU CPU_MICRO_BATCH_TOKENS and no recomputation."""
+    if "auto" not in (args.micro_batch_tokens, args.gradient_checkpointing):
+        return args
+    if device.type != "cuda":  # host memory is not what limits a CPU run
+        pick = lambda value, default: default if value == "auto" else value
+        return dataclasses.replace(args, micro_batch_tokens=pick(args.micro_batch_tokens, CPU_MICRO_BATCH_TOKENS),
+                                   gradient_checkpointing=pick(args.gradient_checkpointing, "false"))
+    from transformers import AutoConfig
+    plan = memory_plan(AutoConfig.from_pretrained(model_path), args,
+                       torch.cuda.get_device_properties(device).total_memory / GIB, True, world)
+    if device.index in (None, 0) and int(os.environ.get("RANK", 0)) == 0:
+        print(plan_line(plan), file=sys.stderr)
+    if not plan["fits"]:
+        raise ValueError(f"the memory plan fits no micro-batch of the longest row ({plan['longest_row']} tokens): "
+                         f"try --critic-layers 4, torchrun over more GPUs, or a smaller --max-new-tokens")
+    return dataclasses.replace(args, micro_batch_tokens=plan["micro_batch_tokens"],
+                               gradient_checkpointing=str(plan["gradient_checkpointing"]).lower())
+
+
+def memory(argv=None):
+    """python s3ac.py memory --model M [--gpu-memory GiB] [--world N] [training flags] [--json]: the plan from M's
+    config.json alone (no weights, no GPU), for --gpu-memory GiB (default: this machine's CUDA device, else 80)."""
+    from transformers import AutoConfig
+    parser = argparse.ArgumentParser(prog="s3ac.py memory")
+    parser.add_argument("--gpu-memory", type=float, default=torch.cuda.get_device_properties(0).total_memory / GIB
+                        if torch.cuda.is_available() else 80.0)
+    parser.add_argument("--world", type=int, default=1, help="ranks under torchrun (FSDP2)")
+    parser.add_argument("--json", action="store_true")
+    opts, rest = parser.parse_known_args(argv)
+    args = parse_args(rest)
+    plan = memory_plan(AutoConfig.from_pretrained(resolve_model(args.model, args.cache_dir)), args, opts.gpu_memory,
+                       world=opts.world)
+    print(json.dumps(plan) if opts.json else plan_line(plan))
+    return plan
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -2747,207 +2934,6 @@ def step_line(metrics: dict, has_critic: bool) -> str:
             f"{critic_part}{metrics['perf/step_s']:.0f}s")
 
 
-# --- Memory plan (python s3ac.py memory): the updates' bytes on the device, from constants measured per model ---
-PLAN_MARGIN = 0.10  # share of the device the plan leaves free (allocator fragmentation)
-PLAN_RESERVE_GIB = 2.0  # the CUDA context and vLLM asleep (level 1: weights offloaded, KV cache freed); assumed
-MAX_MICRO_BATCH_TOKENS = 65536  # auto plans no larger micro-batch (a GPU's matmuls saturate well before)
-LOGITS_BYTES = 3 * 4 * kernels.LOGITS_CHUNK_ELEMENTS  # logprobs_from_hidden's chunk: fp32 logits, softmax, gradient
-GIB = 2 ** 30
-
-
-def saved_bytes(fn, params) -> int:
-    """Bytes of the distinct storages autograd saves for backward while fn() runs, the tensors params left out."""
-    skip, seen = {p.untyped_storage().data_ptr() for p in params}, {}
-
-    def pack(t):  # each storage once, by its address
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
-        fn()
-    return sum(n for address, n in seen.items() if address not in skip)
-
-
-@functools.lru_cache(maxsize=4)
-def activation_constants(config_json: str) -> dict:
-    """Bytes autograd keeps for backward, measured on the CPU for an architecture (config_json: its config.json):
-    1- and 2-block causal LMs of its widths run actor_logprobs and critic_values under bf16 autocast on one sequence
-    of S = 8, 16, 24 tokens (saved_bytes); c + a S + b S^2 is solved for one block (2 blocks less 1) and for the rest.
-    Returns a block's a ("block", bytes a token), b ("block_quad": attention probabilities where kept, as on a CPU
-    math path; CUDA's SDPA keeps O(S)) and c ("block_casts": its bf16 weight copies), and the rest's a. A pair of rows,
-    the second padded, measures what padding adds a block (the attention mask each layer saves): its S^2 coefficient
-    per row, "block_pad" (bytes a token per token of row length)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    lengths, counts = (8, 16, 24), {}
-    for blocks in (1, 2):
-        fields = {**json.loads(config_json), "num_hidden_layers": blocks, "vocab_size": 256, "bos_token_id": None,
-                  "eos_token_id": None, "pad_token_id": None}
-        if fields.get("layer_types"):
-            fields["layer_types"] = fields["layer_types"][:blocks]
-        with torch.device("meta"):  # then uninitialised memory: the sizes saved do not depend on the values
-            lm = AutoModelForCausalLM.from_config(AutoConfig.for_model(**fields), dtype=torch.float32)
-        lm = lm.to_empty(device="cpu")
-        critic = Critic(lm.base_model, seed=0)
-        for S in lengths:
-            ids = torch.arange(S)[None] % 256  # [1, S]
-            batch = Batch(ids[:, :S // 2], torch.ones(1, S // 2), ids[:, S // 2:], torch.ones(1, S - S // 2),
-                          torch.zeros(1, dtype=torch.bool), torch.zeros(1, dtype=torch.long))
-            counts["actor", blocks, S] = saved_bytes(lambda: actor_logprobs(lm, batch, 1.0), lm.parameters())
-            counts["critic", blocks, S] = saved_bytes(lambda: critic_values(critic, batch), critic.parameters())
-            pair = [Batch(ids[:, :S // 2].repeat(2, 1), torch.ones(2, S // 2), ids[:, S // 2:].repeat(2, 1),
-                          torch.ones(2, S - S // 2), torch.zeros(2, dtype=torch.bool), torch.arange(2)) for _ in "ab"]
-            pair[1].prompt_mask[1, :2] = 0.0  # the second row left-padded by two slots
-            padded, plain = (saved_bytes(lambda: actor_logprobs(lm, b, 1.0), lm.parameters()) for b in pair[::-1])
-            counts["pad", blocks, S] = padded - plain
-    fit = lambda y: torch.linalg.solve(torch.tensor([[1.0, S, S * S] for S in lengths], dtype=torch.float64),
-                                       torch.tensor(y, dtype=torch.float64)).tolist()  # [c, a, b]
-    c, a, b = fit([counts["actor", 2, S] - counts["actor", 1, S] for S in lengths])
-    rest = {m: fit([counts[m, 1, S] - (c + a * S + b * S * S) for S in lengths])[1] for m in ("actor", "critic")}
-    pad = fit([counts["pad", 2, S] - counts["pad", 1, S] for S in lengths])[2] / 2  # per row: bytes / S^2
-    return {"block": a, "block_quad": max(b, 0.0), "block_casts": c, "actor_rest": rest["actor"],
-            "critic_rest": rest["critic"], "block_pad": max(pad, 0.0)}
-
-
-def parameter_counts(config) -> dict:
-    """Parameters of the actor ("actor", tied embeddings counted once), of one block ("block") and of the critic's
-    trunk without the output layer ("base"), from a model built on the meta device (no memory)."""
-    from transformers import AutoModelForCausalLM
-    with torch.device("meta"):
-        lm = AutoModelForCausalLM.from_config(config)
-    count = lambda m: sum(p.numel() for p in m.parameters())
-    return {"actor": count(lm), "block": count(lm.base_model.layers[0]), "base": count(lm.base_model)}
-
-
-def memory_plan(config, args: Args, device_gib: float, cuda: bool = True, world: int = 1) -> dict:
-    """The memory plan of training args (config: the model's) on device_gib GiB over `world` ranks. Per phase, named
-    terms (terms_gib): fp32 weights and AdamW states and the gradients (sharded over the ranks), bf16 weight casts,
-    activations a token (activation_constants; recomputing, a block keeps its fp32 input) x the micro-batch, the
-    padded attention mask, two blocks' backward working set, the log-prob chunk and the output layer's fp32 weight
-    gradient (held until the tied embedding's joins it), and under torchrun the root's unsharded parameters and
-    gradients and two blocks' all-gather and reduce-scatter buffers; against (1 - PLAN_MARGIN) of the device less
-    PLAN_RESERVE_GIB. "auto": recompute only when two longest rows do not fit; the largest budget that fits. Returns a
-    dict: peak_gib, device_gib, fits, micro_batch_tokens, phases_gib, terms_gib, ..."""
-    const, n = activation_constants(config.to_json_string()), parameter_counts(config)
-    L, H, V, k = config.num_hidden_layers, config.hidden_size, config.vocab_size, args.critic_layers
-    critic = 0 if args.algo not in CRITIC_ALGOS else n["block"] * k + 3 * H if k else n["base"] + H  # trainable
-    longest = args.max_prompt_tokens + args.max_new_tokens  # slots of the longest row
-    quad = 0.0 if cuda else const["block_quad"] * longest  # per token, of a row as long as the longest
-    pad = const["block_pad"] * longest  # per token and block: the mask of a padded micro-batch
-    persistent = 12 * (n["actor"] + critic) / world  # fp32 weights and AdamW's two moments; a partial trunk's
-    persistent += 4 * H * longest * args.batch_prompts * args.k / world if k else 0  # stored features [B, P + T, H]
-    shared = 0.0 if world == 1 else 16 * n["block"]  # FSDP2: two blocks' fp32 all-gather and reduce-scatter buffers
-
-    def terms(tokens: int, recompute: bool) -> dict:  # {phase: {term: bytes}}
-        def update(params: int, root: int, blocks: int, rest: float) -> dict:
-            return {"weights_and_adam": persistent, "gradients": 4 * params / world,
-                    "bf16_casts": const["block_casts"] * blocks,
-                    "activations": tokens * (blocks * (4 * H if recompute else const["block"] + quad) + rest),
-                    "padded_mask": tokens * (0 if recompute else blocks) * pad,
-                    "block_backward": 2 * tokens * (const["block"] + quad + pad),
-                    "root_unsharded": 8 * root * (1 - 1 / world), "fsdp_buffers": shared}
-        out = {"actor_update": {**update(n["actor"], n["actor"] - L * n["block"], L, const["actor_rest"]),
-                                "logprob_chunk": LOGITS_BYTES, "head_weight_grad": 4 * V * H}}
-        if critic:
-            root = 3 * H if k else n["base"] - L * n["block"] + H  # the value head (and the embedding)
-            out["critic_update"] = update(critic, root, k or L, const["critic_rest"])
-        if cuda and args.rollout != "hf":
-            out["rollout"] = {"weights_and_adam": persistent,
-                              "vllm": args.vllm_gpu_memory_utilization * device_gib * GIB}
-        return out
-
-    def peaks(tokens: int, recompute: bool) -> dict:
-        return {phase: sum(t.values()) for phase, t in terms(tokens, recompute).items()}
-
-    usable = ((1 - PLAN_MARGIN) * device_gib - PLAN_RESERVE_GIB) * GIB
-
-    def budget(recompute: bool) -> int:  # the most tokens every phase holds
-        zero, one = peaks(0, recompute), peaks(1, recompute)
-        return int(min(MAX_MICRO_BATCH_TOKENS, *((usable - zero[p]) // (one[p] - zero[p]) for p in zero
-                                                  if one[p] > zero[p])))
-
-    recompute = (budget(False) < 2 * longest if args.gradient_checkpointing == "auto" else
-                 args.gradient_checkpointing == "true")  # the fastest that fits: recompute only when needed
-    tokens = budget(recompute) if args.micro_batch_tokens == "auto" else args.micro_batch_tokens
-    phases, zero = peaks(max(tokens, 0), recompute), peaks(0, recompute)["actor_update"]
-    peak = max(phases.values())
-    return {"model": config.architectures[0] if getattr(config, "architectures", None) else config.model_type,
-            "actor_params": n["actor"], "critic_params": critic, "device_gib": device_gib, "usable_gib": usable / GIB,
-            "peak_gib": peak / GIB, "fits": tokens >= longest and peak <= usable, "micro_batch_tokens": int(tokens),
-            "gradient_checkpointing": recompute, "longest_row": longest, "world": world,
-            "phases_gib": {p: round(v / GIB, 2) for p, v in phases.items()},
-            "terms_gib": {p: {name: v / GIB for name, v in t.items() if v}
-                          for p, t in terms(max(tokens, 0), recompute).items()},
-            "activation_kib_per_token": round((peaks(1, recompute)["actor_update"] - zero) / 1024, 1),
-            "checkpoint_gib": 12 * (n["actor"] + critic) / GIB, "attention": "O(S) (SDPA)" if cuda else "S^2 (CPU)"}
-
-
-CPU_MICRO_BATCH_TOKENS = 4096  # auto on a CPU, where the plan (a GPU's) is not made
-
-
-def plan_line(plan: dict) -> str:
-    """The plan in one line (printed at start and by python s3ac.py memory)."""
-    phases = ", ".join(f"{p} {v:.1f}" for p, v in plan["phases_gib"].items())
-    return (f"memory plan: {plan['model']} actor {plan['actor_params'] / 1e9:.2f}B + critic "
-            f"{plan['critic_params'] / 1e9:.2f}B trainable on {plan['device_gib']:.0f} GiB: --micro-batch-tokens "
-            f"{plan['micro_batch_tokens']} --gradient-checkpointing {str(plan['gradient_checkpointing']).lower()}, "
-            f"{plan['activation_kib_per_token']:.0f} KiB a token; peak {plan['peak_gib']:.1f} GiB of "
-            f"{plan['usable_gib']:.1f} usable ({phases}); {'fits' if plan['fits'] else 'does NOT fit'}; a checkpoint "
-            f"{plan['checkpoint_gib']:.1f} GiB")
-
-
-def apply_memory_plan(args: Args, model_path: str, device, world: int) -> Args:
-    """args with --micro-batch-tokens and --gradient-checkpointing auto resolved: on CUDA by memory_plan (printed;
-    ValueError naming what would fit when nothing does), on a CPU CPU_MICRO_BATCH_TOKENS and no recomputation."""
-    if "auto" not in (args.micro_batch_tokens, args.gradient_checkpointing):
-        return args
-    if device.type != "cuda":  # host memory is not what limits a CPU run
-        pick = lambda value, default: default if value == "auto" else value
-        return dataclasses.replace(args, micro_batch_tokens=pick(args.micro_batch_tokens, CPU_MICRO_BATCH_TOKENS),
-                                   gradient_checkpointing=pick(args.gradient_checkpointing, "false"))
-    from transformers import AutoConfig
-    plan = memory_plan(AutoConfig.from_pretrained(model_path), args,
-                       torch.cuda.get_device_properties(device).total_memory / GIB, True, world)
-    if device.index in (None, 0) and int(os.environ.get("RANK", 0)) == 0:
-        print(plan_line(plan), file=sys.stderr)
-    if not plan["fits"]:
-        raise ValueError(f"the memory plan fits no micro-batch of the longest row ({plan['longest_row']} tokens): "
-                         f"try --critic-layers 4, torchrun over more GPUs, or a smaller --max-new-tokens")
-    return dataclasses.replace(args, micro_batch_tokens=plan["micro_batch_tokens"],
-                               gradient_checkpointing=str(plan["gradient_checkpointing"]).lower())
-
-
-def check_disk(args: Args, models: list):
-    """Before step 1: OSError, with the figures and the flags that change them, when --out-dir lacks room for the
-    checkpoints the run holds at once (fp32 weights, the trainable ones' AdamW moments): keep_checkpoints + 1, or
-    as many as --steps and --save-every save, less those already there."""
-    size = sum((12 if p.requires_grad else 4) * p.numel() for m in models if m is not None for p in m.parameters())
-    root = os.path.join(args.out_dir, "checkpoints")
-    there = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(root) for f in files)
-    saves = min(args.keep_checkpoints + 1, args.steps // args.save_every + 1 if args.save_every else 1)
-    need, free = saves * size - there, shutil.disk_usage(args.out_dir).free
-    if free < need:
-        raise OSError(f"--out-dir {args.out_dir}: {free / GIB:.1f} GiB free, but {saves} "
-                      f"checkpoints of {size / GIB:.1f} GiB need {need / GIB:.1f} GiB more: free space, lower "
-                      f"--keep-checkpoints, choose another --out-dir, or --critic-layers k for a smaller critic")
-
-
-def memory(argv=None):
-    """python s3ac.py memory --model M [--gpu-memory GiB] [--world N] [training flags] [--json]: the plan from M's
-    config.json alone (no weights, no GPU), for --gpu-memory GiB (default: this machine's CUDA device, else 80)."""
-    from transformers import AutoConfig
-    parser = argparse.ArgumentParser(prog="s3ac.py memory")
-    parser.add_argument("--gpu-memory", type=float, default=torch.cuda.get_device_properties(0).total_memory / GIB
-                        if torch.cuda.is_available() else 80.0)
-    parser.add_argument("--world", type=int, default=1, help="ranks under torchrun (FSDP2)")
-    parser.add_argument("--json", action="store_true")
-    opts, rest = parser.parse_known_args(argv)
-    args = parse_args(rest)
-    plan = memory_plan(AutoConfig.from_pretrained(resolve_model(args.model, args.cache_dir)), args, opts.gpu_memory,
-                       world=opts.world)
-    print(json.dumps(plan) if opts.json else plan_line(plan))
-    return plan
-
-
 # --- Models: loading (a .gguf file is converted once), dtype, timers ---
 def resolve_model(name: str, cache_dir: str) -> str:
     """A Hugging Face name or directory as is; a .gguf file de-quantised once into a safetensors
@@ -3319,6 +3305,21 @@ def gather_records(records: list) -> list:
 
 
 # --- Checkpoints (atomic) and resume ---
+def check_disk(args: Args, models: list):
+    """Before step 1: OSError, with the figures and the flags that change them, when --out-dir lacks room for the
+    checkpoints the run holds at once (fp32 weights, the trainable ones' AdamW moments): keep_checkpoints + 1, or
+    as many as --steps and --save-every save, less those already there."""
+    size = sum((12 if p.requires_grad else 4) * p.numel() for m in models if m is not None for p in m.parameters())
+    root = os.path.join(args.out_dir, "checkpoints")
+    there = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(root) for f in files)
+    saves = min(args.keep_checkpoints + 1, args.steps // args.save_every + 1 if args.save_every else 1)
+    need, free = saves * size - there, shutil.disk_usage(args.out_dir).free
+    if free < need:
+        raise OSError(f"--out-dir {args.out_dir}: {free / GIB:.1f} GiB free, but {saves} "
+                      f"checkpoints of {size / GIB:.1f} GiB need {need / GIB:.1f} GiB more: free space, lower "
+                      f"--keep-checkpoints, choose another --out-dir, or --critic-layers k for a smaller critic")
+
+
 def save_checkpoint(out_dir: str, step: int, model, tokenizer, critic, actor_opt, critic_opt, sampler, update_gen,
                     keep: int, prompt_counts=None, train_s: float = 0.0, record: dict = None):
     """Write checkpoints/step_N atomically (a temporary directory renamed, then `latest` replaced): a kill leaves the
