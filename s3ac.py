@@ -3077,10 +3077,17 @@ class VLLMRollout:
     (after temperature, top-p, top-k) are the mu of the TIS weight. On CUDA it sleeps while the trainer runs."""
 
     def __init__(self, path: str, args: Args, device, rank: int, world: int, **engine_kwargs):
-        """The engine on `path` in the compute dtype, seeded args.seed + rank; engine_kwargs to vllm.LLM."""
+        """The engine on `path` in the compute dtype, seeded args.seed + rank; engine_kwargs to vllm.LLM. On CUDA it
+        sleeps at level 1 (weights to host memory, KV cache freed): ValueError when PYTORCH_CUDA_ALLOC_CONF sets
+        expandable_segments, which vLLM's sleep mode does not work with."""
+        cuda = device.type == "cuda"
+        allocator = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
+        if cuda and "expandable_segments:true" in allocator:
+            raise ValueError("PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True, which vLLM's sleep mode (the "
+                             "engine freeing its memory while the trainer runs) does not work with: unset it, or "
+                             "--rollout hf")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process: sync by reference
         from vllm import LLM
-        cuda = device.type == "cuda"
         self.dtype = compute_dtype(args.dtype, device)
         kwargs = dict(model=path, dtype=str(self.dtype).split(".")[1], seed=args.seed + rank,
                       logprobs_mode="processed_logprobs", enable_prefix_caching=True, enable_sleep_mode=cuda,
@@ -3120,9 +3127,10 @@ class VLLMRollout:
     def generate(self, prompts: list, prompt_index: list, eos_ids, pad_id: int, max_new_tokens: int,
                  temperature: float, greedy: bool = False, top_p: float = 1.0, top_k: int = 0,
                  policy: nn.Module = None, progress: str = None) -> Batch:
-        """As generate_hf, plus Batch.sampler_logprobs [B, T]; policy: synced in first when the engine is stale. Request
-        seeds come from torch's RNG (a resume samples alike). A request that ended without a stop token or the length
-        limit (abort, error) is truncated (reward -1), masked to its own tokens. ValueError: engine_logprobs."""
+        """As generate_hf, plus Batch.sampler_logprobs [B, T]; policy: synced in first when the engine is stale. One
+        seed a call, drawn from torch's RNG (a resume samples alike), seeds torch's generators for the engine alone; no
+        request has its own (vLLM would sample those one by one). A request that ended without a stop token or the
+        length limit (abort, error) is truncated (reward -1), masked to its own tokens. ValueError: engine_logprobs."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         if self.stale and policy is not None:
@@ -3130,13 +3138,15 @@ class VLLMRollout:
         if self.asleep:
             self.wake()
             self.asleep = False
-        seeds = [None] * len(prompts) if greedy else torch.randint(2 ** 31 - 1, (len(prompts),)).tolist()
-        params = [SamplingParams(n=1, temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
-                                 top_k=0 if greedy else top_k, max_tokens=max_new_tokens, seed=seed,
-                                 stop_token_ids=sorted(eos_ids), logprobs=None if greedy else 0, detokenize=False)
-                  for seed in seeds]
+        params = SamplingParams(n=1, temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
+                                top_k=0 if greedy else top_k, max_tokens=max_new_tokens, stop_token_ids=sorted(eos_ids),
+                                logprobs=None if greedy else 0, detokenize=False)  # no per-request seed: batched
         requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-        outputs = self.llm.generate(requests, params, use_tqdm=bool(progress))
+        seed = None if greedy else int(torch.randint(2 ** 31 - 1, ()))  # one draw a call (a resume restores the RNG)
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_initialized() else []):
+            if seed is not None:  # the engine's sampler, in this process, draws from torch's default generators
+                torch.manual_seed(seed)
+            outputs = self.llm.generate(requests, params, use_tqdm=bool(progress))
         self.sleep()
         samples = [o.outputs[0] for o in outputs]
         response_ids = _pad([list(c.token_ids) for c in samples], pad_id, left=False)  # [B, T]

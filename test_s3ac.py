@@ -5492,6 +5492,58 @@ def test_an_aborted_vllm_request_is_unfinished_with_its_own_tokens_masked(monkey
     assert batch.sampler_logprobs.tolist() == [[-0.5] * 4, [-0.5, -0.5, 0.0, 0.0], [0.0] * 4]
 
 
+def test_vllm_sampling_one_seed_a_call_from_torchs_rng_and_no_request_seeds(monkeypatch):
+    """VLLMRollout.generate draws ONE seed a sampled call from torch's RNG and seeds torch's generators with it for
+    the engine alone (a fork): the trainer's RNG moves by exactly that draw, the engine's draws repeat from the same
+    RNG state (a resume) and differ call to call; every request shares one SamplingParams without a seed (vLLM's
+    batched sampler, not a generator per request); a greedy call draws nothing. Mutants caught: a seed per request,
+    the engine sampling outside the fork (the trainer's RNG would move by the engine's draws)."""
+    seen = []
+    engine = fake_vllm_engine(monkeypatch, [types.SimpleNamespace(token_ids=[5, 2], logprobs=None,
+                                                                  finish_reason="stop")] * 2)
+
+    def generate(prompts, params, use_tqdm):  # the engine's own sampling: a draw from torch's default generator
+        seen.append((params, torch.rand(3)))
+        return [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[5, 2], logprobs=None,
+                                                                     finish_reason="stop")]) for _ in prompts]
+    engine.llm.generate = generate
+    monkeypatch.setattr(s3ac, "engine_logprobs", lambda samples, index: [[-0.5, -0.5] for _ in samples])
+    call = lambda greedy: engine.generate([[3], [4]], [0, 1], {2}, 0, 4, 1.0, greedy=greedy)
+    torch.manual_seed(11)
+    call(False)
+    after_one = torch.rand(2)
+    torch.manual_seed(11)
+    torch.randint(2 ** 31 - 1, ())  # the one draw a call makes
+    assert torch.equal(after_one, torch.rand(2))  # the trainer's RNG: that draw alone
+    torch.manual_seed(11)
+    call(False)
+    call(False)
+    assert torch.equal(seen[0][1], seen[1][1]) and not torch.equal(seen[1][1], seen[2][1])  # resume alike; fresh
+    assert all(not isinstance(params, list) and "seed" not in vars(params) for params, _ in seen)  # one, unseeded
+    torch.manual_seed(11)
+    call(True)
+    greedy_next = torch.rand(2)
+    torch.manual_seed(11)
+    assert torch.equal(greedy_next, torch.rand(2))  # a greedy call draws nothing
+
+
+def test_vllm_sleep_mode_refuses_expandable_segments(monkeypatch):
+    """On CUDA the engine sleeps (level 1), which PyTorch's expandable segments break: set in
+    PYTORCH_CUDA_ALLOC_CONF (any case, spaced), the engine refuses in one line before vLLM loads; on a CPU, or
+    without it, nothing is refused there."""
+    args = s3ac.resolve_args(s3ac.Args())
+    monkeypatch.setitem(sys.modules, "vllm", None)  # an import of vllm fails: what comes before it is checked
+    for conf in ("expandable_segments:True", "max_split_size_mb:128, Expandable_Segments : true"):
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
+        with pytest.raises(ValueError, match="expandable_segments:True, which vLLM's sleep mode"):
+            s3ac.VLLMRollout("m", args, torch.device("cuda"), 0, 1)
+        with pytest.raises(ImportError):  # a CPU engine never sleeps: on to the import
+            s3ac.VLLMRollout("m", args, torch.device("cpu"), 0, 1)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    with pytest.raises(ImportError):
+        s3ac.VLLMRollout("m", args, torch.device("cuda"), 0, 1)
+
+
 def test_every_vllm_wake_frees_the_allocator_cache_first(monkeypatch):
     """A sleeping engine wakes through VLLMRollout.wake alone, torch.cuda.empty_cache before each wake_up: at
     generate after a critic-only update (asleep, not stale) and in both halves of a sync (weights, then KV cache).
