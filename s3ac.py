@@ -189,8 +189,8 @@ def mc_returns(rewards, response_mask, gamma: float):
 
 # --- Actor losses: CISPO (S3AC's), the PPO clipped surrogate, truncated importance weights ---
 # Every loss here is a sum over the mask's tokens / num_tokens, the normaliser optimize counts (its definition is
-# beside that line); called alone, the mask's tokens of the call. Truncated IS (tis_weights) is not inside a loss:
-# train_step scales the advantages by it.
+# beside that line); called alone, the mask's tokens of the call. FlashREINFORCE's is a mean per response, / its
+# num_sequences. Truncated IS (tis_weights) is not inside a loss: train_step scales the advantages by it.
 @triton_on_cuda
 def cispo_loss(logprobs, old_logprobs, advantages, response_mask, eps_low: float, eps_high: float,
                num_tokens=None):
@@ -768,7 +768,8 @@ def collect_rollouts(args: Args, state: TrainState, prompt_list: list, reward_fn
     counts = all_reduce(counts)  # every rank's rollouts
     state.successes, state.attempts = state.successes + counts[0], state.attempts + counts[1]
     metrics = {"time/rollout": t1 - t0, "rollout/generated_tokens": int(batch.response_mask.sum()),  # all generated
-               "rollout/samples": len(index), "time/verify": time.time() - t1}
+               "rollout/samples": len(index), "time/verify": time.time() - t1,
+               "rollout/dropped": int((batch.response_mask.sum(1) == 0).sum())}  # rows with no token to train
     return batch, rewards, statuses, texts, metrics
 
 
@@ -1217,12 +1218,13 @@ def train(args: Args, reward_fn=None, eval_reward_fn=None):
             run.log(metrics)
             say(step_line(metrics, state.critic is not None))
             skipped = metrics["actor/skipped_steps"] + metrics.get("critic/skipped_steps", 0)  # the same on every rank
-            state.skip_streak = state.skip_streak + 1 if skipped else 0
+            state.skip_streak = state.skip_streak + 1 if skipped or metrics["rollout/dropped"] else 0
             if args.max_skipped_steps and state.skip_streak >= args.max_skipped_steps:
                 first = step - state.skip_streak + 1
                 raise FloatingPointError(f"--max-skipped-steps {args.max_skipped_steps}: steps {first} to {step} each "
-                                         f"skipped an optimizer step (a non-finite gradient norm; actor/ and "
-                                         f"critic/skipped_steps in {run.metrics_path})")
+                                         f"skipped an optimizer step or dropped a response (a non-finite gradient norm "
+                                         f"or log mu; actor/ and critic/skipped_steps, rollout/dropped in "
+                                         f"{run.metrics_path})")
             if last or (args.save_every and step % args.save_every == 0):
                 save_checkpoint(args.out_dir, step, state.policy, state.tokenizer, state.critic, state.actor_opt,
                                 state.critic_opt, state.sampler, state.update_gen, args.keep_checkpoints,
@@ -2423,7 +2425,7 @@ class Args:
                                                       "response), longest rows first; gradients accumulate over a "
                                                       "mini-batch | auto: the memory plan's")
     max_skipped_steps: int = flag(3, "stop after this many steps in a row that skipped an optimizer step (a non-finite "
-                                  "grad norm; counted in actor/ and critic/skipped_steps); 0 = never stop")
+                                  "grad norm) or dropped a response (a non-finite log mu); 0 = never stop")
     # run
     steps: int = flag(200, "training steps (one rollout batch each)")
     seed: int = flag(0, "seed of sampling, data order and rollouts")
@@ -3130,7 +3132,8 @@ class VLLMRollout:
         """As generate_hf, plus Batch.sampler_logprobs [B, T]; policy: synced in first when the engine is stale. One
         seed a call, drawn from torch's RNG (a resume samples alike), seeds torch's generators for the engine alone; no
         request has its own (vLLM would sample those one by one). A request that ended without a stop token or the
-        length limit (abort, error) is truncated (reward -1), masked to its own tokens. ValueError: engine_logprobs."""
+        length limit (abort, error) is truncated (reward -1), masked to its own tokens; one with a non-finite log mu is
+        masked whole (rollout/dropped counts it). ValueError: engine_logprobs."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         if self.stale and policy is not None:
@@ -3155,14 +3158,17 @@ class VLLMRollout:
         response_mask = response_mask * (torch.arange(response_ids.shape[1])[None, :] < lengths[:, None])  # [B, T]
         logprobs = None if greedy else _pad(engine_logprobs(samples, prompt_index), 0.0, left=False,
                                             dtype=torch.float32)  # [B, T]
+        if logprobs is not None:  # a non-finite log mu (an engine fault) drops its response: no token trains
+            response_mask = response_mask * torch.isfinite(logprobs).all(1, keepdim=True)  # [B, T]
+            logprobs = torch.where(response_mask.bool(), logprobs, 0.0)
         truncated = torch.tensor([c.finish_reason != "stop" for c in samples])  # [B] length, abort, error
         return Batch(*_pad_prompts(prompts, pad_id), response_ids, response_mask, truncated,
                      torch.as_tensor(prompt_index), logprobs)
 
 
 def engine_logprobs(samples, prompt_index: list) -> list:
-    """log mu of each sampled token, one list per sample, of vLLM CompletionOutputs (logprobs=0). ValueError naming the
-    sample and prompt: log-probs not one per token id, a sampled token missing, or a non-finite one (its position)."""
+    """log mu of each sampled token, one list per sample, of vLLM CompletionOutputs (logprobs=0), non-finite ones as
+    given. ValueError naming the sample and prompt: log-probs not one per token id, or a sampled token missing."""
     rows = []
     for i, (c, prompt) in enumerate(zip(samples, prompt_index)):
         ids, logprobs, sample = list(c.token_ids), c.logprobs or [], f"rollout engine: sample {i} (prompt {prompt})"
@@ -3173,9 +3179,6 @@ def engine_logprobs(samples, prompt_index: list) -> list:
         if missing:
             raise ValueError(f"{sample} has no log-prob for its sampled token {missing[0]}")
         rows.append([position[t].logprob for position, t in zip(logprobs, ids)])
-        bad = next((t for t, x in enumerate(rows[-1]) if not math.isfinite(x)), None)
-        if bad is not None:
-            raise ValueError(f"{sample} has log-prob {rows[-1][bad]} at position {bad}; log mu must be finite")
     return rows
 
 

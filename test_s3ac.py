@@ -5566,20 +5566,38 @@ def test_every_vllm_wake_frees_the_allocator_cache_first(monkeypatch):
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("-inf"), float("inf")])
-def test_a_non_finite_engine_logprob_stops_the_step_naming_sample_and_position(monkeypatch, bad):
+def test_a_non_finite_engine_logprob_drops_its_response_and_a_streak_stops_the_run(tiny, tmp_path, monkeypatch, bad):
     """A NaN (or infinite) log mu from the engine would make the TIS weight NaN and skip the optimizer step of the
-    good rows beside it: generate stops in one line naming the sample, its prompt and the position."""
+    good rows beside it: generate masks that response whole (no token trains; its log mu 0), the row beside it
+    untouched. In a run, a step with a dropped response counts in rollout/dropped and in the --max-skipped-steps
+    streak, so a fault that persists (a resume replays the same draws) stops the run in one line. Mutants caught:
+    the row kept (NaN in sampler_logprobs), the streak blind to dropped rows."""
     lp = lambda t, x: {t: types.SimpleNamespace(logprob=x)}
     good = types.SimpleNamespace(token_ids=[5, 6, 2], logprobs=[lp(5, -0.5), lp(6, -1.25), lp(2, -0.125)],
                                  finish_reason="stop")
     broken = types.SimpleNamespace(token_ids=[7, 8, 9], logprobs=[lp(7, -2.0), lp(8, -0.25), lp(9, bad)],
                                    finish_reason="length")
-    engine = fake_vllm_engine(monkeypatch, [good, broken])
-    with pytest.raises(ValueError) as error:
-        engine.generate([[3, 4], [3]], [7, 9], {2}, 2, 3, 1.0)
-    assert str(error.value) == (f"rollout engine: sample 1 (prompt 9) has log-prob {bad} at position 2; log mu "
-                                f"must be finite")
-    assert engine.generate([[3, 4], [3]], [7, 9], {2}, 2, 3, 1.0, greedy=True).sampler_logprobs is None  # not read
+    batch = fake_vllm_engine(monkeypatch, [good, broken]).generate([[3, 4], [3]], [7, 9], {2}, 2, 3, 1.0)
+    assert batch.response_mask.tolist() == [[1, 1, 1], [0, 0, 0]]
+    assert batch.sampler_logprobs.tolist() == [[-0.5, -1.25, -0.125], [0.0, 0.0, 0.0]]
+    if not math.isnan(bad):
+        return  # the run once
+    generate = s3ac.generate_hf
+
+    def faulty(*a, **k):  # every training batch's first row: as the engine's non-finite log mu leaves it
+        out = generate(*a, **k)
+        if out.sampler_logprobs is not None:
+            out.response_mask[0] = 0.0
+        return out
+    monkeypatch.setattr(s3ac, "generate_hf", faulty)
+    out = tmp_path / "run"
+    with pytest.raises(FloatingPointError, match=r"^--max-skipped-steps 2: steps 1 to 2 each skipped an optimizer "
+                                                 r"step or dropped a response"):
+        s3ac.train(s3ac.parse_args(smoke_flags(tiny[0], str(out), "--steps", "4", "--eval-size", "2",
+                                               "--max-skipped-steps", "2")))
+    records = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2] and all(r["rollout/dropped"] == 1 for r in records[1:])
+    assert all(r["actor/skipped_steps"] == 0 for r in records[1:])  # the other rows trained
 
 
 def test_a_non_finite_gradient_skips_the_step_and_the_next_batch_trains(tiny):
