@@ -1919,16 +1919,20 @@ def memory(argv=None):
 #      no solution.').
 #   4. A plain-number gold needs a plain-number answer (integer, decimal or reduced fraction; a sign, thousands
 #      separators, LaTeX spacing, a unit): "23 + 19", "6 \times 7", "5!" are "not_a_number", as is a number followed by
-#      a power (2^3, 2³), a value word ('5 thousand', _VALUE_WORD) or an exponent (1e6). Digit groups are one number or
-#      none (2,500 and 2\,500 are 2500; 0,500 and 12 500 none). A mixed number is one value on one line, its fraction
-#      proper and reduced: 3 1/4 and 3\frac{1}{4} are 13/4, -3 1/4 is -13/4; the fallback never reads part of one.
+#      a power (2^3, 2³), a value word ('5 thousand', '2 and a half', '5 dozen' = 60: _VALUE_WORD) or an exponent (1e6).
+#      Dozen and quarter are also units, ignored like any unit (rule 6) where plural or before what they count: '7 dozen
+#      eggs' and '16 quarters' are 7 and 16 as written (a gold of 7 counts dozens), never 84 or 4; a word after 'per' is
+#      a rate's unit ('5 dollars per dozen'). Digit groups are one number or none (2,500 and 2\,500 are 2500; 0,500 and
+#      12 500 none). A mixed number is one value on one line, its fraction proper and reduced: 3 1/4 and 3\frac{1}{4}
+#      are 13/4, -3 1/4 is -13/4; the fallback never reads part of one.
 #   5. Exact values compare exactly (Fraction / sympy, each decimal at its written value: 1.5 \times 10^{-3} is 3/2000),
-#      REL_TOL only for a decimal against one without finite decimal expansion; undefined (1:00, \frac{1}{0}, NaN)
-#      equals nothing. Other golds: rules 7-13, math-verify on the box.
+#      REL_TOL only for a decimal against one without finite decimal expansion, in a list item by item as alone
+#      (0.33333, 1.73205 is \frac13, \sqrt3); undefined (\frac{1}{0}, NaN) equals nothing. Other golds: rules 7-14.
 #   6. Units: when gold and answer both write a unit after a number, its power must agree (m^2 is not m^3; "square"
 #      2, "cubic" 3, none 1); else a unit, %, ^\circ or currency is ignored (4 4/9% is 40/9, a gold 50\% is 50).
 #   Golds that are not plain numbers, before math-verify (which drops subscripts, units and case, and reads a part):
-#   7. \mathrm{e} and \mathrm{i} (or \operatorname{}) are the constants e and i, as plain e and i are.
+#   7. \mathrm{e} and \mathrm{i} (or \operatorname{}) are the constants e and i, as plain e and i are, in gold and
+#      answer; i is a symbol in both where the gold writes it in a subscript, as an index (a_i, \sum_{i=1}^n i).
 #   8. Two bracketed lists must agree on their outer brackets: (a, b], [a, b], (a, b) and \{a, b\} differ.
 #   9. Lists with an ellipsis (\ldots, ...) compare item by item: as many, ellipses alike, an item holding one as text.
 #  10. A base subscript is part of the number: 41_6 (41_{6}) must be the gold's digits and base; none: the gold's base.
@@ -1937,6 +1941,8 @@ def memory(argv=None):
 #  13. math-verify must read the whole text, as LaTeX: a gold it cannot (0.\overline{3}, x \mapsto 2x) is "bad_gold", an
 #      answer "wrong", never a number inside them. A bare letter is a variable, never a unit (2ab, 5d, 2\pi rh);
 #      a unit in \text{} after the value drops (3\sqrt{2}\text{ cm} is 3\sqrt{2}).
+#  14. A gold h:mm with two-digit minutes (12:00, 9:30 a.m.) is a time, minutes after midnight, never a ratio (9:30 is
+#      not 3:10): the answer must be the same time; a.m./p.m. count where written (9:30 p.m. is 21:30, not 9:30).
 REL_TOL = 1e-4  # relative tolerance for a decimal answer against an exact value with no finite decimal expansion
 ANSWER_FALLBACKS = ("final_number", "none")
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
@@ -1944,9 +1950,11 @@ _WHOLE = r"[1-9]\d{0,2}(?:,\d{3})+|\d+"  # 2,500 | 2500; the whole part of a mix
 _NUMBER = rf"(?:{_WHOLE})(?:\.\d+)?|\.\d+"  # 2,500 | 2500 | 2500.5 | .5 (after normalisation)
 _UNIT_STOP = {"is", "not", "or", "and", "minus", "plus", "times", "over", "divided", "multiplied", "pi", "wrong",
               "incorrect", "correct", "equals", "to"}  # words that make a boxed '42 is wrong' no number
-_VALUE_WORD = re.compile(  # one of the next three words after a number changes its value: '5 thousand', '5 dozen eggs'
-    r"^(?:\s*[A-Za-z]+'?s?\s){0,2}\s*(?:dozens?|hundreds?|thousands?|millions?|billions?|trillions?|squared|cubed|"
-    r"factorial|halfs?|halves|thirds?|quarters?|(?:four|fif|six|seven|eigh|nin|ten|hundred|thousand)ths?)\b", re.I)
+_MULTIPLIER = (r"hundreds?|thousands?|millions?|billions?|trillions?|squared|cubed|factorial|halfs?|halves|thirds?|"
+               r"(?:four|fif|six|seven|eigh|nin|ten|hundred|thousand)ths?")  # '5 thousand', '3 squared', '5 halves'
+_VALUE_WORD = re.compile(  # a word that changes a number's value (rule 4): right after it or up to two words on
+    rf"^(?:\s*(?:{_MULTIPLIER}|(?:dozen|quarter)(?!s|\s+(?!and\b)[A-Za-z]))"  # '5 dozen' is 60; '7 dozen eggs' is 7
+    rf"|(?:\s*(?!per\b)[A-Za-z]+'?s?\s){{1,2}}\s*(?:{_MULTIPLIER}|dozens?|quarters?))\b", re.I)  # '2 and a half'
 _PLAIN_NUMBER = re.compile(  # a whole answer: sign, a number, a fraction or a mixed number (on one line), then a unit
     rf"(?P<sign>[-+]?)\s*(?:(?P<whole>{_WHOLE})(?:[ \t]*(?=\\frac)|[ \t]+(?=\d+\s*/)))?"  # of 0-3 words and its power
     rf"(?:\\frac\{{\s*(?P<fn>-?\d+)\s*\}}\{{\s*(?P<fd>\d+)\s*\}}|(?P<sn>\d+)\s*/\s*(?P<sd>\d+)"
@@ -2107,7 +2115,7 @@ def _equal_exact_or_verify(gold_parsed, pred_parsed) -> bool:
     from math_verify import verify
     g, p = gold_parsed[0], pred_parsed[0]
     if any(isinstance(x, sympy.Basic) and x.has(sympy.zoo, sympy.nan) for x in (g, p)):
-        return False  # undefined (1:00 and 12:00 are both 1/0 = zoo): equal to nothing
+        return False  # undefined (\frac{1}{0}, 2/0 = zoo): equal to nothing
     if isinstance(g, sympy.Expr) and isinstance(p, sympy.Expr) and g.is_number and p.is_number:
         exact_g, exact_p = (x.xreplace({f: sympy.Rational(str(f)) for f in x.atoms(sympy.Float)}) for x in (g, p))
         if g == p or sympy.simplify(exact_g - exact_p) == 0:  # each decimal at its written value: 1.5/10**3 = 3/2000
@@ -2119,11 +2127,23 @@ def _equal_exact_or_verify(gold_parsed, pred_parsed) -> bool:
         if exact.is_Rational and _finite_decimal(int(exact.q)):  # 0.75 against 3/4: exact, and not equal
             return False
         return bool(abs(sympy.N(exact - floats[0], 30)) <= REL_TOL * abs(sympy.N(exact, 30)))
+    ordered = isinstance(g, (sympy.Tuple, sympy.Interval))  # a list's items by the rule for one value (rule 5)
+    if type(g) is type(p) and (ordered or isinstance(g, sympy.FiniteSet)) and len(g.args) == len(p.args):
+        rest = list(p.args)  # a FiniteSet's items matched in any order, a Tuple's and an Interval's in order
+        for x in g.args:
+            y = next((y for y in rest[: 1 if ordered else None] if x == y or _equal_exact_or_verify([x], [y])), None)
+            if y is None:
+                break
+            rest.remove(y)
+        if not rest:
+            return True
     return verify(gold_parsed, pred_parsed)
 
 
 _UNIT = re.compile(r"\d\s*(?:\\(?:text|mbox|mathrm)\s*\{([A-Za-z .]*[A-Za-z][A-Za-z .]*)\}"  # a unit after a number,
                    r"|([A-Za-z]{2,}(?:\s+[A-Za-z]{2,})?))\s*(?:\^\s*\{?\s*(\d)\s*\}?)?")  # and its exponent
+_TIME = re.compile(r"(\d{1,2})\s*:\s*([0-5]\d)\s*(?:([ap])\.?\s*m\.?)?", re.I)  # 9:30, 09:30 a.m., 12:00 PM
+_SUBSCRIPT = re.compile(r"_\s*(\{[^{}]*\}|\\[A-Za-z]+|.)")  # a_i, \sum_{i=1}: a subscript
 _CONSTANT = re.compile(r"\\(?:mathrm|operatorname|mathit|text)\s*\{\s*([ei])\s*\}")  # \mathrm{e}: Euler's e
 _ELLIPSIS = re.compile(r"\\(?:[lcv]dots|dots[cbmio]?)(?![A-Za-z])|\.\.\.|\u2026")
 _BASE_NUMBER = re.compile(r"(?<![\\A-Za-z0-9])([0-9A-Z]*[0-9][0-9A-Z]*)_\{?\s*(\d+)\s*\}?")  # 41_6, 41_{6}
@@ -2140,6 +2160,24 @@ def _unit_powers(s: str) -> list:
         words = set((text or word).lower().split())
         powers.append(int(power) if power else 2 if words & {"square", "sq"} else 3 if "cubic" in words else 1)
     return powers
+
+
+def _minutes(s: str):
+    """Minutes after midnight of a time h:mm (rule 14; p.m. adds 12 hours, 12 a.m. is 0:00), else None."""
+    m = _TIME.fullmatch(_normalise(s))
+    if m is None:
+        return None
+    hours = int(m[1]) % 12 + 12 * (m[3] in "pP") if m[3] else int(m[1])
+    return hours * 60 + int(m[2])
+
+
+def _imaginary_unit(parsed: list) -> list:
+    """math-verify's parse with its symbol i as the imaginary unit (rule 7), as it was where sympy cannot: (1, i)."""
+    import sympy
+    try:
+        return [parsed[0].subs({s: sympy.I for s in parsed[0].free_symbols if s.name == "i"}), *parsed[1:]]
+    except (AttributeError, ValueError):  # a string (a text not read whole); an interval, which sympy has only real
+        return parsed
 
 
 def _as_list(s: str):
@@ -2164,8 +2202,10 @@ def _letters(s: str) -> set:
 
 
 def _symbolic_status(gold: str, answer: str) -> str:
-    """'correct' | 'wrong' | 'no_answer' | 'bad_gold' of a non-number gold: rules 7-13, then _equal_exact_or_verify."""
+    """'correct' | 'wrong' | 'no_answer' | 'bad_gold' of a non-number gold: rules 7-14, then _equal_exact_or_verify."""
     from math_verify import LatexExtractionConfig, parse
+    if _minutes(gold) is not None:  # a time, never a ratio: 9:30 is not 3:10, 3:00 not 3/0
+        return "correct" if _minutes(answer) == _minutes(gold) else "wrong"
     gold, answer = (_E_NOTATION.sub(r"\1\\times 10^{\2}", _ELLIPSIS.sub(r"\\ldots", _CONSTANT.sub(r"\1", x)))
                     for x in (gold, answer))
     (gold_brackets, gold_items), (brackets, items) = _as_list(gold), _as_list(answer)
@@ -2192,6 +2232,8 @@ def _symbolic_status(gold: str, answer: str) -> str:
     pred_parsed = parse(f"${' '.join(answer.split())}$", extraction_config=latex)
     if not pred_parsed:  # a string (not read whole) is wrong: it matches no gold, which has a value
         return "no_answer"
+    if not any("i" in _letters(sub) for sub in _SUBSCRIPT.findall(gold)):  # rule 7: i is the unit, unless an index
+        gold_parsed, pred_parsed = _imaginary_unit(gold_parsed), _imaginary_unit(pred_parsed)
     return "correct" if _equal_exact_or_verify(gold_parsed, pred_parsed) else "wrong"
 
 

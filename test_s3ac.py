@@ -877,6 +877,35 @@ ANSWER_POLICY_CLASSES = {
         ("81", "Answer: 81", "correct"), ("81", "The result of adding them is equal to 81.", "correct"),
         ("81", "81 is the final answer.", "correct"), ("81", "So it's 81.", "correct"),
         ("82", "To add 81, you simply add the number 81 to the original number.", "no_answer")],
+    "15_imaginary_unit": [  # plain i is the imaginary unit in gold and answer, a symbol where the gold indexes by it
+        ("1+2i", "\\boxed{i(2-i)}", "correct"), ("1+2i", "\\boxed{\\mathrm{i}(2-\\mathrm{i})}", "correct"),
+        ("e^{i\\pi}", "\\boxed{-1}", "correct"), ("i", "\\boxed{\\sqrt{-1}}", "correct"),
+        ("1+2i", "\\boxed{i(2+i)}", "wrong"), ("1+2i", "\\boxed{2+i}", "wrong"), ("1+2i", "\\boxed{1+2I}", "wrong"),
+        ("-1", "\\boxed{i^2}", "not_a_number"), ("x_i + i^2", "\\boxed{x_i - 1}", "wrong"),
+        ("x_i + i^2", "\\boxed{i^2 + x_i}", "correct"), ("\\sum_{i=1}^{3} i", "\\boxed{6}", "correct")],
+    "16_list_items": [  # each item of a list by the rule for one value: REL_TOL for a decimal against sqrt(3)
+        ("\\frac13, \\sqrt3", "\\boxed{0.33333, 1.73205}", "correct"),
+        ("\\frac13, \\sqrt3", "\\boxed{1.73205, 0.33333}", "correct"),
+        ("(\\frac13, \\sqrt3)", "\\boxed{(0.33333, 1.73205)}", "correct"),
+        ("\\frac13, \\sqrt3", "\\boxed{0.3, 1.73205}", "wrong"), ("\\frac13, \\sqrt3", "\\boxed{0.33333}", "wrong"),
+        ("\\frac13, \\sqrt3", "\\boxed{0.33333, 0.33333}", "wrong"), ("\\frac12, 2", "\\boxed{0.50001, 2}", "wrong"),
+        ("(\\frac13, \\sqrt3)", "\\boxed{[0.33333, 1.73205]}", "wrong"),
+        ("(\\frac13, \\sqrt3)", "\\boxed{(1.73205, 0.33333)}", "wrong"), ("\\{1, 2\\}", "\\boxed{\\{2, 1\\}}", "correct")],
+    "17_counted_unit": [  # dozen, quarter: the unit counted when plural or before what they count, or after 'per'
+        ("7", "\\boxed{7 \\text{ dozen eggs}}", "correct"), ("7", "She needs 7 dozen eggs.", "correct"),
+        ("16", "\\boxed{16 \\text{ quarters}}", "correct"), ("16", "The answer is 16 quarters.", "correct"),
+        ("7", "\\boxed{7\\text{ dozens}}", "correct"), ("5", "\\boxed{5 \\text{ dollars per dozen}}", "correct"),
+        ("5", "It costs 5 dollars per dozen.", "correct"), ("84", "\\boxed{7 \\text{ dozen eggs}}", "wrong"),
+        ("5", "\\boxed{5 \\text{ dozen}}", "not_a_number"), ("60", "The answer is 5 dozen.", "not_a_number"),
+        ("2", "It takes 2 and a quarter hours.", "not_a_number"), ("2", "It is 2 dozen and a half.", "not_a_number"),
+        ("5", "It costs 5 thousand dollars per dozen.", "not_a_number"),
+        ("3", "It is 3 and three quarters.", "not_a_number")],
+    "18_time_of_day": [  # h:mm with two-digit minutes is a time, minutes after midnight, never a ratio
+        ("12:00", "\\boxed{12:00}", "correct"), ("3:00", "\\boxed{3:00}", "correct"), ("9:30", "\\boxed{3:10}", "wrong"),
+        ("3:10", "\\boxed{9:30}", "wrong"), ("9:30", "\\boxed{09:30 \\text{ a.m.}}", "correct"),
+        ("9:30 \\text{ a.m.}", "\\boxed{9:30 \\text{ p.m.}}", "wrong"), ("21:30", "\\boxed{9:30 \\text{ PM}}", "correct"),
+        ("12:00", "\\boxed{12:00 \\text{ p.m.}}", "correct"), ("12:00", "\\boxed{12:00 \\text{ a.m.}}", "wrong"),
+        ("12:00", "\\boxed{1:00}", "wrong"), ("3:00", "\\boxed{3}", "wrong"), ("1:2", "\\boxed{2:4}", "correct")],
 }
 
 
