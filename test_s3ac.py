@@ -941,7 +941,7 @@ def test_math_verify_suite_pays_no_wrong_answer():
         counts["agree" if paid == case["expected"] else "stricter" if case["expected"] else "paid_wrong"] += 1
         paid_wrong += [case["id"]] if paid and not case["expected"] else []
     assert sorted(paid_wrong) == sorted(SUITE_POLICY_EXCEPTIONS)
-    assert len(cases) == 362 and counts["agree"] >= 302, counts  # rule 13: 2 golds not read whole are bad_gold
+    assert len(cases) == 362 and counts["agree"] >= 304, counts  # rule 13: 2 golds not read whole are bad_gold
     print(f"math-verify's suite: {dict(counts)}")
 
 
