@@ -2682,7 +2682,8 @@ def test_help_text_comes_from_field_help(capsys):
     with pytest.raises(SystemExit):
         s3ac.parse_args(["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "auto: 0.95 ppo, 1 pact, else adaptive (default: auto)" in text  # each field's help, with its default
+    assert "auto: adaptive, pact 1, ppo 0.95 (default: auto)" in text  # each field's help, with its default
+    assert "--algo {s3ac,ppo,grpo,rloo,reinforce_pp,flash_reinforce}" in text  # a Literal field's choices
     assert "auto: the --algo's own (ppo, flash_reinforce), else cispo" in text and "rollouts per prompt" in text
     assert "--no-grpo-std" in text  # a True bool can be switched off
 
