@@ -82,7 +82,7 @@ def pitman_morgan(x: list, y: list) -> tuple:
 
 
 def run_summary(records: list, at_minutes: float) -> dict:
-    """One run of the comparison, from s3ac.read_records: the training minutes it reached (a run stopped by
+    """One run of the comparison, from curves.read_records: the training minutes it reached (a run stopped by
     --max-minutes passes the budget by up to one step); pass@1 at step 0; pass@1 at at_minutes (the last evaluation
     by that minute of training, or after the step running at that minute: a run stopped by --max-minutes ends with
     the step that crosses the budget, so its final evaluation counts at it); the best pass@1 of those evaluations, the
@@ -132,7 +132,7 @@ def equal_minutes(runs: dict) -> float:
 
 
 def compare_table(runs: dict) -> str:
-    """A markdown table of runs {name: [s3ac.read_records of each seed]}: per name, mean ± standard error over seeds
+    """A markdown table of runs {name: [curves.read_records of each seed]}: per name, mean ± standard error over seeds
     of each run_summary column ("-": none), at equal_minutes(runs)."""
     at = equal_minutes(runs)
     rows = {name: [run_summary(seed, at) for seed in seeds] for name, seeds in runs.items()}
