@@ -2360,6 +2360,7 @@ def number_or(kind: type, *words: str):
         except (TypeError, ValueError):
             raise argparse.ArgumentTypeError(f"{value!r}: expected {'an integer' if kind is int else 'a number'} or "
                                              f"one of {words}") from None
+    parse.words = words  # what marks the type to resolve_args
     return parse
 
 
@@ -2517,7 +2518,7 @@ def resolve_args(args: Args, say=None) -> Args:
         value, flag = getattr(args, name), f"--{name.replace('_', '-')}"
         if typing.get_origin(kind) is typing.Literal and value not in typing.get_args(kind):
             raise ValueError(f"{flag} {value!r}: expected one of {typing.get_args(kind)}")
-        if getattr(kind, "__qualname__", "") == "number_or.<locals>.parse":
+        if hasattr(kind, "words"):  # a number_or type
             try:
                 args = dataclasses.replace(args, **{name: kind(value)})
             except argparse.ArgumentTypeError as e:
