@@ -38,6 +38,7 @@ Tests: pytest test_s3ac.py -k kernels (on the CPU under TRITON_INTERPRET=1). Ben
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -560,6 +561,25 @@ def bce_value_loss(value_logits: Tensor, targets: Tensor, response_mask: Tensor,
 # ---------------------------------------------------------------------------------------------------------
 
 LOGITS_CHUNK_ELEMENTS = 1 << 24  # logits held at once (rows * V forward, N * V_chunk backward): 64 MiB in fp32
+# The head's fp32 matmuls on CUDA: "tf32" (inputs rounded to 10 mantissa bits, fp32 accumulation), or "ieee". Chosen
+# by measurement (.ci/head_precision.py): TF32's log-prob error is a tenth of what the bf16 trunk already carries,
+# its arithmetic a seventh of fp32's. CPU matmuls are fp32 whatever this says.
+HEAD_FP32_PRECISION = "tf32"
+
+
+@contextlib.contextmanager
+def head_matmul_precision(device_type: str):
+    """HEAD_FP32_PRECISION for CUDA's fp32 matmuls inside the block, the process-wide setting restored after (so
+    torch's legacy TF32 getters, which raise once the new API is set, still read outside). Other devices: no-op."""
+    if device_type != "cuda":
+        yield
+        return
+    before = torch.backends.cuda.matmul.fp32_precision
+    torch.backends.cuda.matmul.fp32_precision = HEAD_FP32_PRECISION
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = before
 
 
 @_jit(do_not_specialize=["V", "stride_row"])
@@ -668,10 +688,12 @@ class _LogprobsFromHidden(torch.autograd.Function):
         lse = torch.empty(N, device=hidden.device, dtype=torch.float32)
         logp = torch.empty_like(lse)
         entropy = torch.empty_like(lse)
-        for s in range(0, N, rows):
-            logits = hidden[s:s + rows] @ weight.T  # [rows, V]  matmul accumulates in fp32, output in input dtype
-            lse[s:s + rows], logp[s:s + rows], entropy[s:s + rows] = stats(logits, targets[s:s + rows], temperature)
-            del logits
+        with head_matmul_precision(hidden.device.type):
+            for s in range(0, N, rows):
+                logits = hidden[s:s + rows] @ weight.T  # [rows, V]  accumulates in fp32, output in input dtype
+                lse[s:s + rows], logp[s:s + rows], entropy[s:s + rows] = stats(logits, targets[s:s + rows],
+                                                                               temperature)
+                del logits
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.temperature = temperature
         ctx.use_triton = use_triton
@@ -694,18 +716,19 @@ class _LogprobsFromHidden(torch.autograd.Function):
         grad_h = torch.zeros(hidden.shape, device=hidden.device, dtype=torch.float32) if need_h else None
         grad_w = torch.empty_like(weight) if need_w else None
         grad_logp = grad_logp.float().contiguous()
-        for v0 in range(0, V, V_chunk):
-            w = weight[v0:v0 + V_chunk]  # [V_chunk, H]
-            logits = hidden @ w.T  # [N, V_chunk]  recomputed
-            G = chunk_grad(logits, targets, v0, lse, grad_logp, ctx.temperature)  # [N, V_chunk]
-            if need_h:
-                if hidden.dtype == torch.float32:
-                    grad_h.addmm_(G, w)  # [N, H]
-                else:
-                    grad_h += (G @ w).float()  # [N, H]  per-block product in the input dtype, sum in fp32
-            if need_w:
-                torch.mm(G.T, hidden, out=grad_w[v0:v0 + V_chunk])  # [V_chunk, H]
-            del logits, G
+        with head_matmul_precision(hidden.device.type):
+            for v0 in range(0, V, V_chunk):
+                w = weight[v0:v0 + V_chunk]  # [V_chunk, H]
+                logits = hidden @ w.T  # [N, V_chunk]  recomputed
+                G = chunk_grad(logits, targets, v0, lse, grad_logp, ctx.temperature)  # [N, V_chunk]
+                if need_h:
+                    if hidden.dtype == torch.float32:
+                        grad_h.addmm_(G, w)  # [N, H]
+                    else:
+                        grad_h += (G @ w).float()  # [N, H]  per-block product in the input dtype, sum in fp32
+                if need_w:
+                    torch.mm(G.T, hidden, out=grad_w[v0:v0 + V_chunk])  # [V_chunk, H]
+                del logits, G
         if need_h:
             grad_h = grad_h.to(hidden.dtype)
         return grad_h, grad_w, None, None, None
@@ -739,7 +762,8 @@ def logprobs_from_hidden(hidden: Tensor, weight: Tensor, targets: Tensor, temper
 
     Only LOGITS_CHUNK_ELEMENTS logits (a few rows times V) exist at any time; the [N, V] logits are never held.
     Backward recomputes each chunk's logits. The matmul runs in the input dtype (bf16 or fp32, fp32
-    accumulation inside); softmax, logsumexp, entropy and the weight-gradient sum run in fp32.
+    accumulation inside; fp32 on CUDA as HEAD_FP32_PRECISION says, TF32); softmax, logsumexp, entropy and the
+    weight-gradient sum run in fp32.
 
     Args:
         hidden: [N, H] final hidden states (bf16 or fp32), may require grad.

@@ -4682,6 +4682,7 @@ def test_kernels_logprobs_hand_case(kops):
 @pytest.mark.parametrize("N,H,V,rows_per_chunk", [(37, 16, 1000, 8), (5, 16, 49152, 2), (3, 8, 151936, 2)])
 def test_kernels_logprobs_match_fp64_gold(kops, monkeypatch, N, H, V, rows_per_chunk):
     monkeypatch.setattr(K, "LOGITS_CHUNK_ELEMENTS", rows_per_chunk * V)  # several chunks, last one partial
+    monkeypatch.setattr(K, "HEAD_FP32_PRECISION", "ieee")  # the math exactly; TF32's error: the precision test
     g = torch.Generator().manual_seed(V)
     hidden = torch.randn(N, H, generator=g).requires_grad_()
     weight = (torch.randn(V, H, generator=g) / math.sqrt(H)).requires_grad_()
@@ -4723,6 +4724,7 @@ def test_kernels_logprobs_bf16(kops, monkeypatch):
 
 def test_kernels_logprobs_triton_matches_reference(ktriton, monkeypatch):
     monkeypatch.setattr(K, "LOGITS_CHUNK_ELEMENTS", 3 * 5000)
+    monkeypatch.setattr(K, "HEAD_FP32_PRECISION", "ieee")
     g = torch.Generator().manual_seed(1)
     hidden = torch.randn(10, 24, generator=g).requires_grad_()
     weight = torch.randn(5000, 24, generator=g).requires_grad_()  # large logits: a peaked softmax
@@ -4733,6 +4735,50 @@ def test_kernels_logprobs_triton_matches_reference(ktriton, monkeypatch):
     (gh_r, gw_r) = torch.autograd.grad(logp_r.sum(), (hidden, weight))
     assert torch.allclose(logp_t, logp_r, atol=1e-4) and torch.allclose(ent_t, ent_r, atol=1e-4)
     assert torch.allclose(gh_t, gh_r, atol=1e-4) and torch.allclose(gw_t, gw_r, atol=1e-5)
+
+
+def test_kernels_head_precision_is_set_for_cuda_matmuls_only_and_restored(kops, monkeypatch):
+    seen = []
+    real_mm = torch.Tensor.__matmul__
+    monkeypatch.setattr(torch.Tensor, "__matmul__", lambda a, b: (seen.append(
+        torch.backends.cuda.matmul.fp32_precision), real_mm(a, b))[1])
+    before = torch.backends.cuda.matmul.fp32_precision
+    with K.head_matmul_precision("cuda"):
+        assert torch.backends.cuda.matmul.fp32_precision == K.HEAD_FP32_PRECISION == "tf32"
+    assert torch.backends.cuda.matmul.fp32_precision == before
+    with pytest.raises(RuntimeError), K.head_matmul_precision("cuda"):
+        raise RuntimeError("inside")
+    assert torch.backends.cuda.matmul.fp32_precision == before  # restored on an error too
+    torch.get_float32_matmul_precision()  # torch's legacy getter still reads (it raises while the new API is set)
+    g = torch.Generator().manual_seed(2)
+    hidden, weight = torch.randn(6, 64, generator=g), torch.randn(4000, 64, generator=g) / 8
+    targets = torch.randint(0, 4000, (6,), generator=g)
+    h, w = (x.to(kops.device) for x in (hidden, weight))
+    logp = kops.logprobs_from_hidden(h, w, targets.to(kops.device))[0].double().cpu()
+    gold = _k_logprob_gold(hidden, weight, targets, 1.0)[2].detach()
+    err = (logp - gold).abs().max().item()
+    if kops.device == "cuda":  # the forward's matmuls ran under TF32, within its bound (.ci/head_precision.py)
+        assert seen and set(seen) == {"tf32"} and 1e-5 < err < 5e-3
+    else:  # a CPU tensor: the setting untouched, fp32's error
+        assert set(seen) == {before} and err < 1e-5
+    assert torch.backends.cuda.matmul.fp32_precision == before
+
+
+def test_head_precision_script_rounds_like_tf32_and_orders_the_errors():
+    hp = load_ci("head_precision")
+    g = torch.Generator().manual_seed(3)
+    x = torch.cat([torch.randn(200, generator=g) * 10 ** torch.randint(-3, 4, (200,), generator=g),
+                   torch.tensor([1 + 2 ** -11, 1 + 3 * 2 ** -11, -(1 + 2 ** -11), 1 - 2 ** -13])])  # ties, a carry
+    for nearest in (True, False):
+        got = hp.round_mantissa(x, 10, nearest)
+        for v, r in zip(x.tolist(), got.tolist()):  # 11 significant bits, by frexp: half to even, or toward zero
+            m, e = math.frexp(v)
+            q = round(m * 2 ** 11) if nearest else int(m * 2 ** 11)
+            assert r == math.ldexp(q, e - 11), (v, r)
+    h, w, y = hp.synthetic_rows(3000, 48, 40, 3.0, 0.0)
+    ref = hp.head_logprobs(h, w, y, "fp64")
+    err = {p: hp.errors(hp.head_logprobs(h, w, y, p), ref)["mean_abs"] for p in hp.PRECISIONS}
+    assert err["fp32"] < 1e-5 < err["tf32"] < err["bf16->fp32"] < err["bf16->bf16"] < 0.1
 
 
 def test_kernels_logprobs_rejects_bad_arguments():
@@ -5223,7 +5269,12 @@ def test_bench_gpu_section_rows_on_cpu(monkeypatch):
     assert [r["op"] for r in rows] == (["copy", "gae_triton"] + ["gae_triton_config"] * len(sizes["gae_gpu_configs"])
                                        + ["gae_triton"] * (len(sizes["gae_gpu"]) - 1)
                                        + ["cispo_loss", "value_loss", "bce_value_loss"]
-                                       + ["logprobs_from_hidden_fwd_bwd"] * 6)
+                                       + ["logprobs_from_hidden_fwd_bwd"] * 6 + ["head_precision_fwd_bwd"] * 3)
+    ieee, tf32, ratio = rows[-3:]  # the head at IEEE fp32 and at TF32 (CPU tensors: both fp32 here), then the ratio
+    del rows[-3:]
+    assert (ieee["precision"], tf32["precision"], ratio["chosen"]) == ("ieee", "tf32", K.HEAD_FP32_PRECISION)
+    assert ratio["speedup_tf32_vs_ieee"] == round(calls[-2][1] / calls[-1][1], 2) != 1.0  # the last two timings
+    assert max(ieee["max_abs_err_vs_fp64"], tf32["max_abs_err_vs_fp64"]) < 1e-4
     kernel_us, call_us = ({us for only, us in calls if only == kind} for kind in (True, False))
     copy = rows[0]
     assert set(copy) == {"op", "device", "bytes", "us", "GB_s"} and copy["device"] == "fake" and copy["us"] == 150.0

@@ -422,12 +422,40 @@ def bench_gpu(print_json, sizes=SIZES["full"], device="cuda"):
         for row in rows.values():
             print_json(row)
 
+    def head_precision():  # the head at fp32 inputs, TF32 (what runs) against IEEE fp32: time and error to fp64
+        N, H, V = sizes["logprobs_gpu"]
+        g = torch.Generator(device=dev).manual_seed(0)
+        hidden = torch.randn(N, H, device=dev, generator=g).requires_grad_()
+        weight = (torch.randn(V, H, device=dev, generator=g) * 0.02).requires_grad_()
+        targets = torch.randint(0, V, (N,), device=dev, generator=g)
+        gold = torch.cat([(hidden[s:s + 64].detach().double() @ weight.detach().double().T).log_softmax(1)
+                          .gather(1, targets[s:s + 64, None])[:, 0] for s in range(0, N, 64)])  # [N] fp64
+        chosen, times = kernels.HEAD_FP32_PRECISION, {}
+        try:
+            for precision in ("ieee", "tf32"):
+                kernels.HEAD_FP32_PRECISION = precision
+                def run():
+                    hidden.grad = weight.grad = None
+                    logp, _ = kernels.logprobs_from_hidden(hidden, weight, targets, 1.0)
+                    logp.sum().backward()
+                    return logp.detach()
+                err = (run().double() - gold).abs()
+                times[precision] = cuda_time_us(run, warmup=1, reps=5) / 1e3
+                print_json({"op": "head_precision_fwd_bwd", "precision": precision, "device": name, "N": N, "H": H,
+                            "V": V, "ms": round(times[precision], 2), "mean_abs_err_vs_fp64": err.mean().item(),
+                            "max_abs_err_vs_fp64": err.max().item()})
+        finally:
+            kernels.HEAD_FP32_PRECISION = chosen
+        print_json({"op": "head_precision_fwd_bwd", "speedup_tf32_vs_ieee": round(times["ieee"] / times["tf32"], 2),
+                    "chosen": chosen})
+
     section("copy", copy)
     for shape in sizes["gae_gpu"]:
         section("gae_triton", lambda: gae_bench(*shape))
     section("losses", losses)
     section("logprobs_from_hidden_fwd_bwd", lambda: logprobs(torch.float32))  # what s3ac.py's Policy runs
     section("logprobs_from_hidden_fwd_bwd", lambda: logprobs(torch.bfloat16))
+    section("head_precision_fwd_bwd", head_precision)
 
 
 def paper_shaped_lengths(n: int, prompt_max: int = 900, response_max: int = 3072, seed: int = 0) -> tuple:
