@@ -1471,10 +1471,7 @@ def recording_block_input(lm: nn.Module, block: int):
     """While active, each forward of the causal LM lm appends the input of its block `block`, [b, s, H] fp32 without
     gradient, to the list it yields (generate(): the prefill, then s = 1 a step). IndexError unless 0 <= block < L."""
     calls = []
-
-    def hook(module, args, kwargs):
-        calls.append((args[0] if args else kwargs["hidden_states"]).detach().float())
-
+    hook = lambda module, args, kwargs: calls.append((args[0] if args else kwargs["hidden_states"]).detach().float())
     handle = lm.base_model.layers[block].register_forward_pre_hook(hook, with_kwargs=True)
     try:
         yield calls
@@ -1697,9 +1694,8 @@ def generate_hf(model, prompts: list, prompt_index: list, eos_ids, pad_id: int, 
 
 def generate_responses(args: Args, state: TrainState, prompts: list, index: list, max_new_tokens: int,
                        greedy: bool = False, record: bool = False, progress: str = None) -> Batch:
-    """The current policy's responses (a Batch) to token-id prompts of problems `index`, from vLLM (synced first
-    when stale) or HF generate. record: keep a partial-trunk critic's features (generate_hf's record_block);
-    progress: a progress bar's name."""
+    """The current policy's responses (a Batch) to token-id prompts of problems `index`, from vLLM (synced first when
+    stale) or HF generate. record: keep a partial-trunk critic's features (record_block); progress: a bar's name."""
     if state.engine is not None:
         return state.engine.generate(prompts, index, state.eos_ids, state.pad_id, max_new_tokens, args.temperature,
                                      greedy, args.top_p, args.top_k, policy=state.policy if args.vllm_sync else None,
@@ -1711,8 +1707,7 @@ def generate_responses(args: Args, state: TrainState, prompts: list, index: list
                            args.temperature, args.gen_batch_size, greedy, args.top_p, args.top_k, block, progress)
 
 
-# --- 3e. The memory plan (python s3ac.py memory): the updates' bytes on the device, from constants measured per
-#     model; it sets --micro-batch-tokens and --gradient-checkpointing auto ---
+# --- 3e. The memory plan (python s3ac.py memory): it sets --micro-batch-tokens and --gradient-checkpointing auto ---
 PLAN_MARGIN = 0.10  # share of the device the plan leaves free (allocator fragmentation)
 PLAN_RESERVE_GIB = 2.0  # the CUDA context and vLLM asleep (level 1: weights offloaded, KV cache freed); assumed
 MAX_MICRO_BATCH_TOKENS = 65536  # auto plans no larger micro-batch (a GPU's matmuls saturate well before)
@@ -1755,13 +1750,12 @@ def activation_constants(config_json: str) -> dict:
         critic = Critic(lm.base_model, seed=0)
         for S in lengths:
             ids = torch.arange(S)[None] % 256  # [1, S]
-            batch = Batch(ids[:, :S // 2], torch.ones(1, S // 2), ids[:, S // 2:], torch.ones(1, S - S // 2),
-                          torch.zeros(1, dtype=torch.bool), torch.zeros(1, dtype=torch.long))
+            rows = lambda n: Batch(ids[:, :S // 2].repeat(n, 1), torch.ones(n, S // 2), ids[:, S // 2:].repeat(n, 1),
+                                   torch.ones(n, S - S // 2), torch.zeros(n, dtype=torch.bool), torch.arange(n))
+            batch, pair = rows(1), [rows(2), rows(2)]  # one row; a pair of rows, twice
+            pair[1].prompt_mask[1, :2] = 0.0  # the second pair's second row left-padded by two slots
             counts["actor", blocks, S] = saved_bytes(lambda: actor_logprobs(lm, batch, 1.0), lm.parameters())
             counts["critic", blocks, S] = saved_bytes(lambda: critic_values(critic, batch), critic.parameters())
-            pair = [Batch(ids[:, :S // 2].repeat(2, 1), torch.ones(2, S // 2), ids[:, S // 2:].repeat(2, 1),
-                          torch.ones(2, S - S // 2), torch.zeros(2, dtype=torch.bool), torch.arange(2)) for _ in "ab"]
-            pair[1].prompt_mask[1, :2] = 0.0  # the second row left-padded by two slots
             padded, plain = (saved_bytes(lambda: actor_logprobs(lm, b, 1.0), lm.parameters()) for b in pair[::-1])
             counts["pad", blocks, S] = padded - plain
     fit = lambda y: torch.linalg.solve(torch.tensor([[1.0, S, S * S] for S in lengths], dtype=torch.float64),
@@ -1784,14 +1778,13 @@ def parameter_counts(config) -> dict:
 
 
 def memory_plan(config, args: Args, device_gib: float, cuda: bool = True, world: int = 1) -> dict:
-    """The memory plan of training args (config: the model's) on device_gib GiB over `world` ranks. Per phase, named
-    terms (terms_gib): fp32 weights and AdamW states and the gradients (sharded over the ranks), bf16 weight casts,
-    activations a token (activation_constants; recomputing, a block keeps its fp32 input) x the micro-batch, the
-    padded attention mask, two blocks' backward working set, the log-prob chunk and the output layer's fp32 weight
-    gradient (held until the tied embedding's joins it), and under torchrun the root's unsharded parameters and
-    gradients and two blocks' all-gather and reduce-scatter buffers; against (1 - PLAN_MARGIN) of the device less
-    PLAN_RESERVE_GIB. "auto": recompute only when two longest rows do not fit; the largest budget that fits. Returns a
-    dict: peak_gib, device_gib, fits, micro_batch_tokens, phases_gib, terms_gib, ..."""
+    """The memory plan of training args for the model `config` on device_gib GiB over `world` ranks: per phase, named
+    terms (terms_gib) against (1 - PLAN_MARGIN) of the device less PLAN_RESERVE_GIB: fp32 weights, AdamW states and
+    gradients (sharded over the ranks), bf16 weight casts, activations a token (activation_constants; recomputing, a
+    block keeps its fp32 input) x the micro-batch, the padded attention mask, two blocks' backward working set, the
+    log-prob chunk, the output layer's fp32 weight gradient (until the tied embedding's joins it), under torchrun the
+    root's unsharded parameters and gradients and the FSDP2 buffers. "auto": recompute only when two longest rows do not
+    fit; the largest budget that fits. Returns a dict (peak_gib, fits, micro_batch_tokens, terms_gib, ...)."""
     const, n = activation_constants(config.to_json_string()), parameter_counts(config)
     L, H, V, k = config.num_hidden_layers, config.hidden_size, config.vocab_size, args.critic_layers
     critic = 0 if args.algo not in CRITIC_ALGOS else n["block"] * k + 3 * H if k else n["base"] + H  # trainable
