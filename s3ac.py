@@ -3179,8 +3179,8 @@ class VLLMRollout:
             self.asleep = False
         params = SamplingParams(n=1, temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
                                 top_k=0 if greedy else top_k, max_tokens=max_new_tokens, stop_token_ids=sorted(eos_ids),
-                                logprobs=None if greedy else 0, detokenize=False)  # no per-request seed: vLLM
-        requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]  # would sample those one by one, unbatched
+                                logprobs=None if greedy else 0, detokenize=False)  # no per-request seed: batched
+        requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]  # (vLLM samples seeded requests one by one)
         seed = None if greedy else int(torch.randint(2 ** 31 - 1, ()))  # one draw a call: a resume samples alike
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_initialized() else []):
             if seed is not None:  # the engine's sampler, in this process, draws from torch's generators: seeded alone
