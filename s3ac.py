@@ -2874,8 +2874,7 @@ class Run(contextlib.AbstractContextManager):  # `with setup_run(...) as run`: t
 
 def setup_run(args: Args, reward_fn=None, eval_reward_fn=None) -> Run:
     """Everything before step 1 (flags, ranks, rewards, data, models, optimizers, resume, logs); ValueError, OSError."""
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
+    from transformers import AutoTokenizer, logging as hf_logging
     hf_logging.disable_progress_bar()  # one tqdm bar: the training steps
     rank, world, device = init_distributed(args.device)
     main = rank == 0
@@ -2924,17 +2923,15 @@ def setup_run(args: Args, reward_fn=None, eval_reward_fn=None) -> Run:
         check_disk(args, [policy, critic])
     random.seed(args.seed)  # after loading: a one-time .gguf conversion draws from the global RNG
     torch.manual_seed(args.seed + rank)  # each rank samples its own rollouts
-    n = len(train_problems)
-    critic_opt = None if critic is None else torch.optim.AdamW(critic.parameters(), lr=args.lr * args.critic_lr_ratio,
-                                                               weight_decay=0.0)
+    n, adamw = len(train_problems), functools.partial(torch.optim.AdamW, weight_decay=0.0)
     state = TrainState(
-        policy=policy, critic=critic, actor_opt=torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0),
-        critic_opt=critic_opt, engine=engine, sampler=PromptSampler(n, args.seed),
-        successes=torch.zeros(n, dtype=torch.float64), attempts=torch.zeros(n, dtype=torch.float64),
-        update_gen=torch.Generator().manual_seed(args.seed), tokenizer=tokenizer, problems=train_problems,
-        prompts=train_prompts, eos_ids=eos_ids, pad_id=pad_id, device=device, rank=rank, world=world)
-    metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
-    samples_path = os.path.join(args.out_dir, "samples.jsonl")
+        policy=policy, critic=critic, actor_opt=adamw(policy.parameters(), lr=args.lr),
+        critic_opt=None if critic is None else adamw(critic.parameters(), lr=args.lr * args.critic_lr_ratio),
+        engine=engine, sampler=PromptSampler(n, args.seed), successes=torch.zeros(n, dtype=torch.float64),
+        attempts=torch.zeros(n, dtype=torch.float64), update_gen=torch.Generator().manual_seed(args.seed),
+        tokenizer=tokenizer, problems=train_problems, prompts=train_prompts, eos_ids=eos_ids, pad_id=pad_id,
+        device=device, rank=rank, world=world)
+    metrics_path, samples_path = (os.path.join(args.out_dir, name) for name in ("metrics.jsonl", "samples.jsonl"))
     same_ranks = restore_checkpoint(state, ckpt, args) if ckpt else True
     for path in (metrics_path, samples_path) if main else ():
         if ckpt and os.path.isfile(path):  # records of steps that the kill threw away go
@@ -2962,14 +2959,13 @@ def progress_position(step: int, train_s: float, steps: int, max_minutes: float)
 
 def step_line(metrics: dict, has_critic: bool) -> str:
     """The one line a training step prints."""
-    critic_part = (f"v_loss {metrics['critic/v_loss']:.4f} EV {metrics['critic/explained_var']:+.3f} "
-                   f"V0 {metrics['critic/v0_mean']:+.3f} offset {metrics['critic/offset']:+.3f} | " if has_critic
-                   else "")
-    return (f"step {metrics['step']:4d} | reward {metrics['rollout/reward']:+.3f} acc {metrics['rollout/acc']:.3f} "
-            f"len {metrics['rollout/response_len']:.0f} | pg_loss {metrics['actor/pg_loss']:+.4f} "
-            + (f"drop {metrics['actor/trust_region_drop']:.3f} " if "actor/trust_region_drop" in metrics else
-               f"clipfrac {metrics['actor/pg_clipfrac']:.3f} ") + f"entropy {metrics['actor/entropy']:.3f} | "
-            f"{critic_part}{metrics['perf/step_s']:.0f}s")
+    clip = ("drop {actor/trust_region_drop:.3f} " if "actor/trust_region_drop" in metrics
+            else "clipfrac {actor/pg_clipfrac:.3f} ")
+    critic = ("v_loss {critic/v_loss:.4f} EV {critic/explained_var:+.3f} V0 {critic/v0_mean:+.3f} "
+              "offset {critic/offset:+.3f} | " if has_critic else "")
+    return ("step {step:4d} | reward {rollout/reward:+.3f} acc {rollout/acc:.3f} len {rollout/response_len:.0f} | "
+            "pg_loss {actor/pg_loss:+.4f} " + clip + "entropy {actor/entropy:.3f} | " + critic
+            + "{perf/step_s:.0f}s").format_map(metrics)
 
 
 # --- Models: loading (a .gguf file is converted once), dtype, timers ---
@@ -3111,13 +3107,12 @@ def load_models(args: Args, actor_src: str, critic_src: str, ckpt, tokenizer, de
 
 # --- vLLM: the rollout engine and its weight sync ---
 class VLLMRollout:
-    """A vLLM engine (vLLM 0.32-0.33) in the training process, one per rank under torchrun; its processed log-probs
-    (after temperature, top-p, top-k) are the mu of the TIS weight. On CUDA it sleeps while the trainer runs."""
+    """A vLLM engine in the training process, one per rank under torchrun; its processed log-probs (after temperature,
+    top-p, top-k) are the mu of the TIS weight. On CUDA it sleeps (level 1) while the trainer runs."""
 
     def __init__(self, path: str, args: Args, device, rank: int, world: int, **engine_kwargs):
-        """The engine on `path` in the compute dtype, seeded args.seed + rank; engine_kwargs to vllm.LLM. On CUDA it
-        sleeps at level 1 (weights to host memory, KV cache freed): ValueError when PYTORCH_CUDA_ALLOC_CONF sets
-        expandable_segments, which vLLM's sleep mode does not work with."""
+        """The engine on `path` in the compute dtype, seeded args.seed + rank; engine_kwargs to vllm.LLM. ValueError
+        when PYTORCH_CUDA_ALLOC_CONF sets expandable_segments, which vLLM's sleep mode does not work with."""
         cuda = device.type == "cuda"
         allocator = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
         if cuda and "expandable_segments:true" in allocator:
@@ -3140,7 +3135,7 @@ class VLLMRollout:
         self.sleep()
 
     def sleep(self):
-        """Offload the weights and free the KV cache (level 1) where the engine can sleep (CUDA)."""
+        """Offload the weights to host memory and free the KV cache (level 1) where the engine can sleep (CUDA)."""
         if self.sleeps and not self.asleep:
             self.llm.sleep(level=1)
             self.asleep = True
@@ -3165,11 +3160,9 @@ class VLLMRollout:
     def generate(self, prompts: list, prompt_index: list, eos_ids, pad_id: int, max_new_tokens: int,
                  temperature: float, greedy: bool = False, top_p: float = 1.0, top_k: int = 0,
                  policy: nn.Module = None, progress: str = None) -> Batch:
-        """As generate_hf, plus Batch.sampler_logprobs [B, T]; policy: synced in first when the engine is stale. One
-        seed a call, drawn from torch's RNG (a resume samples alike), seeds torch's generators for the engine alone; no
-        request has its own (vLLM would sample those one by one). A request that ended without a stop token or the
-        length limit (abort, error) is truncated (reward -1), masked to its own tokens; one with a non-finite log mu is
-        masked whole (rollout/dropped counts it). ValueError: engine_logprobs."""
+        """As generate_hf, plus Batch.sampler_logprobs [B, T]; policy: synced in first when stale. A request that ended
+        without a stop token or the length limit (abort, error) is truncated (reward -1), masked to its own tokens; one
+        with a non-finite log mu is masked whole (rollout/dropped counts it). ValueError: engine_logprobs."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         if self.stale and policy is not None:
@@ -3180,10 +3173,10 @@ class VLLMRollout:
         params = SamplingParams(n=1, temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
                                 top_k=0 if greedy else top_k, max_tokens=max_new_tokens, stop_token_ids=sorted(eos_ids),
                                 logprobs=None if greedy else 0, detokenize=False)  # no per-request seed: batched
-        requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-        seed = None if greedy else int(torch.randint(2 ** 31 - 1, ()))  # one draw a call (a resume restores the RNG)
+        requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]  # (vLLM samples seeded requests one by one)
+        seed = None if greedy else int(torch.randint(2 ** 31 - 1, ()))  # one draw a call: a resume samples alike
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_initialized() else []):
-            if seed is not None:  # the engine's sampler, in this process, draws from torch's default generators
+            if seed is not None:  # the engine's sampler, in this process, draws from torch's generators: seeded alone
                 torch.manual_seed(seed)
             outputs = self.llm.generate(requests, params, use_tqdm=bool(progress))
         self.sleep()
@@ -3311,12 +3304,11 @@ def full_state_dict(module: nn.Module) -> dict:
 def optimizer_state(module: nn.Module, optimizer, state: dict = None):
     """The optimizer's state keyed by parameter name, whole: a checkpoint loads on any number of ranks; with `state`,
     load it instead. Every rank must call this under FSDP2."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
-                                                         set_optimizer_state_dict)
+    from torch.distributed.checkpoint import state_dict as dcp
+    options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=state is None)
     if state is not None:
-        return set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=True))
-    return get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=True,
-                                                                                cpu_offload=True))
+        return dcp.set_optimizer_state_dict(module, optimizer, state, options=options)
+    return dcp.get_optimizer_state_dict(module, optimizer, options=options)
 
 
 SUMMED_METRICS = ("verify/", "rollout/generated_tokens", "rollout/samples", "perf/tokens_per_s")  # of all ranks
@@ -3483,12 +3475,12 @@ def restore_checkpoint(state: TrainState, ckpt: str, args: Args) -> bool:
     if isinstance(saved["rng"], dict) or any(isinstance(k, int) for k in saved["actor_opt"]["state"]):
         raise ValueError(f"{ckpt}: written by an older s3ac.py (optimizer states keyed by position); "
                          f"start a new run from its weights with --model {os.path.join(ckpt, 'actor')}")
-    optimizer_state(state.policy, state.actor_opt, saved["actor_opt"])
-    if state.critic_opt is not None:  # (a critic-free checkpoint has no critic/: load_models stopped)
-        optimizer_state(state.critic, state.critic_opt, saved["critic_opt"])
-    for optimizer, lr in ((state.actor_opt, args.lr), (state.critic_opt, args.lr * args.critic_lr_ratio)):
-        for group in optimizer.param_groups if optimizer is not None else ():
-            group["lr"] = lr  # the loaded state carries the checkpoint's
+    for module, optimizer, key, lr in ((state.policy, state.actor_opt, "actor_opt", args.lr),
+                                       (state.critic, state.critic_opt, "critic_opt", args.lr * args.critic_lr_ratio)):
+        if optimizer is not None:  # (a critic-free checkpoint has no critic/: load_models stopped)
+            optimizer_state(module, optimizer, saved[key])
+            for group in optimizer.param_groups:
+                group["lr"] = lr  # the loaded state carries the checkpoint's
     state.sampler.epoch, state.sampler.pos = saved["sampler"]
     if saved.get("prompt_counts") is not None:
         state.successes, state.attempts = saved["prompt_counts"]
@@ -3509,18 +3501,18 @@ def restore_checkpoint(state: TrainState, ckpt: str, args: Args) -> bool:
 
 
 # --- Evaluation, logging, tracking ---
-def evaluate(generate, tokenizer, problems, prompts, reward_fn, rank: int = 0, world: int = 1):
-    """(metrics: greedy pass@1 (share of R = +1), mean reward; records: sample_records) by generate(prompts, index,
-    greedy=True) -> Batch. Under torchrun rank r answers problems r, r + world, ... (padded), the counts summed."""
+def evaluate(generate, tokenizer, problems, prompts, reward_fn, rank: int = 0, world: int = 1, greedy: bool = True):
+    """(metrics: pass@1 (share of R = +1), mean reward; records: sample_records) by generate(prompts, index, greedy)
+    -> Batch. Under torchrun rank r answers problems r, r + world, ... (padded), the counts summed."""
     mine = list(range(rank, len(prompts), world))
     share = -(-len(prompts) // world)  # ceil: every rank generates the same number of sequences
     index = mine + [mine[0] if mine else 0] * (share - len(mine))
-    batch = generate([prompts[i] for i in index], index, greedy=True)
+    batch = generate([prompts[i] for i in index], index, greedy=greedy)
     texts = tokenizer.batch_decode(batch.response_ids[:len(mine)], skip_special_tokens=True)
     golds, truncated = [problems[i].answer for i in mine], batch.truncated[:len(mine)].tolist()
     rewards, statuses = call_reward(reward_fn, golds, texts, truncated)  # [n]
-    records = [sample_record(problems[i], *row, reward_fn) for i, row in zip(mine, zip(texts, truncated, statuses,
-                                                                                       rewards.tolist()))]
+    records = [sample_record(problems[i], *row, reward_fn)
+               for i, *row in zip(mine, texts, truncated, statuses, rewards.tolist())]
     counts = [succeeded(rewards).sum().item(), rewards.sum().item(), len(mine),
               batch.response_mask[:len(mine)].sum().item(), sum(truncated)]
     correct, total, n, tokens, cut = all_reduce(torch.tensor(counts, dtype=torch.float64)).tolist()  # all ranks
@@ -3545,7 +3537,6 @@ def evaluate_sources(generate, tokenizer, sources, reward_fn, eval_k: int, rank:
     """(eval/<name>/* metrics, the first's also unnamed, COMPETITION_SETS' avg@eval_k; records) of each evaluate();
     the avg@k passes draw from torch's RNG seeded seed + the source's position, put back after for training's draws."""
     out, samples = {}, []
-    sampled = lambda prompts, index, greedy: generate(prompts, index, greedy=False)  # the same, sampled
     for j, (name, problems, prompts) in enumerate(sources):
         m, records = evaluate(generate, tokenizer, problems, prompts, reward_fn, rank, world)
         out.update({**(m if j == 0 else {}), **{f"eval/{name}/{key[5:]}": value for key, value in m.items()}})
@@ -3553,7 +3544,7 @@ def evaluate_sources(generate, tokenizer, sources, reward_fn, eval_k: int, rank:
         if eval_k > 1 and name.startswith(COMPETITION_SETS):  # every problem eval_k times: the sample mean
             with torch.random.fork_rng(devices=[device] if device is not None and device.type == "cuda" else []):
                 torch.manual_seed(seed + j)  # the evaluation's own draws
-                m, _ = evaluate(sampled, tokenizer, problems * eval_k, prompts * eval_k, reward_fn, rank, world)
+                m, _ = evaluate(generate, tokenizer, problems * eval_k, prompts * eval_k, reward_fn, rank, world, False)
             out[f"eval/{name}/avg@{eval_k}"] = m["eval/pass@1"]
     return out, samples
 
@@ -3570,9 +3561,8 @@ def run_evaluation(args: Args, state: TrainState, eval_sets: list, reward_fn, sa
     samples = gather_records(samples)  # every rank's completions, on rank 0
     for record in samples if state.rank == 0 else ():
         log_metrics(samples_path, {"step": state.step, "split": "eval", **record})
-    scores = " | ".join(f"{name} " + " ".join(f"{key.rsplit('/', 1)[1]} {value:.3f}" for key, value in m.items()
-                                              if key.startswith(f"eval/{name}/")
-                                              and ("@" in key or key.endswith("/reward")))
+    shown = lambda name, key: key.startswith(f"eval/{name}/") and ("@" in key or key.endswith("/reward"))
+    scores = " | ".join(f"{name} " + " ".join(f"{k.rsplit('/', 1)[1]} {v:.3f}" for k, v in m.items() if shown(name, k))
                         + f" on {m[f'eval/{name}/n']}" for name, _, _ in eval_sets)  # pass@1 (and avg@k) per set
     first, text = samples[0], " ".join(samples[0]["completion"].split())  # a sample: the end of its completion
     text = text if len(text) <= 160 else "..." + text[-160:]
