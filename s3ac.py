@@ -2048,19 +2048,15 @@ def final_statement_number(text: str):
     if not sentences or _RETRACTION.search(sentences[-1]) or sentences[-1].rstrip().endswith("?"):
         return None, True
     parts = re.split(r"(?<![<>!])=", sentences[-1])  # the last '=' (not '<=', '>=', '!=') starts the statement
-    if len(parts) > 1 and _HEDGED_EQUATION.search(parts[-2]):  # 'x = 2 or x = -2': a hedge
-        return None, True
     statement = parts[-1]
     found = [m for m in _NUMBER_IN_TEXT.finditer(statement)  # '42, not 43' or 'not -43': 43 is not the answer,
              if not re.search(r"\bnot\s*[-+]?\s*$|\^\s*\{?\s*[-+]?\s*$", statement[: m.start()], re.I)]  # nor 3 in ^3
-    if not found:
+    if not found or len(parts) > 1 and _HEDGED_EQUATION.search(parts[-2]):  # 'x = 2 or x = -2': a hedge
         return None, True
     last = found[-1]
     before, after = statement[: last.start()], statement[last.end():]
-    if _NOT_AN_ANSWER.search(before):  # '41 or 42': a hedge
-        return None, True
     prefix = sentences[-1][: len(sentences[-1]) - len(statement) + last.start()]  # the sentence up to the number
-    if _NOT_EQUAL.search(prefix):  # '9 \neq 10'
+    if _NOT_AN_ANSWER.search(before) or _NOT_EQUAL.search(prefix):  # '41 or 42': a hedge; '9 \neq 10'
         return None, True
     if any(p.search(before) for p in (_OPERATOR_BEFORE, _APPROXIMATE, _LATEX_AROUND[0], _LIST_AROUND[0])) or \
             any(p.match(after) for p in (_OPERATOR_AFTER, _LATEX_AROUND[1], _LIST_AROUND[1], _VALUE_WORD)):
@@ -2475,9 +2471,8 @@ class Args:
 
 
 def parse_args(argv=None) -> Args:
-    """Args from the command line (transformers.HfArgumentParser: --flag, --flag false, --no-flag for a true bool;
-    a Literal field's choices, number_or's words or number), resolve_args checked: a bad value stops in one line,
-    exit status 2."""
+    """Args from the command line (transformers.HfArgumentParser: --flag, --flag false, --no-flag for a true bool),
+    resolve_args checked: a bad value stops in one line, exit status 2."""
     from transformers import HfArgumentParser
     parser = HfArgumentParser(Args, description=__doc__.split("\n")[0], epilog="python .ci/curves.py --help: "
                               "training curves; ./run.sh compare: side-by-side runs (.ci/compare.py)")
@@ -2627,17 +2622,16 @@ def load_problems(spec: str, prompt_key: str = "auto", answer_key: str = "auto",
                 filters["ops" if key == "op" else key] = value if key == "op" else tuple(value.split(","))
             else:
                 raise ValueError(f"{spec}: {part!r} is neither a count N nor op=OPS nor digits=D,D")
-        problems = make_arithmetic(n, seed, **filters)
-    elif spec.endswith((".jsonl", ".parquet")) or os.path.exists(spec):
+        return make_arithmetic(n, seed, **filters)
+    if spec.endswith((".jsonl", ".parquet")) or os.path.exists(spec):
         if not os.path.isfile(spec):
             raise FileNotFoundError(f"{spec}: no such data file")
         if spec.endswith(".parquet"):
             import pyarrow.parquet as pq
-            rows = [(f"row {i}", row) for i, row in enumerate(pq.read_table(spec).to_pylist())]  # dicts already
+            rows = [(f"{spec}, row {i}", row) for i, row in enumerate(pq.read_table(spec).to_pylist())]  # dicts
         else:
             with open(spec, encoding="utf-8") as f:
-                rows = [(f"line {i}", line) for i, line in enumerate(f, 1) if line.strip()]  # JSON text
-        problems = [_row_to_problem(row, prompt_key, answer_key, f"{spec}, {where}", math_golds) for where, row in rows]
+                rows = [(f"{spec}, line {i}", line) for i, line in enumerate(f, 1) if line.strip()]  # JSON text
     else:
         local = "local alternatives: --data file.jsonl (or .parquet, same fields; --eval-data likewise), --data " \
                 "builtin:arithmetic"
@@ -2656,8 +2650,8 @@ def load_problems(spec: str, prompt_key: str = "auto", answer_key: str = "auto",
         split = split if split in splits or len(splits) != 1 else next(iter(splits))
         if split not in splits:
             raise ValueError(f"{spec}: no split {split!r} (splits: {', '.join(splits)})")
-        problems = [_row_to_problem(row, prompt_key, answer_key, f"{spec}[{split}], row {i}", math_golds)
-                    for i, row in enumerate(splits[split])]
+        rows = [(f"{spec}[{split}], row {i}", row) for i, row in enumerate(splits[split])]
+    problems = [_row_to_problem(row, prompt_key, answer_key, where, math_golds) for where, row in rows]
     if not problems:
         raise ValueError(f"{spec}: the dataset is empty")
     return problems
@@ -2666,11 +2660,6 @@ def load_problems(spec: str, prompt_key: str = "auto", answer_key: str = "auto",
 ANSWER_FORMAT = re.compile(r"^\s*Solve the following math problem step by step\. The last line of your response "
                            r"should be of the form Answer: .*? where \$Answer is the answer to the problem\.\s*"
                            r"|\s*Remember to put your answer on its own line after \"Answer:\"\.?\s*$", re.DOTALL)
-
-
-def strip_answer_format(question: str) -> str:
-    """The question without DAPO-Math's own answer-format lines (--instruction asks for a \\boxed{} answer instead)."""
-    return ANSWER_FORMAT.sub("", question)
 
 
 _WORKED_SOLUTION = re.compile(r"\n|(?<!\\)[.?!]\s+[A-Za-z]")  # a line break, or a sentence end, then a word
@@ -2713,7 +2702,7 @@ def _row_to_problem(row, prompt_key: str, answer_key: str, where: str, math_gold
     elif math_golds and _WORKED_SOLUTION.search(answer.strip()):
         raise ValueError(f"{where}: field {akey!r} holds a worked solution without a \\boxed{{}} answer; name the "
                          f"field of the bare answer with --answer-key")
-    return Problem(strip_answer_format(str(row[qkey])), answer, strata)
+    return Problem(ANSWER_FORMAT.sub("", str(row[qkey])), answer, strata)  # without DAPO-Math's answer-format lines
 
 
 DATA_SEED = 0  # builtin problems are one set for every --seed (a seed changes their order, not the set)

@@ -1102,12 +1102,13 @@ def test_load_dapo_math500_aime_layouts_from_local_files(tmp_path, layout, fmt):
     assert s3ac.eval_name(str(path)) == layout
 
 
-def test_strip_answer_format_leaves_other_text():
-    assert s3ac.strip_answer_format(DAPO_PROMPT) == DAPO_PROBLEM
+def test_answer_format_lines_leave_other_text():
+    question = lambda text: s3ac._row_to_problem({"question": text, "answer": "1"}, "auto", "auto", "row").question
+    assert question(DAPO_PROMPT) == DAPO_PROBLEM
     boxed = DAPO_PROMPT.replace("Answer: $Answer (without quotes)", "Answer: \\boxed{$Answer}")  # a known variant
-    assert s3ac.strip_answer_format(boxed) == DAPO_PROBLEM
+    assert question(boxed) == DAPO_PROBLEM
     inner = "Remember to put your answer on its own line after \"Answer:\". Then solve x = 1."  # not the last line
-    assert s3ac.strip_answer_format(inner) == inner
+    assert question(inner) == inner
     assert [s3ac.eval_name(s) for s in ("HuggingFaceH4/MATH-500", "HuggingFaceH4/aime_2024", DAPO_MATH_SPEC,
                                         "builtin:arithmetic:200")] == ["math500", "aime_2024",
                                                                         "dapomath17kprocessed", "arithmetic"]
