@@ -2592,8 +2592,7 @@ def make_arithmetic(n: int, seed: int, ops: str = ARITHMETIC_OPS, digits: tuple 
     if not ops or set(ops) - set(ARITHMETIC_OPS) or not digits or set(digits) - set(ARITHMETIC_DIGITS):
         raise ValueError(f"builtin:arithmetic: op={ops!r} digits={','.join(digits)!r}: expected a subset of "
                          f"{ARITHMETIC_OPS!r} and of {','.join(ARITHMETIC_DIGITS)}")
-    rng = random.Random(seed)
-    problems = []
+    rng, problems = random.Random(seed), []
     while len(problems) < n:
         a, b = (rng.randint(0, 9) if rng.random() < 0.5 else rng.randint(10, 99) for _ in range(2))
         op = rng.choice(ARITHMETIC_OPS)
@@ -2750,12 +2749,6 @@ def eval_name(spec: str) -> str:
     return re.sub(r"[^a-z0-9_]", "", spec.partition(":")[0].rsplit("/", 1)[-1].lower())
 
 
-def drop_long_prompts(problems: list, prompt_ids, max_tokens: int):
-    """(kept, dropped): the problems with at most max_tokens prompt_ids(question), and the count dropped (never cut)."""
-    kept = [p for p in problems if len(prompt_ids(p.question)) <= max_tokens]
-    return kept, len(problems) - len(kept)
-
-
 def build_prompt(tokenizer, question: str, template: str = "", instruction: str = INSTRUCTION) -> list:
     """Prompt token ids: `template` with {question} replaced, else the chat template, else 'Question: ... Answer:'."""
     if template:
@@ -2800,7 +2793,8 @@ class PromptSampler:
 def prepare_prompts(args: Args, tokenizer, train_problems: list, eval_sources: list, main: bool):
     """(train_problems, prompt ids, eval_sets [(name, problems, prompts)]) within --max-prompt-tokens; ValueError."""
     ids = functools.cache(lambda q: build_prompt(tokenizer, q, args.prompt_template, args.instruction))
-    kept = [(name, *drop_long_prompts(problems, ids, args.max_prompt_tokens))  # (name, problems, dropped)
+    fits = lambda p: len(ids(p.question)) <= args.max_prompt_tokens  # a longer prompt is dropped, never cut
+    kept = [(name, [p for p in problems if fits(p)], sum(not fits(p) for p in problems))  # (name, problems, dropped)
             for name, problems in [("--data", train_problems), *eval_sources]]
     if main and any(dropped for _, _, dropped in kept):
         print(f"--max-prompt-tokens {args.max_prompt_tokens}: dropped {kept[0][2]} training prompts" + "".join(

@@ -1123,15 +1123,18 @@ def test_hub_source_without_datasets_is_one_line(monkeypatch):
     assert "--data file.jsonl" in message and "builtin:arithmetic" in message
 
 
-def test_drop_long_prompts_counts_what_it_drops(tiny):
+def test_prepare_prompts_drops_long_prompts_and_counts_them(tiny, capsys):
     _, _, tok = tiny
     overhead = len(s3ac.build_prompt(tok, ""))  # the character-level tokenizer: one token per question character
     problems = [s3ac.Problem("a" * n, "1") for n in (3, 5, 8, 5, 9)]
-    ids = lambda q: s3ac.build_prompt(tok, q)
-    kept, dropped = s3ac.drop_long_prompts(problems, ids, overhead + 5)
-    assert [len(p.question) for p in kept] == [3, 5, 5] and dropped == 2
-    assert s3ac.drop_long_prompts(problems, ids, overhead + 9) == (problems, 0)
-    assert s3ac.drop_long_prompts(problems, ids, overhead + 2) == ([], 5)
+    prepare = lambda limit: s3ac.prepare_prompts(s3ac.Args(max_prompt_tokens=limit), tok, problems,
+                                                 [("e", problems[:2])], main=True)
+    kept, prompts, eval_sets = prepare(overhead + 5)
+    assert [len(p.question) for p in kept] == [3, 5, 5] and [len(ids) - overhead for ids in prompts] == [3, 5, 5]
+    assert "dropped 2 training prompts, 0 of e" in capsys.readouterr().err and len(eval_sets[0][1]) == 2
+    assert prepare(overhead + 9)[0] == problems and capsys.readouterr().err == ""
+    with pytest.raises(ValueError, match="every prompt of --data, e is longer"):
+        prepare(overhead + 2)
 
 
 def test_prompt_uses_chat_template_and_boxed(tiny):
