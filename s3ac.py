@@ -1908,18 +1908,16 @@ def memory(argv=None):
 #   2. The answer is the content of the LAST \boxed{...} (or \fbox{...}), braces balanced, a closing period dropped;
 #      an unclosed last box is "no_answer", an empty one (the instruction's echo) is ignored.
 #   3. Without a box, for a plain-number gold only, --answer-fallback final_number reads the last number of the final
-#      statement, after its last "=", where the sentence asserts it as the result: a word of _ASSERTS before it (a word
-#      between at most: 'is exactly 6'), 'is the answer' after it, or the number alone with its unit; never an operand
-#      ('you add the number 81 to the original number'). "no_answer": a question, a hedge ('41 or 42'; two values
-#      asserted, in a box too: 'x_1 = 3, x_2 = 5'), a negation ('not 42'), a closing sentence without a digit that
-#      retracts it or denies this problem's answer. "not_a_number": a list ('1,2,3'), an operand ('6 * 7'), an
-#      approximation ('about 42', '≈ 64'), a number in LaTeX.
+#      statement, after its last "=", where the sentence asserts it as the result (after a word of _ASSERTS, a word
+#      between at most; before 'is the answer'; alone with its unit), not where it operates on it ('add 81 to it').
+#      "no_answer": a question, a hedge ('41 or 42'; two values asserted, in a box too: 'x_1 = 3, x_2 = 5'), a
+#      negation ('not 42'), a closing sentence without a digit that retracts it or denies this problem's answer.
+#      "not_a_number": a list ('1,2,3'), an operand ('6 * 7'), an approximation ('about 42'), a number in LaTeX.
 #   4. A plain-number gold needs a plain-number answer (integer, decimal or reduced fraction; a sign, digit groups,
-#      LaTeX spacing, a unit), else "not_a_number": '23 + 19', '5!', a power (2^3, 2³), an exponent (1e6), a word that
-#      changes the value ('5 thousand', '2 and a half', '5 dozen': _VALUE_WORD). Dozen and quarter are units (rule 6)
-#      where plural, before what they count or after 'per': '7 dozen eggs' is 7. Digit groups are one number or none
-#      (2\,500 is 2500; 0,500 and 12 500 none). A mixed number is one value on one line, its fraction proper and
-#      reduced (-3 1/4 is -13/4); the fallback never reads part of one.
+#      LaTeX spacing, a unit), else "not_a_number": an expression, a power (2³), an exponent (1e6), a word that changes
+#      the value ('5 thousand', '5 dozen': _VALUE_WORD). Dozen and quarter are units (rule 6) where plural, before what
+#      they count or after 'per' ('7 dozen eggs' is 7). Digit groups are one number or none (0,500 and 12 500 none). A
+#      mixed number is one value on one line, its fraction proper and reduced; the fallback never reads part of one.
 #   5. Exact values compare exactly (Fraction / sympy, a decimal at its written value), REL_TOL only for a decimal
 #      against a value with no finite decimal expansion, in a list item by item; undefined (\frac{1}{0}) equals nothing.
 #   6. Units: when gold and answer both write a unit after a number, its power must agree (m^2 is not m^3; "square" 2,
@@ -2503,7 +2501,7 @@ def resolve_args(args: Args, say=None) -> Args:
             except argparse.ArgumentTypeError as e:
                 raise ValueError(f"{flag} {e}") from None
     unit = lambda x: 0 < x <= 1  # in (0, 1]
-    number = lambda x: isinstance(x, float)  # not a named value
+    named = lambda name: isinstance(getattr(args, name), str)  # a number_or field's word (auto, adaptive, plateau)
     domains = {  # every numeric flag: (holds, what it must be); a NaN fails every test
         **{name: (getattr(args, name) >= 1, "at least 1") for name in (
             "k", "batch_prompts", "max_new_tokens", "actor_epochs", "critic_epochs", "gen_batch_size",
@@ -2517,15 +2515,14 @@ def resolve_args(args: Args, say=None) -> Args:
             "critic_grad_clip", "eps_v")},
         **{name: (unit(getattr(args, name)), "in (0, 1]") for name in (
             "top_p", "vllm_gpu_memory_utilization", "gamma", "daps_a_min", "daps_decay")},
-        "critic_lam": (not number(args.critic_lam) or unit(args.critic_lam), "in (0, 1], or auto"),
-        "actor_lam": (not number(args.actor_lam) or unit(args.actor_lam), "in (0, 1], or adaptive, or auto"),
-        "eps_low": (not number(args.eps_low) or 0 <= args.eps_low <= 1, "in [0, 1], or auto"),
-        "eval_max_new_tokens": (args.eval_max_new_tokens == "auto" or args.eval_max_new_tokens >= 1,
-                                "at least 1, or auto"),
-        "critic_warmup_steps": (not isinstance(args.critic_warmup_steps, int) or args.critic_warmup_steps >= 0,
+        "critic_lam": (named("critic_lam") or unit(args.critic_lam), "in (0, 1], or auto"),
+        "actor_lam": (named("actor_lam") or unit(args.actor_lam), "in (0, 1], or adaptive, or auto"),
+        "eps_low": (named("eps_low") or 0 <= args.eps_low <= 1, "in [0, 1], or auto"),
+        "eval_max_new_tokens": (named("eval_max_new_tokens") or args.eval_max_new_tokens >= 1, "at least 1, or auto"),
+        "critic_warmup_steps": (named("critic_warmup_steps") or args.critic_warmup_steps >= 0,
                                 ">= 0, or plateau, or auto"),
-        "minibatches": (args.minibatches == "auto" or args.minibatches >= 1, "at least 1, or auto"),
-        "micro_batch_tokens": (args.micro_batch_tokens == "auto" or args.micro_batch_tokens >= 1, ">= 1, or auto"),
+        "minibatches": (named("minibatches") or args.minibatches >= 1, "at least 1, or auto"),
+        "micro_batch_tokens": (named("micro_batch_tokens") or args.micro_batch_tokens >= 1, ">= 1, or auto"),
         "rho_max": (args.rho_max > args.rho_min, f"above --rho-min {args.rho_min}")}
     for name, (holds, rule) in domains.items():
         if not holds:
@@ -2666,9 +2663,8 @@ _WORKED_SOLUTION = re.compile(r"\n|(?<!\\)[.?!]\s+[A-Za-z]")  # a line break, or
 
 def _row_to_problem(row, prompt_key: str, answer_key: str, where: str, math_golds: bool = True) -> Problem:
     """One row (a dict or a JSON line) as a Problem: GSM8K (question, answer after '####'), MATH-500 (problem, answer),
-    MATH (problem, its solution's last \\boxed{}), DAPO-Math-17k[-Processed] (prompt, maybe chat; solution or
-    reward_model.ground_truth), or prompt_key / answer_key; math_golds False: answer as written. ValueError at `where`:
-    bad row, boxless solution."""
+    MATH (problem, its solution's last \\boxed{}), DAPO-Math-17k (prompt, maybe chat; solution or verl's
+    reward_model), or prompt_key / answer_key; math_golds False: the answer as written. ValueError at `where`."""
     try:
         row = json.loads(row) if isinstance(row, str) else row
     except json.JSONDecodeError as e:
