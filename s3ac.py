@@ -1896,46 +1896,37 @@ def memory(argv=None):
 #    torchrun/FSDP2, checkpoints, logging, evaluation I/O, plots, main. Nothing below changes the algorithm.
 # -----------------------------------------------------------------------------------------------------------------
 # === The math verifier, the default reward (section 3a). Its answer policy, applied before any comparison: ===
-#   1. A response cut off at --max-new-tokens (no stop token) has no final answer: status "truncated". Thinking is
-#      set aside first: only the text after the last </think> is graded; a <think> block never closed is no answer.
-#   2. The answer is the content of the LAST \boxed{...} (or \fbox{...}), braces balanced, a closing period dropped
-#      (\boxed{E.} is E); an unclosed last box is "no_answer", an empty one (the instruction's echo) is ignored.
+#   1. A response cut at --max-new-tokens (no stop token) is "truncated". Only the text after the last </think> is
+#      graded; a <think> block never closed is no answer.
+#   2. The answer is the content of the LAST \boxed{...} (or \fbox{...}), braces balanced, a closing period dropped;
+#      an unclosed last box is "no_answer", an empty one (the instruction's echo) is ignored.
 #   3. Without a box, for a plain-number gold only, --answer-fallback final_number reads the last number of the final
-#      statement, after its last "=" (final_statement_number), where the sentence asserts it as the result:
-#      after "=", ":", is/are/was/be, 's, equals, equal/equivalent to, same as, gives, gets, yields, makes, results in,
-#      costs, needs, takes, answer, total, sum (a word between at most: 'is exactly 6'), before 'is the answer', or
-#      alone with its unit ('42 apples'); not in 'you add the number 81 to the original number'. No answer: a
-#      question, a hedge ('41 or -42', 'x = 2 or x = -2'; in a box too, for a plain-number gold: 'x = 3 \text{ or }
-#      x = 5', 'x_1 = 3, x_2 = 5'), a negation ('not 42', '1 is not equal to 10'), a list ('1,2,3'), an operand
-#      ('6 * 7', '42 +'), an approximation ('≈ 64', '~ 43', 'about 42', 'approx. 42'), a number in LaTeX, or one
-#      followed by a digit-free closing sentence that retracts it or denies this problem's answer ('The equation has
-#      no solution.').
-#   4. A plain-number gold needs a plain-number answer (integer, decimal or reduced fraction; a sign, thousands
-#      separators, LaTeX spacing, a unit): "23 + 19", "6 \times 7", "5!" are "not_a_number", as is a number followed by
-#      a power (2^3, 2³), a value word ('5 thousand', '2 and a half', '5 dozen' = 60: _VALUE_WORD) or an exponent (1e6).
-#      Dozen and quarter are also units, ignored like any unit (rule 6) where plural or before what they count: '7 dozen
-#      eggs' and '16 quarters' are 7 and 16 as written (a gold of 7 counts dozens), never 84 or 4; a word after 'per' is
-#      a rate's unit ('5 dollars per dozen'). Digit groups are one number or none (2,500 and 2\,500 are 2500; 0,500 and
-#      12 500 none). A mixed number is one value on one line, its fraction proper and reduced: 3 1/4 and 3\frac{1}{4}
-#      are 13/4, -3 1/4 is -13/4; the fallback never reads part of one.
-#   5. Exact values compare exactly (Fraction / sympy, each decimal at its written value: 1.5 \times 10^{-3} is 3/2000),
-#      REL_TOL only for a decimal against one without finite decimal expansion, in a list item by item as alone
-#      (0.33333, 1.73205 is \frac13, \sqrt3); undefined (\frac{1}{0}, NaN) equals nothing. Other golds: rules 7-14.
-#   6. Units: when gold and answer both write a unit after a number, its power must agree (m^2 is not m^3; "square"
-#      2, "cubic" 3, none 1); else a unit, %, ^\circ or currency is ignored (4 4/9% is 40/9, a gold 50\% is 50).
+#      statement, after its last "=", where the sentence asserts it as the result (after a word of _ASSERTS, a word
+#      between at most; before 'is the answer'; alone with its unit), not where it operates on it ('add 81 to it').
+#      "no_answer": a question, a hedge ('41 or 42'; two values asserted, in a box too: 'x_1 = 3, x_2 = 5'), a
+#      negation ('not 42'), a closing sentence without a digit that retracts it or denies this problem's answer.
+#      "not_a_number": a list ('1,2,3'), an operand ('6 * 7'), an approximation ('about 42'), a number in LaTeX.
+#   4. A plain-number gold needs a plain-number answer (integer, decimal or reduced fraction; a sign, digit groups,
+#      LaTeX spacing, a unit), else "not_a_number": an expression, a power (2³), an exponent (1e6), a word that changes
+#      the value ('5 thousand', '5 dozen': _VALUE_WORD). Dozen and quarter are units (rule 6) where plural, before what
+#      they count or after 'per' ('7 dozen eggs' is 7). Digit groups are one number or none (0,500 and 12 500 none). A
+#      mixed number is one value on one line, its fraction proper and reduced; the fallback never reads part of one.
+#   5. Exact values compare exactly (Fraction / sympy, a decimal at its written value), REL_TOL only for a decimal
+#      against a value with no finite decimal expansion, in a list item by item; undefined (\frac{1}{0}) equals nothing.
+#   6. Units: when gold and answer both write a unit after a number, its power must agree (m^2 is not m^3; "square" 2,
+#      "cubic" 3, none 1); else a unit, %, ^\circ or currency is ignored (4 4/9% is 40/9).
 #   Golds that are not plain numbers, before math-verify (which drops subscripts, units and case, and reads a part):
 #   7. \mathrm{e} and \mathrm{i} (or \operatorname{}) are the constants e and i, as plain e and i are, in gold and
-#      answer; i is a symbol in both where the gold writes it in a subscript, as an index (a_i, \sum_{i=1}^n i).
+#      answer; i is a symbol in both where the gold uses it as an index (a_i, \sum_{i=1}^n i).
 #   8. Two bracketed lists must agree on their outer brackets: (a, b], [a, b], (a, b) and \{a, b\} differ.
 #   9. Lists with an ellipsis (\ldots, ...) compare item by item: as many, ellipses alike, an item holding one as text.
-#  10. A base subscript is part of the number: 41_6 (41_{6}) must be the gold's digits and base; none: the gold's base.
+#  10. A base subscript is part of the number: 41_6 must be the gold's digits and base; none: the gold's base.
 #  11. Degrees are not radians: an answer in degrees (^\circ) against a gold without a degree sign is wrong.
 #  12. Letters are case-sensitive: an answer letter that the gold has only in the other case (r for R) is wrong.
-#  13. math-verify must read the whole text, as LaTeX: a gold it cannot (0.\overline{3}, x \mapsto 2x) is "bad_gold", an
-#      answer "wrong", never a number inside them. A bare letter is a variable, never a unit (2ab, 5d, 2\pi rh);
-#      a unit in \text{} after the value drops (3\sqrt{2}\text{ cm} is 3\sqrt{2}).
-#  14. A gold h:mm with two-digit minutes (12:00, 9:30 a.m.) is a time, minutes after midnight, never a ratio (9:30 is
-#      not 3:10): the answer must be the same time; a.m./p.m. count where written (9:30 p.m. is 21:30, not 9:30).
+#  13. math-verify must read the whole text, as LaTeX: a gold it cannot (0.\overline{3}) is "bad_gold", an answer
+#      "wrong", never a number inside them. A bare letter is a variable, never a unit (2ab); a unit in \text{} drops.
+#  14. A gold h:mm with two-digit minutes is a time, minutes after midnight, never a ratio (9:30 is not 3:10); the
+#      answer must be the same time, a.m./p.m. counting where written.
 REL_TOL = 1e-4  # relative tolerance for a decimal answer against an exact value with no finite decimal expansion
 ANSWER_FALLBACKS = ("final_number", "none")
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
@@ -1989,14 +1980,11 @@ _ASSERTS = (  # rule 3: words that assert a number as the result, before it (a w
 def last_boxed(text: str):
     """Content of the last \\boxed{...} or \\fbox{...} in text, braces balanced, or None when text has no box or
     its last box never closes. Example: 'so \\boxed{3}. No: \\boxed{\\frac{1}{2}}' -> '\\frac{1}{2}'."""
-    starts = [m.end() for m in _BOX.finditer(text)]
-    if not starts:
-        return None
-    depth = 1
-    for j in range(starts[-1], len(text)):
+    depth, start = 1, max((m.end() for m in _BOX.finditer(text)), default=len(text))  # no box: nothing to scan
+    for j in range(start, len(text)):
         depth += {"{": 1, "}": -1}.get(text[j], 0)
         if depth == 0:
-            return text[starts[-1]: j]
+            return text[start: j]
     return None
 
 
@@ -2021,8 +2009,8 @@ def _normalise(s: str) -> str:
 
 
 def parse_number(text: str):
-    """The exact value of a plain number (rule 4 of the answer policy) as a fractions.Fraction, or None for anything
-    else: '\\$2\\,500.50' -> 5001/2, '3 1/4' -> 13/4; '23 + 19', '\\frac{12}{4}', '2^{10}', '5 thousand' -> None."""
+    """The exact value of a plain number (rule 4) as a fractions.Fraction, or None for anything else:
+    '\\$2\\,500.50' -> 5001/2, '3 1/4' -> 13/4, '23 + 19' -> None."""
     import fractions
     m = _PLAIN_NUMBER.fullmatch(_normalise(text))
     if m is None or _UNIT_STOP & set(re.findall(r"[a-z]+", m["unit"].lower())) or _VALUE_WORD.match(m["unit"]):
@@ -2041,8 +2029,7 @@ def parse_number(text: str):
 
 
 def final_statement_number(text: str):
-    """(answer, ok) by rule 3: the last number of the last sentence with a digit, after its last '='; ok False in an
-    expression or approximation ('6 * 7.', 'about 42'); (None, True): no final answer ('41 or 42', a question)."""
+    """(answer, ok) by rule 3: ok False where the number is not_a_number; (None, True): no final answer."""
     text = _ASCII_APPROX.sub("\u2248", text)  # before _normalise turns LaTeX's '~' (and \quad, \text{}) into spaces
     sentences = [s for s in re.split(r"\n+|(?<=[.!?])\s+", _ABBREVIATION.sub(r"\1", _normalise(text))) if s.strip()]
     while sentences and not re.search(r"\d", sentences[-1]):
@@ -2052,19 +2039,15 @@ def final_statement_number(text: str):
     if not sentences or _RETRACTION.search(sentences[-1]) or sentences[-1].rstrip().endswith("?"):
         return None, True
     parts = re.split(r"(?<![<>!])=", sentences[-1])  # the last '=' (not '<=', '>=', '!=') starts the statement
-    if len(parts) > 1 and _HEDGED_EQUATION.search(parts[-2]):  # 'x = 2 or x = -2': a hedge
-        return None, True
     statement = parts[-1]
     found = [m for m in _NUMBER_IN_TEXT.finditer(statement)  # '42, not 43' or 'not -43': 43 is not the answer,
              if not re.search(r"\bnot\s*[-+]?\s*$|\^\s*\{?\s*[-+]?\s*$", statement[: m.start()], re.I)]  # nor 3 in ^3
-    if not found:
+    if not found or len(parts) > 1 and _HEDGED_EQUATION.search(parts[-2]):  # 'x = 2 or x = -2': a hedge
         return None, True
     last = found[-1]
     before, after = statement[: last.start()], statement[last.end():]
-    if _NOT_AN_ANSWER.search(before):  # '41 or 42': a hedge
-        return None, True
     prefix = sentences[-1][: len(sentences[-1]) - len(statement) + last.start()]  # the sentence up to the number
-    if _NOT_EQUAL.search(prefix):  # '9 \neq 10'
+    if _NOT_AN_ANSWER.search(before) or _NOT_EQUAL.search(prefix):  # '41 or 42': a hedge; '9 \neq 10'
         return None, True
     if any(p.search(before) for p in (_OPERATOR_BEFORE, _APPROXIMATE, _LATEX_AROUND[0], _LIST_AROUND[0])) or \
             any(p.match(after) for p in (_OPERATOR_AFTER, _LATEX_AROUND[1], _LIST_AROUND[1], _VALUE_WORD)):
@@ -2092,13 +2075,6 @@ def extract_answer(completion: str, numeric_gold: bool, fallback: str = "final_n
 def _finite_decimal(denominator: int) -> bool:
     """Whether p / denominator has a finite decimal expansion: the denominator divides 10^k, k = its bit length."""
     return 10 ** int(denominator).bit_length() % denominator == 0  # 2^a 5^b with a, b < bit length
-
-
-def _equal_numbers(gold, answer, answer_text: str) -> bool:
-    """Fractions equal exactly, or for a decimal answer to a gold without finite expansion |a - g| <= REL_TOL * |g|."""
-    if "." in answer_text and not _finite_decimal(gold.denominator):
-        return abs(answer - gold) <= REL_TOL * abs(gold)
-    return answer == gold
 
 
 def _equal_exact_or_verify(gold_parsed, pred_parsed) -> bool:
@@ -2255,7 +2231,9 @@ def grade(gold: str, completion: str, truncated: bool = False, fallback: str = "
                 return "not_a_number"
             if any(parse_number(side) not in (None, value) for side in sides[:-1]):  # '41 = 42': false
                 return "wrong"
-            return "correct" if _equal_numbers(gold_number, value, _normalise(sides[-1])) else "wrong"
+            if "." in _normalise(sides[-1]) and not _finite_decimal(gold_number.denominator):  # rule 5
+                return "correct" if abs(value - gold_number) <= REL_TOL * abs(gold_number) else "wrong"
+            return "correct" if value == gold_number else "wrong"
         return _symbolic_status(gold, answer)
     except Exception:  # sympy and latex2sympy raise many kinds on odd model output
         return "error"
@@ -2484,9 +2462,8 @@ class Args:
 
 
 def parse_args(argv=None) -> Args:
-    """Args from the command line (transformers.HfArgumentParser: --flag, --flag false, --no-flag for a true bool;
-    a Literal field's choices, number_or's words or number), resolve_args checked: a bad value stops in one line,
-    exit status 2."""
+    """Args from the command line (transformers.HfArgumentParser: --flag, --flag false, --no-flag for a true bool),
+    resolve_args checked: a bad value stops in one line, exit status 2."""
     from transformers import HfArgumentParser
     parser = HfArgumentParser(Args, description=__doc__.split("\n")[0], epilog="python .ci/curves.py --help: "
                               "training curves; ./run.sh compare: side-by-side runs (.ci/compare.py)")
@@ -2517,31 +2494,28 @@ def resolve_args(args: Args, say=None) -> Args:
             except argparse.ArgumentTypeError as e:
                 raise ValueError(f"{flag} {e}") from None
     unit = lambda x: 0 < x <= 1  # in (0, 1]
-    number = lambda x: isinstance(x, float)  # not a named value
+    named = lambda name: isinstance(getattr(args, name), str)  # a number_or field's word (auto, adaptive, plateau)
     domains = {  # every numeric flag: (holds, what it must be); a NaN fails every test
         **{name: (getattr(args, name) >= 1, "at least 1") for name in (
-            "k", "batch_prompts", "max_new_tokens", "actor_epochs", "critic_epochs",
-            "gen_batch_size", "max_prompt_tokens", "coverage_prompts", "coverage_epochs", "eval_size", "eval_k",
-            "keep_checkpoints")},
+            "k", "batch_prompts", "max_new_tokens", "actor_epochs", "critic_epochs", "gen_batch_size",
+            "max_prompt_tokens", "coverage_prompts", "coverage_epochs", "eval_size", "eval_k", "keep_checkpoints")},
         **{name: (getattr(args, name) >= 0, ">= 0") for name in (
-            "max_refills", "top_k", "vllm_max_model_len", "eps_high", "rho_min", "credit_eps",
-            "daps_start", "daps_n_c", "steps", "threads", "eval_every", "save_every",
-            "log_samples", "critic_layers", "max_minutes", "max_skipped_steps", "trust_delta")},
+            "max_refills", "top_k", "vllm_max_model_len", "eps_high", "rho_min", "credit_eps", "daps_start",
+            "daps_n_c", "steps", "threads", "eval_every", "save_every", "log_samples", "critic_layers",
+            "max_minutes", "max_skipped_steps", "trust_delta")},
         **{name: (getattr(args, name) > 0, "> 0") for name in (
             "temperature", "verify_timeout", "alpha", "lr", "is_cap", "actor_grad_clip", "critic_lr_ratio",
-            "critic_grad_clip",
-            "eps_v")},
+            "critic_grad_clip", "eps_v")},
         **{name: (unit(getattr(args, name)), "in (0, 1]") for name in (
             "top_p", "vllm_gpu_memory_utilization", "gamma", "daps_a_min", "daps_decay")},
-        "critic_lam": (not number(args.critic_lam) or unit(args.critic_lam), "in (0, 1], or auto"),
-        "actor_lam": (not number(args.actor_lam) or unit(args.actor_lam), "in (0, 1], or adaptive, or auto"),
-        "eps_low": (not number(args.eps_low) or 0 <= args.eps_low <= 1, "in [0, 1], or auto"),
-        "eval_max_new_tokens": (args.eval_max_new_tokens == "auto" or args.eval_max_new_tokens >= 1,
-                                "at least 1, or auto"),
-        "critic_warmup_steps": (not isinstance(args.critic_warmup_steps, int) or args.critic_warmup_steps >= 0,
+        "critic_lam": (named("critic_lam") or unit(args.critic_lam), "in (0, 1], or auto"),
+        "actor_lam": (named("actor_lam") or unit(args.actor_lam), "in (0, 1], or adaptive, or auto"),
+        "eps_low": (named("eps_low") or 0 <= args.eps_low <= 1, "in [0, 1], or auto"),
+        "eval_max_new_tokens": (named("eval_max_new_tokens") or args.eval_max_new_tokens >= 1, "at least 1, or auto"),
+        "critic_warmup_steps": (named("critic_warmup_steps") or args.critic_warmup_steps >= 0,
                                 ">= 0, or plateau, or auto"),
-        "minibatches": (args.minibatches == "auto" or args.minibatches >= 1, "at least 1, or auto"),
-        "micro_batch_tokens": (args.micro_batch_tokens == "auto" or args.micro_batch_tokens >= 1, ">= 1, or auto"),
+        "minibatches": (named("minibatches") or args.minibatches >= 1, "at least 1, or auto"),
+        "micro_batch_tokens": (named("micro_batch_tokens") or args.micro_batch_tokens >= 1, ">= 1, or auto"),
         "rho_max": (args.rho_max > args.rho_min, f"above --rho-min {args.rho_min}")}
     for name, (holds, rule) in domains.items():
         if not holds:
@@ -2608,8 +2582,7 @@ def make_arithmetic(n: int, seed: int, ops: str = ARITHMETIC_OPS, digits: tuple 
     if not ops or set(ops) - set(ARITHMETIC_OPS) or not digits or set(digits) - set(ARITHMETIC_DIGITS):
         raise ValueError(f"builtin:arithmetic: op={ops!r} digits={','.join(digits)!r}: expected a subset of "
                          f"{ARITHMETIC_OPS!r} and of {','.join(ARITHMETIC_DIGITS)}")
-    rng = random.Random(seed)
-    problems = []
+    rng, problems = random.Random(seed), []
     while len(problems) < n:
         a, b = (rng.randint(0, 9) if rng.random() < 0.5 else rng.randint(10, 99) for _ in range(2))
         op = rng.choice(ARITHMETIC_OPS)
@@ -2638,17 +2611,16 @@ def load_problems(spec: str, prompt_key: str = "auto", answer_key: str = "auto",
                 filters["ops" if key == "op" else key] = value if key == "op" else tuple(value.split(","))
             else:
                 raise ValueError(f"{spec}: {part!r} is neither a count N nor op=OPS nor digits=D,D")
-        problems = make_arithmetic(n, seed, **filters)
-    elif spec.endswith((".jsonl", ".parquet")) or os.path.exists(spec):
+        return make_arithmetic(n, seed, **filters)
+    if spec.endswith((".jsonl", ".parquet")) or os.path.exists(spec):
         if not os.path.isfile(spec):
             raise FileNotFoundError(f"{spec}: no such data file")
         if spec.endswith(".parquet"):
             import pyarrow.parquet as pq
-            rows = [(f"row {i}", row) for i, row in enumerate(pq.read_table(spec).to_pylist())]  # dicts already
+            rows = [(f"{spec}, row {i}", row) for i, row in enumerate(pq.read_table(spec).to_pylist())]  # dicts
         else:
             with open(spec, encoding="utf-8") as f:
-                rows = [(f"line {i}", line) for i, line in enumerate(f, 1) if line.strip()]  # JSON text
-        problems = [_row_to_problem(row, prompt_key, answer_key, f"{spec}, {where}", math_golds) for where, row in rows]
+                rows = [(f"{spec}, line {i}", line) for i, line in enumerate(f, 1) if line.strip()]  # JSON text
     else:
         local = "local alternatives: --data file.jsonl (or .parquet, same fields; --eval-data likewise), --data " \
                 "builtin:arithmetic"
@@ -2667,8 +2639,8 @@ def load_problems(spec: str, prompt_key: str = "auto", answer_key: str = "auto",
         split = split if split in splits or len(splits) != 1 else next(iter(splits))
         if split not in splits:
             raise ValueError(f"{spec}: no split {split!r} (splits: {', '.join(splits)})")
-        problems = [_row_to_problem(row, prompt_key, answer_key, f"{spec}[{split}], row {i}", math_golds)
-                    for i, row in enumerate(splits[split])]
+        rows = [(f"{spec}[{split}], row {i}", row) for i, row in enumerate(splits[split])]
+    problems = [_row_to_problem(row, prompt_key, answer_key, where, math_golds) for where, row in rows]
     if not problems:
         raise ValueError(f"{spec}: the dataset is empty")
     return problems
@@ -2679,19 +2651,13 @@ ANSWER_FORMAT = re.compile(r"^\s*Solve the following math problem step by step\.
                            r"|\s*Remember to put your answer on its own line after \"Answer:\"\.?\s*$", re.DOTALL)
 
 
-def strip_answer_format(question: str) -> str:
-    """The question without DAPO-Math's own answer-format lines (--instruction asks for a \\boxed{} answer instead)."""
-    return ANSWER_FORMAT.sub("", question)
-
-
 _WORKED_SOLUTION = re.compile(r"\n|(?<!\\)[.?!]\s+[A-Za-z]")  # a line break, or a sentence end, then a word
 
 
 def _row_to_problem(row, prompt_key: str, answer_key: str, where: str, math_golds: bool = True) -> Problem:
     """One row (a dict or a JSON line) as a Problem: GSM8K (question, answer after '####'), MATH-500 (problem, answer),
-    MATH (problem, its solution's last \\boxed{}), DAPO-Math-17k[-Processed] (prompt, maybe chat; solution or
-    reward_model.ground_truth), or prompt_key / answer_key; math_golds False: answer as written. ValueError at `where`:
-    bad row, boxless solution."""
+    MATH (problem, its solution's last \\boxed{}), DAPO-Math-17k (prompt, maybe chat; solution or verl's
+    reward_model), or prompt_key / answer_key; math_golds False: the answer as written. ValueError at `where`."""
     try:
         row = json.loads(row) if isinstance(row, str) else row
     except json.JSONDecodeError as e:
@@ -2724,7 +2690,7 @@ def _row_to_problem(row, prompt_key: str, answer_key: str, where: str, math_gold
     elif math_golds and _WORKED_SOLUTION.search(answer.strip()):
         raise ValueError(f"{where}: field {akey!r} holds a worked solution without a \\boxed{{}} answer; name the "
                          f"field of the bare answer with --answer-key")
-    return Problem(strip_answer_format(str(row[qkey])), answer, strata)
+    return Problem(ANSWER_FORMAT.sub("", str(row[qkey])), answer, strata)  # without DAPO-Math's answer-format lines
 
 
 DATA_SEED = 0  # builtin problems are one set for every --seed (a seed changes their order, not the set)
@@ -2772,12 +2738,6 @@ def eval_name(spec: str) -> str:
     return re.sub(r"[^a-z0-9_]", "", spec.partition(":")[0].rsplit("/", 1)[-1].lower())
 
 
-def drop_long_prompts(problems: list, prompt_ids, max_tokens: int):
-    """(kept, dropped): the problems with at most max_tokens prompt_ids(question), and the count dropped (never cut)."""
-    kept = [p for p in problems if len(prompt_ids(p.question)) <= max_tokens]
-    return kept, len(problems) - len(kept)
-
-
 def build_prompt(tokenizer, question: str, template: str = "", instruction: str = INSTRUCTION) -> list:
     """Prompt token ids: `template` with {question} replaced, else the chat template, else 'Question: ... Answer:'."""
     if template:
@@ -2822,7 +2782,8 @@ class PromptSampler:
 def prepare_prompts(args: Args, tokenizer, train_problems: list, eval_sources: list, main: bool):
     """(train_problems, prompt ids, eval_sets [(name, problems, prompts)]) within --max-prompt-tokens; ValueError."""
     ids = functools.cache(lambda q: build_prompt(tokenizer, q, args.prompt_template, args.instruction))
-    kept = [(name, *drop_long_prompts(problems, ids, args.max_prompt_tokens))  # (name, problems, dropped)
+    fits = lambda p: len(ids(p.question)) <= args.max_prompt_tokens  # a longer prompt is dropped, never cut
+    kept = [(name, [p for p in problems if fits(p)], sum(not fits(p) for p in problems))  # (name, problems, dropped)
             for name, problems in [("--data", train_problems), *eval_sources]]
     if main and any(dropped for _, _, dropped in kept):
         print(f"--max-prompt-tokens {args.max_prompt_tokens}: dropped {kept[0][2]} training prompts" + "".join(

@@ -1102,12 +1102,13 @@ def test_load_dapo_math500_aime_layouts_from_local_files(tmp_path, layout, fmt):
     assert s3ac.eval_name(str(path)) == layout
 
 
-def test_strip_answer_format_leaves_other_text():
-    assert s3ac.strip_answer_format(DAPO_PROMPT) == DAPO_PROBLEM
+def test_answer_format_lines_leave_other_text():
+    question = lambda text: s3ac._row_to_problem({"question": text, "answer": "1"}, "auto", "auto", "row").question
+    assert question(DAPO_PROMPT) == DAPO_PROBLEM
     boxed = DAPO_PROMPT.replace("Answer: $Answer (without quotes)", "Answer: \\boxed{$Answer}")  # a known variant
-    assert s3ac.strip_answer_format(boxed) == DAPO_PROBLEM
+    assert question(boxed) == DAPO_PROBLEM
     inner = "Remember to put your answer on its own line after \"Answer:\". Then solve x = 1."  # not the last line
-    assert s3ac.strip_answer_format(inner) == inner
+    assert question(inner) == inner
     assert [s3ac.eval_name(s) for s in ("HuggingFaceH4/MATH-500", "HuggingFaceH4/aime_2024", DAPO_MATH_SPEC,
                                         "builtin:arithmetic:200")] == ["math500", "aime_2024",
                                                                         "dapomath17kprocessed", "arithmetic"]
@@ -1122,15 +1123,18 @@ def test_hub_source_without_datasets_is_one_line(monkeypatch):
     assert "--data file.jsonl" in message and "builtin:arithmetic" in message
 
 
-def test_drop_long_prompts_counts_what_it_drops(tiny):
+def test_prepare_prompts_drops_long_prompts_and_counts_them(tiny, capsys):
     _, _, tok = tiny
     overhead = len(s3ac.build_prompt(tok, ""))  # the character-level tokenizer: one token per question character
     problems = [s3ac.Problem("a" * n, "1") for n in (3, 5, 8, 5, 9)]
-    ids = lambda q: s3ac.build_prompt(tok, q)
-    kept, dropped = s3ac.drop_long_prompts(problems, ids, overhead + 5)
-    assert [len(p.question) for p in kept] == [3, 5, 5] and dropped == 2
-    assert s3ac.drop_long_prompts(problems, ids, overhead + 9) == (problems, 0)
-    assert s3ac.drop_long_prompts(problems, ids, overhead + 2) == ([], 5)
+    prepare = lambda limit: s3ac.prepare_prompts(s3ac.Args(max_prompt_tokens=limit), tok, problems,
+                                                 [("e", problems[:2])], main=True)
+    kept, prompts, eval_sets = prepare(overhead + 5)
+    assert [len(p.question) for p in kept] == [3, 5, 5] and [len(ids) - overhead for ids in prompts] == [3, 5, 5]
+    assert "dropped 2 training prompts, 0 of e" in capsys.readouterr().err and len(eval_sets[0][1]) == 2
+    assert prepare(overhead + 9)[0] == problems and capsys.readouterr().err == ""
+    with pytest.raises(ValueError, match="every prompt of --data, e is longer"):
+        prepare(overhead + 2)
 
 
 def test_prompt_uses_chat_template_and_boxed(tiny):
