@@ -1793,7 +1793,7 @@ def memory_plan(config, args: Args, device_gib: float, cuda: bool = True, world:
     pad = const["block_pad"] * longest  # per token and block: the mask of a padded micro-batch
     persistent = 12 * (n["actor"] + critic) / world  # fp32 weights and AdamW's two moments; a partial trunk's
     persistent += 4 * H * longest * args.batch_prompts * args.k / world if k else 0  # stored features [B, P + T, H]
-    shared = 0.0 if world == 1 else 16 * n["block"]  # FSDP2: two blocks' fp32 all-gather and reduce-scatter buffers
+    shared = 0.0 if world == 1 else 16 * n["block"]  # FSDP2, fp32: a block's weights, gradients and two neighbours'
 
     def terms(tokens: int, recompute: bool) -> dict:  # {phase: {term: bytes}}
         def update(params: int, root: int, blocks: int, rest: float) -> dict:
@@ -1802,7 +1802,7 @@ def memory_plan(config, args: Args, device_gib: float, cuda: bool = True, world:
                     "activations": tokens * (blocks * (4 * H if recompute else const["block"] + quad) + rest),
                     "padded_mask": tokens * (0 if recompute else blocks) * pad,
                     "block_backward": 2 * tokens * (const["block"] + quad + pad),
-                    "root_unsharded": 8 * root * (1 - 1 / world), "fsdp_buffers": shared}
+                    "root_unsharded": 8 * root if world > 1 else 0, "fsdp_buffers": shared}
         out = {"actor_update": {**update(n["actor"], n["actor"] - L * n["block"], L, const["actor_rest"]),
                                 "logprob_chunk": LOGITS_BYTES, "head_weight_grad": 4 * V * H}}
         if critic:
