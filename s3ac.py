@@ -8,11 +8,10 @@ V(s_0), read from the prompt alone, is a per-prompt baseline that works with one
 actor minimises CISPO's loss; PACT's critic sync, DAPS's prompt selection and coverage pretraining are options,
 and GRPO, RLOO, REINFORCE++, FlashREINFORCE and PPO are baselines (--algo).
 
-The file reads top-down: 1. the math (pure functions, to copy), 2. the algorithm box (train_step and train),
-3. the parts a step calls (reward, log-probs, critic, rollout, memory plan), 4. plumbing (a reader may stop at its
-banner). The list of departures from the papers closes section 1. Shape letters: B sequences, T response tokens,
-P prompt tokens, H hidden size, V vocabulary; response_mask [B, T] is 1.0 on the generated tokens, the stop token
-included, 0.0 on padding.
+The file reads top-down: 1. the math (pure functions, to copy; the departures from the papers close it), 2. the
+algorithm box (train_step, train), 3. the parts a step calls (reward, log-probs, critic, rollout, memory plan), 4.
+plumbing (a reader may stop at its banner). Shape letters: B sequences, T response tokens, P prompt tokens, H hidden
+size, V vocabulary; response_mask [B, T] is 1.0 on the generated tokens, the stop token included, 0.0 on padding.
 
 Before step 1, train() pretrains the critic with the actor frozen (critic_pretraining: coverage trajectories when
 asked for, then warm-up batches of fresh rollouts until the held-out fit stops improving). Then each step is
@@ -65,10 +64,9 @@ from typing import Literal
 import torch
 import torch.nn as nn
 
-# kernels.py beside this file holds the Triton twins of section 1's math (@triton_on_cuda picks them on CUDA). It is
-# loaded as module `s3ac_kernels`: the name `kernels` is Hugging Face's kernel-hub package, which transformers imports
-# and which kernels.py would shadow (this folder is first on sys.path), so that package is imported first, where
-# installed, with kernels.py out of sight; where it is not, `kernels` names ours (never a second copy).
+# kernels.py beside this file holds the Triton twins of section 1's math (@triton_on_cuda). It is loaded as module
+# `s3ac_kernels`: `kernels` is Hugging Face's kernel-hub package, which transformers imports and kernels.py would shadow
+# (this folder is first on sys.path), so that package is imported first, where installed, with kernels.py out of sight.
 def _load_kernels_py():
     """kernels.py as module s3ac_kernels. ImportError if it was imported as `kernels` before s3ac."""
     import importlib.util
@@ -164,10 +162,9 @@ def adaptive_lambda(response_mask, alpha: float):
 
 
 def decoupled_gae(rewards, values, response_mask, gamma: float, critic_lam: float, actor_lam):
-    """Decoupled GAE (VAPO, Yue et al. 2025; S3AC): actor advantages with lambda = actor_lam (a float or [B], see
-    adaptive_lambda), critic targets with lambda = critic_lam (1: the Monte-Carlo return; PPO: one lambda for both).
-    rewards [B] outcome rewards; values, response_mask [B, T]. Returns (advantages [B, T], raw: any whitening
-    belongs at the call site; returns [B, T]; metrics). Needs: outcome_rewards_to_tokens, gae."""
+    """Decoupled GAE (VAPO, Yue et al. 2025; S3AC): advantages at lambda = actor_lam (a float or [B]: adaptive_lambda),
+    critic targets at lambda = critic_lam (1: Monte-Carlo; PPO: one lambda for both). rewards [B]; values, response_mask
+    [B, T]. Returns (advantages [B, T] raw, returns [B, T], metrics). Needs: outcome_rewards_to_tokens, gae."""
     token_rewards = outcome_rewards_to_tokens(rewards, response_mask)  # [B, T]
     _, returns = gae(token_rewards, values, response_mask, gamma, critic_lam)  # [B, T] critic targets R_t
     advantages, _ = gae(token_rewards, values, response_mask, gamma, actor_lam)  # [B, T] actor advantages A_t
@@ -279,11 +276,10 @@ def tis_weights(old_logprobs, sampler_logprobs, response_mask, cap: float):
 # --- Critic losses and targets: clipped value loss, soft BCE, PACT's importance-weighted targets ---
 @triton_on_cuda
 def value_loss(values, old_values, returns, response_mask, eps_v: float, num_tokens=None):
-    """Clipped value loss (PPO2 value clipping of OpenAI baselines; Engstrom et al. 2020, sec. 3; VAPO).
-    values [B, T] (reward units, requires grad), old_values [B, T] (the clip anchor), returns [B, T] (targets R),
-    response_mask [B, T]; padding may hold garbage. eps_v: the ABSOLUTE clip range around old_values; num_tokens as
-    in cispo_loss. Returns (v_loss, {"v_clipfrac": share of valid tokens where the clipped branch is strictly
-    larger}). Raises ValueError for tensors not of one shape [B, T]."""
+    """Clipped value loss (OpenAI baselines' PPO2; Engstrom et al. 2020, sec. 3; VAPO). values [B, T] (reward units,
+    requires grad), old_values, returns (targets R), response_mask [B, T]; padding may hold garbage. eps_v: the ABSOLUTE
+    clip range around old_values; num_tokens as in cispo_loss. Returns (v_loss, {"v_clipfrac": share of valid tokens
+    whose clipped branch is strictly larger}). Raises ValueError for tensors not of one shape [B, T]."""
     if values.dim() != 2 or not values.shape == old_values.shape == returns.shape == response_mask.shape:
         raise ValueError("expected values, old_values, returns, response_mask of one shape [B, T]")
     valid = response_mask != 0  # [B, T]
@@ -319,9 +315,8 @@ def bce_value_loss(value_logits, targets, response_mask, num_tokens=None):
 
 
 def critic_loss_fn(raw, old_values, targets, response_mask, critic_loss: str, eps_v: float, num_tokens=None):
-    """The critic's loss toward targets [B, T] on the +-1 scale: mse = value_loss (raw = V, clipped around
-    old_values), bce = bce_value_loss (raw = z, soft targets (R + 1) / 2; old_values unused). Returns theirs.
-    Needs: value_loss, bce_value_loss."""
+    """value_loss (mse: raw = V, clipped around old_values) or bce_value_loss (bce: raw = z, soft targets (R + 1) / 2;
+    old_values unused) by critic_loss, toward +-1-scale targets [B, T]. Needs: value_loss, bce_value_loss."""
     if critic_loss == "bce":
         # a soft target above 1 (PACT's rho_t > 1 on a right answer) has no minimum under BCE: clamp to [0, 1]
         soft_targets = ((targets + 1) / 2).clamp(0.0, 1.0)  # [B, T]
@@ -411,9 +406,8 @@ def rloo_advantages(rewards, prompt_index, response_mask):
 
 
 def masked_whiten(x, response_mask, scale: bool = True):
-    """(x - mean) / std over the valid tokens of the whole batch (population variance, fp64), 0 on padding and where
-    the valid entries are all equal; scale False: x - mean alone (the token mean of the result is 0, its spread
-    is x's). x, response_mask [B, T] -> [B, T] fp32. Needs: all_reduce."""
+    """(x - mean) / std over the batch's valid tokens (all ranks; population variance, fp64), 0 on padding and where
+    they are all equal; scale False: x - mean alone. x, response_mask [B, T] -> [B, T] fp32. Needs: all_reduce."""
     m = response_mask.double()  # [B, T]
     n = all_reduce(m.sum()).clamp(min=1)  # under torchrun: statistics of the global batch
     mean = all_reduce((x.double() * m).sum()) / n
@@ -453,9 +447,8 @@ def masked_mean(x, mask):
 
 
 def explained_variance(values, returns, mask) -> float:
-    """1 - Var[R - V] / Var[R] over the valid tokens of mask [B, T] (population variances; CleanRL's critic metric)
-    from sums over the whole batch (all ranks), never a mean of micro-batch values; nan when Var[R] < 1e-8 (every
-    answer right, or every one wrong). Needs: all_reduce."""
+    """1 - Var[R - V] / Var[R] (CleanRL's critic metric; population variances) over the valid tokens of mask [B, T],
+    from global sums over ranks, never a mean of micro-batch values; nan when Var[R] < 1e-8. Needs: all_reduce."""
     m = mask.double()  # [B, T]
     r, d = returns.double() * m, (returns.double() - values.double()) * m  # [B, T] R and R - V on valid tokens
     n, sum_r, sum_r2, sum_d, sum_d2 = all_reduce(torch.stack([m.sum(), r.sum(), (r * r).sum(), d.sum(),
@@ -476,10 +469,9 @@ def value_separation(values, rewards, response_mask) -> float:
 
 
 def credit_sparsity(values, rewards, response_mask, eps: float):
-    """PACT's token credits C_i = V_i - V_(i-1), the last one R - V(s_(T_i - 1)) (they sum to R - V(s_0)), counted
-    on the [0, 1] reward scale, where PACT bounds the expected count of |C_i| > eps by 1 / (4 eps^2). values [B, T]
-    (+-1 scale), rewards [B], response_mask [B, T]. Returns (counts [B] of |C_i| > eps, metrics).
-    Needs: outcome_rewards_to_tokens."""
+    """PACT's token credits C_i = V_i - V_(i-1), the last R - V(s_(T_i - 1)) (summing to R - V(s_0)), on the [0, 1]
+    reward scale, where PACT bounds the expected count of |C_i| > eps by 1 / (4 eps^2). values [B, T] (+-1), rewards
+    [B], response_mask [B, T]. Returns (counts [B] of |C_i| > eps, metrics). Needs: outcome_rewards_to_tokens."""
     v = torch.where(response_mask.bool(), values, 0.0)  # [B, T]
     following = torch.cat([v[:, 1:], torch.zeros_like(v[:, :1])], 1)  # [B, T] V(s_(t+1)), 0 past the end
     following = following + outcome_rewards_to_tokens(rewards, response_mask)  # [B, T] R after the last token
