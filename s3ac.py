@@ -5,8 +5,8 @@ Generation is a token-level MDP: the state s_t is the prompt plus the response s
 a verifier gives the reward R in [-1, 1] (the math verifier: +1 right, -1 otherwise) on the last token, gamma = 1,
 and the value after the last token is 0. The critic V(s_t) gives every token its own credit (decoupled GAE), and
 V(s_0), read from the prompt alone, is a per-prompt baseline that works with one rollout per prompt (K = 1). The
-actor minimises CISPO's loss; PACT's critic sync, DAPS's prompt selection and coverage pretraining are options,
-and GRPO, RLOO, REINFORCE++, FlashREINFORCE and PPO are baselines (--algo).
+actor minimises CISPO's loss; PACT's critic sync (policy-aligned critic training), DAPS's prompt selection and
+coverage pretraining are options, and GRPO, RLOO, REINFORCE++, FlashREINFORCE and PPO are baselines (--algo).
 
 The file reads top-down: 1. the math (pure functions, to copy; the departures from the papers close it), 2. the
 algorithm box (train_step, train), 3. the parts a step calls (reward, log-probs, critic, rollout, memory plan), 4.
@@ -98,7 +98,7 @@ kernels = _load_kernels_py()
 
 # -----------------------------------------------------------------------------------------------------------------
 # 1. The math: pure functions of tensors, each with its equation beside its line. These are the ones to copy, with
-#    torch and the helpers a "Needs:" line names (none without one; all_reduce is the identity in one process).
+#    torch and the helpers a "Needs:" line names (all_reduce: the identity in one process; @triton_on_cuda pastes too).
 # -----------------------------------------------------------------------------------------------------------------
 # --- GAE and decoupled GAE ---
 def triton_on_cuda(fn):
