@@ -5,14 +5,13 @@ Generation is a token-level MDP: the state s_t is the prompt plus the response s
 a verifier gives the reward R in [-1, 1] (the math verifier: +1 right, -1 otherwise) on the last token, gamma = 1,
 and the value after the last token is 0. The critic V(s_t) gives every token its own credit (decoupled GAE), and
 V(s_0), read from the prompt alone, is a per-prompt baseline that works with one rollout per prompt (K = 1). The
-actor minimises CISPO's loss; PACT's critic sync, DAPS's prompt selection and coverage pretraining are options,
-and GRPO, RLOO, REINFORCE++, FlashREINFORCE and PPO are baselines (--algo).
+actor minimises CISPO's loss; PACT's critic sync (policy-aligned critic training), DAPS's prompt selection and
+coverage pretraining are options, and GRPO, RLOO, REINFORCE++, FlashREINFORCE and PPO are baselines (--algo).
 
-The file reads top-down: 1. the math (pure functions, to copy), 2. the algorithm box (train_step and train),
-3. the parts a step calls (reward, log-probs, critic, rollout, memory plan), 4. plumbing (a reader may stop at its
-banner). The list of departures from the papers closes section 1. Shape letters: B sequences, T response tokens,
-P prompt tokens, H hidden size, V vocabulary; response_mask [B, T] is 1.0 on the generated tokens, the stop token
-included, 0.0 on padding.
+The file reads top-down: 1. the math (pure functions, to copy; the departures from the papers close it), 2. the
+algorithm box (train_step, train), 3. the parts a step calls (reward, log-probs, critic, rollout, memory plan), 4.
+plumbing (a reader may stop at its banner). Shape letters: B sequences, T response tokens, P prompt tokens, H hidden
+size, V vocabulary; response_mask [B, T] is 1.0 on the generated tokens, the stop token included, 0.0 on padding.
 
 Before step 1, train() pretrains the critic with the actor frozen (critic_pretraining: coverage trajectories when
 asked for, then warm-up batches of fresh rollouts until the held-out fit stops improving). Then each step is
@@ -25,8 +24,7 @@ critic_metrics (explained variance EV, V(s_0) EV, c: the critic's compute over t
 
 Where to look: section 3a opens with the reward's contract, its checker call_reward, and make_rewards (which
 reward trains, which evaluates, which golds each reads); every "auto" flag's rule is in the last block of
-resolve_args (a run says each at start). Section 1's functions paste alone with torch and the helpers their "Needs:"
-line names (none without one; all_reduce is the identity in one process; @triton_on_cuda pastes too).
+resolve_args (a run says each at start).
 
 Run:
     python s3ac.py --model Qwen/Qwen2.5-Math-1.5B          # paper setting, GPU: DAPO-Math, evaluated on MATH-500
@@ -37,8 +35,6 @@ Run:
     python s3ac.py --out-dir runs/x --resume                           # continue a killed run
     python s3ac.py memory --model Qwen/Qwen2.5-Math-1.5B --gpu-memory 80   # the memory plan, from config.json alone
     torchrun --nproc_per_node=8 s3ac.py --batch-prompts 512            # data parallel, FSDP2, vLLM per rank
-
-On CUDA tensors the functions marked @triton_on_cuda run their Triton twins in kernels.py; on a CPU, as written.
 """
 
 from __future__ import annotations
@@ -68,10 +64,9 @@ from typing import Literal
 import torch
 import torch.nn as nn
 
-# kernels.py beside this file holds the Triton twins of section 1's math (@triton_on_cuda picks them on CUDA). It is
-# loaded as module `s3ac_kernels`: the name `kernels` is Hugging Face's kernel-hub package, which transformers imports
-# and which kernels.py would shadow (this folder is first on sys.path), so that package is imported first, where
-# installed, with kernels.py out of sight; where it is not, `kernels` names ours (never a second copy).
+# kernels.py beside this file holds the Triton twins of section 1's math (@triton_on_cuda). It is loaded as module
+# `s3ac_kernels`: `kernels` is Hugging Face's kernel-hub package, which transformers imports and kernels.py would shadow
+# (this folder is first on sys.path), so that package is imported first, where installed, with kernels.py out of sight.
 def _load_kernels_py():
     """kernels.py as module s3ac_kernels. ImportError if it was imported as `kernels` before s3ac."""
     import importlib.util
@@ -102,15 +97,14 @@ kernels = _load_kernels_py()
 
 
 # -----------------------------------------------------------------------------------------------------------------
-# 1. The math: pure functions of tensors, each with its equation beside its line. These are the ones to copy
-#    (with torch and the helpers a "Needs:" line names; all_reduce is the identity in one process).
+# 1. The math: pure functions of tensors, each with its equation beside its line. These are the ones to copy, with
+#    torch and the helpers a "Needs:" line names (all_reduce: the identity in one process; @triton_on_cuda pastes too).
 # -----------------------------------------------------------------------------------------------------------------
 # --- GAE and decoupled GAE ---
 def triton_on_cuda(fn):
-    """Decorator: on CUDA tensors (or with --kernels triton) the call runs kernels.<fn's name>, a Triton kernel of
-    the same signature and math (test_s3ac.py compares them with each other and fp64); on CPU tensors, or with
-    --kernels torch, fn itself runs. The first tensor argument decides; fn: .__wrapped__. Where kernels.py is not
-    loaded (module s3ac_kernels: pasted alone), it returns fn itself, whatever `kernels` means there."""
+    """Decorator: on CUDA tensors (or with --kernels triton) the call runs kernels.<fn's name>, its Triton twin (same
+    signature and math); on CPU tensors, or with --kernels torch, fn itself runs. The first tensor argument decides; fn:
+    .__wrapped__. Pasted alone (no module s3ac_kernels), it returns fn itself, whatever `kernels` means there."""
     import functools  # pasted with each function it decorates: torch and this alone
     import sys
     twins = sys.modules.get("s3ac_kernels")
@@ -128,11 +122,10 @@ def triton_on_cuda(fn):
 
 @triton_on_cuda
 def gae(rewards, values, response_mask, gamma: float, lam):
-    """Generalized Advantage Estimation (Schulman et al. 2016, eq. 16): a reverse loop over T, vectorised over
-    rows, with V = 0 and A = 0 after the last valid token. A masked step carries the next value and the running
-    advantage across unchanged (as verl's compute_gae_advantage_return), so padding or a masked span changes nothing.
-    rewards, values [B, T] (padding may hold NaN or inf: never read into a result); response_mask [B, T], nonzero
-    on valid tokens; lam: a float or [B], one lambda per row. Returns (advantages, returns), [B, T] fp32, raw (no
+    """Generalized Advantage Estimation (Schulman et al. 2016, eq. 16): a reverse loop over T with V = 0 and A = 0 after
+    the last valid token; a masked step carries V and A across (as verl's compute_gae_advantage_return), so padding or a
+    masked span changes nothing. rewards, values [B, T] (NaN or inf in padding is never read); response_mask [B, T],
+    nonzero on valid tokens; lam: a float or [B] (per row). Returns (advantages, returns), [B, T] fp32, raw (no
     whitening), 0 on padding. Raises ValueError for tensors not of one shape [B, T] or lam of neither 1 nor B."""
     if rewards.dim() != 2 or not rewards.shape == values.shape == response_mask.shape:
         raise ValueError(f"expected rewards, values, response_mask of one shape [B, T], got "
@@ -169,10 +162,9 @@ def adaptive_lambda(response_mask, alpha: float):
 
 
 def decoupled_gae(rewards, values, response_mask, gamma: float, critic_lam: float, actor_lam):
-    """Decoupled GAE (VAPO, Yue et al. 2025; S3AC): actor advantages with lambda = actor_lam (a float or [B], see
-    adaptive_lambda), critic targets with lambda = critic_lam (1: the Monte-Carlo return; PPO: one lambda for both).
-    rewards [B] outcome rewards; values, response_mask [B, T]. Returns (advantages [B, T], raw: any whitening
-    belongs at the call site; returns [B, T]; metrics). Needs: outcome_rewards_to_tokens, gae."""
+    """Decoupled GAE (VAPO, Yue et al. 2025; S3AC): advantages at lambda = actor_lam (a float or [B]: adaptive_lambda),
+    critic targets at lambda = critic_lam (1: Monte-Carlo; PPO: one lambda for both). rewards [B]; values, response_mask
+    [B, T]. Returns (advantages [B, T] raw, returns [B, T], metrics). Needs: outcome_rewards_to_tokens, gae."""
     token_rewards = outcome_rewards_to_tokens(rewards, response_mask)  # [B, T]
     _, returns = gae(token_rewards, values, response_mask, gamma, critic_lam)  # [B, T] critic targets R_t
     advantages, _ = gae(token_rewards, values, response_mask, gamma, actor_lam)  # [B, T] actor advantages A_t
@@ -195,11 +187,10 @@ def mc_returns(rewards, response_mask, gamma: float):
 def cispo_loss(logprobs, old_logprobs, advantages, response_mask, eps_low: float, eps_high: float,
                num_tokens=None):
     """CISPO policy loss (MiniMax-M1, 2025, sec. 3.1, eq. 4): the clipped ratio is a detached weight, so every token
-    keeps a gradient (unlike PPO clipping); bounds relative to 1. logprobs [B, T] (nats, requires grad),
-    old_logprobs, advantages, response_mask [B, T]; padding may hold garbage; num_tokens: the normaliser above.
-    Returns (pg_loss, metrics: pg_clipfrac, the share of ratios outside [1 - eps_low, 1 + eps_high], and approx_kl,
-    the k3 estimate of KL(old || new), each a sum over valid tokens / num_tokens). Raises ValueError for tensors not
-    of one shape [B, T]."""
+    keeps a gradient (unlike PPO clipping); bounds relative to 1. logprobs [B, T] (nats, requires grad), old_logprobs,
+    advantages, response_mask [B, T]; padding may hold garbage; num_tokens: the normaliser above. Returns (pg_loss,
+    metrics: pg_clipfrac, the share of clipped ratios, and approx_kl, the k3 estimate of KL(old || new), each a sum over
+    valid tokens / num_tokens). Raises ValueError for tensors not of one shape [B, T]."""
     if logprobs.dim() != 2 or not logprobs.shape == old_logprobs.shape == advantages.shape == response_mask.shape:
         raise ValueError("expected logprobs, old_logprobs, advantages, response_mask of one shape [B, T]")
     valid = response_mask != 0  # [B, T]
@@ -249,12 +240,11 @@ def sequence_trust_region(logprobs, sampler_logprobs, response_mask, delta: floa
 
 
 def flash_reinforce_loss(logprobs, sampler_logprobs, advantages, response_mask, delta: float, num_sequences=None):
-    """FlashREINFORCE's loss (Hu, Zhang et al. 2026): log pi times A and the detached, unclipped rho_t = pi / mu (mu
-    the sampler's), averaged in each response, then over responses; one outside sequence_trust_region adds 0 but
-    counts. logprobs [B, T] (requires grad), sampler_logprobs, advantages, response_mask [B, T]; num_sequences: the
-    sample-mean normaliser of section 1 (alone: the call's responses). Returns (pg_loss, metrics per num_sequences:
-    trust_region_drop, the share outside the region, seq_kl, the mean D_i; pg_clipfrac 0, nothing is clipped).
-    Needs: sequence_trust_region."""
+    """FlashREINFORCE's loss (Hu, Zhang et al. 2026): log pi times A and the detached, unclipped rho_t = pi / mu (mu the
+    sampler's), averaged in each response, then over responses; one outside sequence_trust_region adds 0 but counts.
+    logprobs [B, T] (requires grad), sampler_logprobs, advantages, response_mask [B, T]; num_sequences: the sample-mean
+    normaliser (alone: the call's responses). Returns (pg_loss, metrics per num_sequences: trust_region_drop, the share
+    outside the region, seq_kl, the mean D_i; pg_clipfrac 0). Needs: sequence_trust_region."""
     valid = response_mask != 0  # [B, T]
     has_tokens = valid.any(1)  # [B]
     n = has_tokens.sum().clamp(min=1).float() if num_sequences is None else num_sequences
@@ -286,11 +276,10 @@ def tis_weights(old_logprobs, sampler_logprobs, response_mask, cap: float):
 # --- Critic losses and targets: clipped value loss, soft BCE, PACT's importance-weighted targets ---
 @triton_on_cuda
 def value_loss(values, old_values, returns, response_mask, eps_v: float, num_tokens=None):
-    """Clipped value loss (PPO2 value clipping of OpenAI baselines; Engstrom et al. 2020, sec. 3; VAPO).
-    values [B, T] (reward units, requires grad), old_values [B, T] (the clip anchor), returns [B, T] (targets R),
-    response_mask [B, T]; padding may hold garbage. eps_v: the ABSOLUTE clip range around old_values; num_tokens as
-    in cispo_loss. Returns (v_loss, {"v_clipfrac": share of valid tokens where the clipped branch is strictly
-    larger}). Raises ValueError for tensors not of one shape [B, T]."""
+    """Clipped value loss (OpenAI baselines' PPO2; Engstrom et al. 2020, sec. 3; VAPO). values [B, T] (reward units,
+    requires grad), old_values, returns (targets R), response_mask [B, T]; padding may hold garbage. eps_v: the ABSOLUTE
+    clip range around old_values; num_tokens as in cispo_loss. Returns (v_loss, {"v_clipfrac": share of valid tokens
+    whose clipped branch is strictly larger}). Raises ValueError for tensors not of one shape [B, T]."""
     if values.dim() != 2 or not values.shape == old_values.shape == returns.shape == response_mask.shape:
         raise ValueError("expected values, old_values, returns, response_mask of one shape [B, T]")
     valid = response_mask != 0  # [B, T]
@@ -326,9 +315,8 @@ def bce_value_loss(value_logits, targets, response_mask, num_tokens=None):
 
 
 def critic_loss_fn(raw, old_values, targets, response_mask, critic_loss: str, eps_v: float, num_tokens=None):
-    """The critic's loss toward targets [B, T] on the +-1 scale: mse = value_loss (raw = V, clipped around
-    old_values), bce = bce_value_loss (raw = z, soft targets (R + 1) / 2; old_values unused). Returns theirs.
-    Needs: value_loss, bce_value_loss."""
+    """value_loss (mse: raw = V, clipped around old_values) or bce_value_loss (bce: raw = z, soft targets (R + 1) / 2;
+    old_values unused) by critic_loss, toward +-1-scale targets [B, T]. Needs: value_loss, bce_value_loss."""
     if critic_loss == "bce":
         # a soft target above 1 (PACT's rho_t > 1 on a right answer) has no minimum under BCE: clamp to [0, 1]
         soft_targets = ((targets + 1) / 2).clamp(0.0, 1.0)  # [B, T]
@@ -337,14 +325,12 @@ def critic_loss_fn(raw, old_values, targets, response_mask, critic_loss: str, ep
 
 
 def pact_targets(returns, logprobs, sampler_logprobs, response_mask, rho_min: float, rho_max: float):
-    """PACT's importance-corrected critic targets and loss mask ("policy-aligned critic training"): with rho_t the
-    detached per-token ratio (not PACT's product I_t; departure 7), E_mu[target_t | s_t] = V^pi_new(s_t) when later
-    tokens follow pi_new as well (exact for the last token). A kept wrong answer (R = -1) keeps the target -1.
-    returns [B, T] (the Monte-Carlo return R_t on the +-1 scale: decoupled_gae's returns at critic lambda 1, or
-    mc_returns; a right answer's target reaches 2 rho_max - 1, which mse fits as it is and bce clamps at 1),
-    logprobs [B, T] of the updated actor, sampler_logprobs [B, T] of mu, the policy that sampled (the sampler's
-    own under TIS, else pi_old), response_mask [B, T]. Returns (targets [B, T] on the +-1 scale, critic_mask [B, T]
-    float, metrics)."""
+    """PACT's importance-corrected critic targets and loss mask: with rho_t the detached per-token ratio (not PACT's
+    product I_t; departure 7), E_mu[target_t | s_t] = V^pi_new(s_t) when later tokens follow pi_new as well (exact for
+    the last token); a kept wrong answer (R = -1) keeps the target -1. returns [B, T] (the Monte-Carlo return on the +-1
+    scale: decoupled_gae's returns at critic lambda 1, or mc_returns; a right answer's target reaches 2 rho_max - 1),
+    logprobs [B, T] of the updated actor, sampler_logprobs [B, T] of mu, the policy that sampled (logprobs_of_mu),
+    response_mask [B, T]. Returns (targets [B, T] on the +-1 scale, critic_mask [B, T] float, metrics)."""
     valid = response_mask.bool()  # [B, T]
     rho = torch.where(valid, logprobs.detach() - sampler_logprobs, 0.0).exp()  # [B, T]  rho_t = pi_new / mu
     critic_mask = (valid & (rho >= rho_min) & (rho <= rho_max)).float()  # [B, T]  kept: rho_min <= rho_t <= rho_max
@@ -420,9 +406,8 @@ def rloo_advantages(rewards, prompt_index, response_mask):
 
 
 def masked_whiten(x, response_mask, scale: bool = True):
-    """(x - mean) / std over the valid tokens of the whole batch (population variance, fp64), 0 on padding and where
-    the valid entries are all equal; scale False: x - mean alone (the token mean of the result is 0, its spread
-    is x's). x, response_mask [B, T] -> [B, T] fp32. Needs: all_reduce."""
+    """(x - mean) / std over the batch's valid tokens (all ranks; population variance, fp64), 0 on padding and where
+    they are all equal; scale False: x - mean alone. x, response_mask [B, T] -> [B, T] fp32. Needs: all_reduce."""
     m = response_mask.double()  # [B, T]
     n = all_reduce(m.sum()).clamp(min=1)  # under torchrun: statistics of the global batch
     mean = all_reduce((x.double() * m).sum()) / n
@@ -435,8 +420,7 @@ def masked_whiten(x, response_mask, scale: bool = True):
 
 def reinforce_pp_advantages(rewards, prompt_index, response_mask):
     """REINFORCE++ (Hu 2025), outcome only: R broadcast over the tokens, whitened over the valid tokens of the whole
-    batch (no per-prompt baseline: prompt_index unused). Returns (advantages [B, T], {}). Needs: masked_whiten,
-    all_reduce."""
+    batch (prompt_index unused). Returns (advantages [B, T], {}). Needs: masked_whiten, all_reduce."""
     return masked_whiten(rewards[:, None] * response_mask, response_mask), {}  # [B, T]
 
 
@@ -463,9 +447,8 @@ def masked_mean(x, mask):
 
 
 def explained_variance(values, returns, mask) -> float:
-    """1 - Var[R - V] / Var[R] over the valid tokens of mask [B, T] (population variances; CleanRL's critic metric)
-    from sums over the whole batch (all ranks), never a mean of micro-batch values; nan when Var[R] < 1e-8 (every
-    answer right, or every one wrong). Needs: all_reduce."""
+    """1 - Var[R - V] / Var[R] (CleanRL's critic metric; population variances) over the valid tokens of mask [B, T],
+    from global sums over ranks, never a mean of micro-batch values; nan when Var[R] < 1e-8. Needs: all_reduce."""
     m = mask.double()  # [B, T]
     r, d = returns.double() * m, (returns.double() - values.double()) * m  # [B, T] R and R - V on valid tokens
     n, sum_r, sum_r2, sum_d, sum_d2 = all_reduce(torch.stack([m.sum(), r.sum(), (r * r).sum(), d.sum(),
@@ -486,10 +469,9 @@ def value_separation(values, rewards, response_mask) -> float:
 
 
 def credit_sparsity(values, rewards, response_mask, eps: float):
-    """PACT's token credits C_i = V_i - V_(i-1), the last one R - V(s_(T_i - 1)) (they sum to R - V(s_0)), counted
-    on the [0, 1] reward scale, where PACT bounds the expected count of |C_i| > eps by 1 / (4 eps^2). values [B, T]
-    (+-1 scale), rewards [B], response_mask [B, T]. Returns (counts [B] of |C_i| > eps, metrics).
-    Needs: outcome_rewards_to_tokens."""
+    """PACT's token credits C_i = V_i - V_(i-1), the last R - V(s_(T_i - 1)) (summing to R - V(s_0)), on the [0, 1]
+    reward scale, where PACT bounds the expected count of |C_i| > eps by 1 / (4 eps^2). values [B, T] (+-1), rewards
+    [B], response_mask [B, T]. Returns (counts [B] of |C_i| > eps, metrics). Needs: outcome_rewards_to_tokens."""
     v = torch.where(response_mask.bool(), values, 0.0)  # [B, T]
     following = torch.cat([v[:, 1:], torch.zeros_like(v[:, :1])], 1)  # [B, T] V(s_(t+1)), 0 past the end
     following = following + outcome_rewards_to_tokens(rewards, response_mask)  # [B, T] R after the last token
@@ -499,9 +481,8 @@ def credit_sparsity(values, rewards, response_mask, eps: float):
 
 
 def advantage_metrics(advantages, loss_mask) -> dict:
-    """adv/mean and adv/pos_share, the share of the loss tokens (loss_mask [B, T]) with A > 0, of the actor's
-    advantages [B, T] (floats; ours, no paper's): near 0 or 1 when a lagging V(s_0) pushes nearly every token one way.
-    Needs: masked_mean."""
+    """adv/mean and adv/pos_share (the share of loss tokens, loss_mask [B, T], with A > 0) of the actor's advantages
+    [B, T], floats (ours): near 0 or 1 when a lagging V(s_0) pushes nearly every token one way. Needs: masked_mean."""
     return {"adv/mean": masked_mean(advantages, loss_mask).item(),
             "adv/pos_share": masked_mean((advantages > 0).float(), loss_mask).item()}
 
@@ -585,12 +566,11 @@ def impact_score(signal, h):
 # -----------------------------------------------------------------------------------------------------------------
 # Where this code departs from the papers (README.md points here)
 # -----------------------------------------------------------------------------------------------------------------
-# 1. Rollouts sample at plain temperature over the full vocabulary (a neutral generation_config: no top-p, top-k or
-#    repetition penalty). CISPO's and PPO's ratio is pi / pi_old, pi_old recomputed by the trainer; truncated importance
-#    sampling (--is-correction tis) corrects the sampler/trainer gap (bf16 vLLM, fp32 trainer), weighting each token's
-#    actor loss by min(pi_old / mu, C), mu the engine's own log-prob (vLLM's processed log-probs, HF's SamplerLogprobs).
-#    Under --top-p / --top-k mu is mu / Z on the kept tokens (Z the kept mass): the weight is about Z, the update their
-#    policy gradient times Z. --is-correction none: mu only feeds rollout/logprob_gap. PACT's rho = pi_new / mu too.
+# 1. Rollouts sample at plain temperature over the full vocabulary (no top-p, top-k or repetition penalty). CISPO's and
+#    PPO's ratio is pi / pi_old (see 2); TIS (--is-correction tis) weights each token's actor loss by min(pi_old / mu,
+#    C), mu the engine's own log-prob, against the sampler/trainer gap (bf16 vLLM, fp32 trainer). Under --top-p /
+#    --top-k mu is mu / Z on the kept tokens (Z their mass): the weight is about Z, the update their policy gradient
+#    times Z. --is-correction none: mu only feeds rollout/logprob_gap. PACT's rho = pi_new / mu too.
 # 2. log pi_old always comes from a separate no-grad pass (old_policy_logprobs; verl, OpenRLHF): at --minibatches 1 (the
 #    CPU demo's) the ratio is exactly 1 and CISPO's clip never acts; at auto (the paper's: DAPO's 16 of 32) it does.
 # 3. Constant lr, AdamW without weight decay (DAPO: 10 warm-up steps, 0.1); fp32 weights/states, bf16 autocast on CUDA.
@@ -608,19 +588,18 @@ def impact_score(signal, h):
 #    screens only the sampler/trainer gap), mu from logprobs_of_mu (--is-correction none: pi_old, rho = 1); a cut
 #    response under --overlong-filter leaves its B; AdamW as in 3; --k > 1 (its recipes: 1) averages every rollout.
 # 9. The DAPS constants (--daps-n-c 4, --daps-a-min 0.1, --daps-decay 0.99, --daps-start 10) are ours, not the paper's.
-# 10. Coverage pretraining is the online critic update (critic_epochs per batch) toward Monte-Carlo returns, 10% of
-#    the prompts held out for its fit; the warm-up's stop rule (warmup_plateaued) is ours, scored on unseen rollouts.
-# 11. Under torchrun metrics are rank means, counts and throughput sums (critic/explained_var and adv_explained_var
-#    from global sums); --dynamic-sampling and coverage pretraining run in a single process only.
+# 10. Coverage pretraining is the online critic update (critic_epochs per batch) toward Monte-Carlo returns, 10% of the
+#    prompts held out for its fit; the warm-up's stop rule (warmup_plateaued) is ours, scored on unseen rollouts.
+# 11. Under torchrun metrics are rank means, counts and throughput sums (critic/explained_var and adv_explained_var from
+#    global sums); --dynamic-sampling and coverage pretraining run in a single process only.
 # 12. Data: DAPO-Math-17k, deduplicated, English (open-r1/DAPO-Math-17k-Processed, config en), not the paper's 7.5k
 #    subset; Qwen2.5-Math's \boxed{} instruction replaces its answer-format lines. Without an S3AC figure, DAPO's
 #    Qwen2.5-Math recipe: 512 prompts per step, lr 1e-6, 200 steps, evaluation every 10, responses cut at 3072 tokens.
-# 13. Readiness, our readings (the value-gradient paper's summary gives no exact equation 29): H_alpha self-normalises
-#    q ~ p exp(alpha R) over a prompt's K samples; costates of the SUMMED loss for GRPO's advantages (population std)
-#    at the output of one block, by default the middle one, L // 2 (credit there has crossed the attention of the
-#    blocks above it, the paper's path around the sampling step; the last block's output would hold little more than
-#    the output layer's gradient); the gap factor is exp(-mean token entropy), S = costate norm x gap factor per
-#    prompt, impact = mean S x mean H.
+# 13. Readiness, our readings (the value-gradient paper's summary gives no exact equation 29): H_alpha, S and the impact
+#    as headroom, usable_signal and impact_score say; the costates are those of the SUMMED loss for GRPO's advantages
+#    (population std) at the output of one block, by default the middle one, L // 2 (credit there has crossed the
+#    attention of the blocks above it, the paper's path around the sampling step; the last block's output would hold
+#    little more than the output layer's gradient).
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -751,9 +730,8 @@ def sample_rollouts(args: Args, state: TrainState, reward_fn):
 
 
 def collect_rollouts(args: Args, state: TrainState, prompt_list: list, reward_fn):
-    """K responses to each prompt index of prompt_list, rewarded by reward_fn (section 3a), added to the DAPS counts
-    (every rank's). Returns (batch, rewards [B], statuses, texts, metrics); ValueError when reward_fn breaks its
-    contract."""
+    """K responses to each index in prompt_list, rewarded by reward_fn and added to every rank's DAPS counts. Returns
+    (batch, rewards [B], statuses, texts, metrics); ValueError when reward_fn breaks its contract."""
     t0 = time.time()
     index = [i for i in prompt_list for _ in range(args.k)]
     batch = generate_responses(args, state, [state.prompts[i] for i in index], index, args.max_new_tokens,
@@ -833,9 +811,8 @@ def logprobs_of_mu(args: Args, batch: Batch, old_logprobs):
 
 
 def train_actor(args: Args, state: TrainState, batch: Batch, advantages, old_logprobs, sampler_logprobs, loss_mask):
-    """update_actor on the batch: advantages [B, T] (TIS-weighted by the caller), old_logprobs [B, T] log pi_old,
-    sampler_logprobs [B, T] log mu, the token mean over loss_mask [B, T]. Marks the vLLM engine stale. Returns
-    metrics."""
+    """update_actor (advantages [B, T] TIS-weighted by the caller; old_logprobs [B, T] log pi_old; sampler_logprobs
+    [B, T] log mu; the token mean over loss_mask [B, T]); marks the engine stale. Returns metrics."""
     state.policy.train()
     metrics = update_actor(state.policy, state.actor_opt, batch, advantages, old_logprobs, args, state.update_gen,
                            loss_mask, sampler_logprobs)
@@ -846,11 +823,10 @@ def train_actor(args: Args, state: TrainState, batch: Batch, advantages, old_log
 
 def update_actor(model, optimizer, batch: Batch, advantages, old_logprobs, args: Args, generator, loss_mask=None,
                  sampler_logprobs=None):
-    """ACTOR_LOSSES[args.actor_loss] (token mean over loss_mask [B, T], default batch.response_mask) or
-    flash_reinforce_loss (sample mean): args.actor_epochs passes of args.minibatches steps. advantages [B, T], TIS's
-    w > 0 applied (for PPO too: min(r wA, clip(r) wA) = w min(rA, clip(r) A)). The ratio's denominator: old_logprobs
-    [B, T] log pi_old, or for flash_reinforce sampler_logprobs [B, T] log mu; None: the detached current policy (r =
-    1). Returns metrics."""
+    """ACTOR_LOSSES[args.actor_loss] (token mean over loss_mask [B, T], default: response_mask) or flash_reinforce_loss
+    (sample mean): actor_epochs passes of minibatches steps. advantages [B, T] with TIS's w > 0 (for PPO too: min(r wA,
+    clip(r) wA) = w min(rA, clip(r) A)). Ratio denominator: old_logprobs [B, T] log pi_old, or for flash_reinforce
+    sampler_logprobs [B, T] log mu; None: the detached current policy (r = 1). Returns metrics."""
     device = advantages.device
     loss_mask = batch.response_mask.to(device) if loss_mask is None else loss_mask  # [B, T]
     flash = args.actor_loss == "flash_reinforce"  # its ratio is pi / mu, and num_tokens counts responses
@@ -876,9 +852,8 @@ def update_actor(model, optimizer, batch: Batch, advantages, old_logprobs, args:
 
 
 def train_critic(args: Args, state: TrainState, batch: Batch, values, returns, sampler_logprobs):
-    """update_critic from values [B, T] toward returns [B, T], or PACT's targets (--critic-sync pact): the Monte-Carlo
-    returns weighted by rho_t = pi_new / mu, pi_new from one more pass of the UPDATED actor,
-    sampler_logprobs [B, T] log mu."""
+    """update_critic from values [B, T] toward returns [B, T], or PACT's targets (--critic-sync pact): the returns
+    weighted by rho_t = pi_new / mu, pi_new from one more pass of the UPDATED actor, sampler_logprobs [B, T] log mu."""
     t0 = synced_time(state.device)
     mask = batch.response_mask.to(state.device)  # [B, T]
     targets, critic_mask, metrics = returns, mask, {}  # [B, T] each
@@ -919,12 +894,11 @@ def optimize(module, optimizer, batch: Batch, loss_fn, token_mask, epochs: int, 
              micro_batch_tokens: int, grad_clip: float, generator, amp_dtype, normaliser: str = "tokens",
              features: bool = False) -> dict:
     """The update loop of actor and critic: `epochs` passes, each of `minibatches` optimizer steps, each accumulating
-    micro-batches (micro_batches). loss_fn(rows, mbatch, num_tokens) -> (loss, metrics): rows [b] index the batch,
-    mbatch = batch.rows(rows, features) (its t response columns are the batch's first t; the partial trunk's
-    features copied only when asked: the critic reads them), num_tokens the normaliser counted below, so the
-    micro-batching changes no gradient. A step with a non-finite gradient norm is skipped (weights and optimizer
-    state untouched; the norm is global under FSDP2, so every rank skips it). Returns metrics averaged over steps:
-    grad_norm before clipping, the share clipped (NaN when no step was taken)."""
+    micro_batches. loss_fn(rows, mbatch, num_tokens) -> (loss, metrics): rows [b] index the batch, mbatch =
+    batch.rows(rows, features) (its t response columns the batch's first t; features only when asked), num_tokens the
+    normaliser counted below, so the micro-batching changes no gradient. A step with a non-finite gradient norm is
+    skipped (weights and optimizer state untouched; the norm is global under FSDP2, so every rank skips it). Returns
+    metrics averaged over steps: grad_norm before clipping, the share clipped (NaN when no step was taken)."""
     device = next(module.parameters()).device
     sums, steps, skipped, pads = {"grad_norm": 0.0, "clipped": 0.0}, 0, 0, [0, 0]
     for _ in range(epochs):
@@ -1019,45 +993,55 @@ def daps_select(sampler: PromptSampler, count: int, p_c_of, successes, attempts,
 
 # --- Critic pretraining before step 1 (actor frozen): coverage trajectories, on-policy warm-up ---
 def coverage_pretraining(args: Args, state: TrainState, reward_fn) -> list:
-    """pretrain_critic on coverage trajectories, generated (into <out_dir>/coverage.jsonl) or --coverage-data.
-    Returns its metrics per epoch; the last has time/pretrain."""
+    """The critic on coverage trajectories, generated (generate_coverage, into <out_dir>/coverage.jsonl) or
+    --coverage-data: coverage_epochs passes over 90% of the prompts' trajectories, a critic_update per
+    batch_prompts * k rows. Returns per epoch the fit (EV, loss) on the 10% held out; the last has time/pretrain."""
     t0 = time.time()
     path = args.coverage_data or os.path.join(args.out_dir, "coverage.jsonl")
     if not args.coverage_data:
         n = len(state.problems)
         chosen = random.Random(args.seed + 7).sample(range(n), min(args.coverage_prompts, n))
-        rows = generate_coverage(state.policy.lm, [state.prompts[i] for i in chosen], chosen,
-                                 [state.problems[i].answer for i in chosen], state.tokenizer, reward_fn, state.eos_ids,
-                                 state.pad_id, args, compute_dtype(args.dtype, state.device), state.device)
-        _write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
+        _write_atomic(path, "".join(json.dumps(r) + "\n" for r in generate_coverage(args, state, reward_fn, chosen)))
     with open(path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    epochs = pretrain_critic(args, state, rows)
-    epochs[-1]["time/pretrain"] = time.time() - t0
-    return [{"pretrain/trajectories": len(rows), **m} for m in epochs]
+    prompts = sorted({r["prompt_index"] for r in rows})
+    random.Random(args.seed + 4242).shuffle(prompts)
+    held = set(prompts[: max(1, len(prompts) // 10)] if len(prompts) > 1 else [])
+    fit_rows = [r for r in rows if r["prompt_index"] not in held]
+    held_out = rows_to_batch([r for r in rows if r["prompt_index"] in held] or rows, state.pad_id)
+    size, out = args.batch_prompts * args.k, []
+    for epoch in range(args.coverage_epochs):
+        order = torch.randperm(len(fit_rows), generator=state.update_gen).tolist()
+        losses = [critic_update(args, state, *rows_to_batch([fit_rows[i] for i in order[start: start + size]],
+                                                            state.pad_id))["critic/v_loss"]
+                  for start in range(0, len(order), size)]
+        out.append({"pretrain/trajectories": len(rows), "pretrain/epoch": epoch + 1,
+                    "pretrain/train_v_loss": sum(losses) / max(len(losses), 1),
+                    "pretrain/held_out_rows": len(rows) - len(fit_rows), **held_out_fit(args, state, held_out)})
+    out[-1]["time/pretrain"] = time.time() - t0
+    return out
 
 
-def generate_coverage(actor, prompts: list, prompt_index: list, golds: list, tokenizer, reward_fn, eos_ids, pad_id,
-                      args: Args, amp_dtype, device) -> list:
-    """Trajectories, K per prompt, rows {policy, prompt_index, prompt_ids, response_ids (stop included), reward}, of
-    every --coverage-models entry (default the actor; others loaded in turn, same tokenizer) at every
-    --coverage-temperatures entry (default --temperature)."""
+def generate_coverage(args: Args, state: TrainState, reward_fn, chosen: list) -> list:
+    """Trajectories, K per prompt index of chosen, rows {policy, prompt_index, prompt_ids, response_ids (stop
+    included), reward}, of every --coverage-models entry (default the actor; others loaded in turn, same tokenizer) at
+    every --coverage-temperatures entry (default --temperature)."""
     models = [m for m in args.coverage_models.split(",") if m] or [args.model]
     temperatures = [float(t) for t in args.coverage_temperatures.split(",") if t] or [args.temperature]
-    rows = []
+    idx, rows = [i for i in chosen for _ in range(args.k)], []
     for name, temperature in [(m, t) for m in models for t in temperatures]:
-        model = actor if name == args.model else load_actor(resolve_model(name, args.cache_dir), device)
+        model = (state.policy.lm if name == args.model
+                 else load_actor(resolve_model(name, args.cache_dir), state.device))
         model.eval()
-        idx = [j for j in range(len(prompts)) for _ in range(args.k)]
-        with autocast(device, amp_dtype):
-            batch = generate_hf(model, [prompts[j] for j in idx], [prompt_index[j] for j in idx], eos_ids, pad_id,
+        with autocast(state.device, compute_dtype(args.dtype, state.device)):
+            batch = generate_hf(model, [state.prompts[i] for i in idx], idx, state.eos_ids, state.pad_id,
                                 args.max_new_tokens, temperature, args.gen_batch_size)
-        texts = tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
-        rewards, _ = call_reward(reward_fn, [golds[j] for j in idx], texts, batch.truncated.tolist())
+        texts = state.tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
+        rewards, _ = call_reward(reward_fn, [state.problems[i].answer for i in idx], texts, batch.truncated.tolist())
         lengths = batch.response_mask.sum(1).long().tolist()
-        rows += [{"policy": f"{name}@{temperature}", "prompt_index": prompt_index[j], "prompt_ids": prompts[j],
+        rows += [{"policy": f"{name}@{temperature}", "prompt_index": i, "prompt_ids": state.prompts[i],
                   "response_ids": batch.response_ids[r, :lengths[r]].tolist(), "reward": rewards[r].item()}
-                 for r, j in enumerate(idx)]
+                 for r, i in enumerate(idx)]
         del model
     return rows
 
@@ -1098,25 +1082,6 @@ def critic_update(args: Args, state: TrainState, batch: Batch, rewards) -> dict:
             **update_critic(state.critic, state.critic_opt, batch, values, returns, mask, args, state.update_gen)}
 
 
-def pretrain_critic(args: Args, state: TrainState, rows: list) -> list:
-    """Coverage pretraining: coverage_epochs passes over 90% of the prompts' trajectories, a critic_update per
-    batch_prompts * k rows. Returns per epoch the fit (EV, loss) on the 10% held out."""
-    prompts = sorted({r["prompt_index"] for r in rows})
-    random.Random(args.seed + 4242).shuffle(prompts)
-    held = set(prompts[: max(1, len(prompts) // 10)] if len(prompts) > 1 else [])
-    fit_rows = [r for r in rows if r["prompt_index"] not in held]
-    held_out = rows_to_batch([r for r in rows if r["prompt_index"] in held] or rows, state.pad_id)
-    size, out = args.batch_prompts * args.k, []
-    for epoch in range(args.coverage_epochs):
-        order = torch.randperm(len(fit_rows), generator=state.update_gen).tolist()
-        losses = [critic_update(args, state, *rows_to_batch([fit_rows[i] for i in order[start: start + size]],
-                                                            state.pad_id))["critic/v_loss"]
-                  for start in range(0, len(order), size)]
-        out.append({"pretrain/epoch": epoch + 1, "pretrain/train_v_loss": sum(losses) / max(len(losses), 1),
-                    "pretrain/held_out_rows": len(rows) - len(fit_rows), **held_out_fit(args, state, held_out)})
-    return out
-
-
 WARMUP_MAX_BATCHES = 8  # --critic-warmup-steps plateau: at most this many warm-up batches
 WARMUP_MIN_GAIN = 0.1  # ... and it stops at the first update whose held-out loss is not 10% below the best before
 
@@ -1130,28 +1095,17 @@ def warmup_plateaued(held_out_losses: list) -> bool:
 
 def warmup_rollouts(args: Args, state: TrainState, reward_fn):
     """Fresh rollouts of the next batch_prompts prompts, this rank's share (counted in state): (batch, rewards [B],
-    metrics)."""
+    metrics, rollout/reward and rollout/acc included)."""
     prompts = state.sampler.draw(args.batch_prompts)[state.rank::state.world]
     batch, rewards, _, _, metrics = collect_rollouts(args, state, prompts, reward_fn)
-    return batch, rewards, metrics
-
-
-def critic_warmup_step(args: Args, state: TrainState, reward_fn, held_out) -> dict:
-    """A critic_update on warmup_rollouts, then its fit on the fixed held-out rollouts held_out (held_out_fit).
-    Returns this rank's metrics."""
-    t0 = time.time()
-    batch, rewards, metrics = warmup_rollouts(args, state, reward_fn)
-    metrics.update({"rollout/reward": rewards.mean().item(), "rollout/acc": succeeded(rewards).float().mean().item(),
-                    **critic_update(args, state, batch, rewards), **held_out_fit(args, state, held_out)})
-    metrics["time/pretrain"] = time.time() - t0
-    return metrics
+    return batch, rewards, {**metrics, "rollout/reward": rewards.mean().item(),
+                            "rollout/acc": succeeded(rewards).float().mean().item()}
 
 
 def critic_pretraining(args: Args, state: TrainState, reward_fn, log, say):
     """Before step 1, the actor frozen (S3AC's critic pretraining): coverage pretraining when asked for, then on-policy
-    warm-up, N batches or plateau (warmup_plateaued, at most WARMUP_MAX_BATCHES; ours), each update scored on one
-    batch drawn first and never trained on; --max-minutes counts it. Logged (log), said (say), timed in
-    state.train_s."""
+    warm-up, N batches or plateau (warmup_plateaued, at most WARMUP_MAX_BATCHES; ours), each update scored on one batch
+    drawn first and never trained on; --max-minutes counts it. Logged (log), said (say), timed in state.train_s."""
     if uses_coverage(args):
         epochs = coverage_pretraining(args, state, reward_fn)
         state.train_s += epochs[-1]["time/pretrain"]  # generation (unless --coverage-data) and every epoch
@@ -1168,8 +1122,11 @@ def critic_pretraining(args: Args, state: TrainState, reward_fn, log, say):
                              **{f"{k}_before": v for k, v in held_out_fit(args, state, held_out).items()}})
     held_out_losses, spent = [first["pretrain/v_loss_before"]], time.time() - t0  # the same on every rank
     batches = WARMUP_MAX_BATCHES if plateau else args.critic_warmup_steps
-    for i in range(batches):
-        m = mean_over_ranks(critic_warmup_step(args, state, reward_fn, held_out))  # its rollouts count in state
+    for i in range(batches):  # a critic_update on fresh rollouts, then its fit on held_out
+        t0 = time.time()
+        batch, rewards, m = warmup_rollouts(args, state, reward_fn)  # its rollouts count in state
+        m = mean_over_ranks({**m, **critic_update(args, state, batch, rewards), **held_out_fit(args, state, held_out),
+                             "time/pretrain": time.time() - t0})
         if i == 0:  # the held-out batch's samples and time count in the first record
             m = {**m, **first, "rollout/samples": m["rollout/samples"] + first["rollout/samples"],
                  "time/pretrain": m["time/pretrain"] + spent}
@@ -1195,11 +1152,10 @@ def train(args: Args, reward_fn=None, eval_reward_fn=None):
         evaluate_now = functools.partial(run_evaluation, args, state, run.eval_sets, run.eval_reward_fn,
                                          run.samples_path, say)
 
-        # step 0: evaluation, then critic pretraining (actor frozen): coverage trajectories, on-policy warm-up batches
-        if state.step == 0:
+        if state.step == 0:  # step 0: evaluation, then critic pretraining (actor frozen)
             run.log({"step": 0, **evaluate_now()})
-        if state.step == 0 and state.critic is not None:
-            critic_pretraining(args, state, run.reward_fn, run.log, say)
+            if state.critic is not None:
+                critic_pretraining(args, state, run.reward_fn, run.log, say)
 
         # the loop: a step, evaluation every eval_every steps, one log record, a checkpoint every save_every steps
         for step in run.steps():

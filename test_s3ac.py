@@ -5472,24 +5472,23 @@ def test_warmup_plateaued_hand_cases():
 
 def test_warmup_stops_where_the_hand_count_says_on_one_held_out_set(monkeypatch):
     """critic_pretraining with scripted held-out losses: 1.0 before any update, then 0.6 (< 0.9), 0.5 (< 0.54),
-    0.3 (< 0.45), 0.28 (> 0.27: stop). By hand: 4 updates, one held-out draw, and every update scored on it."""
-    draws, seen = [], []
-    scripted = iter([0.6, 0.5, 0.3, 0.28, 0.1, 0.05])
+    0.3 (< 0.45), 0.28 (> 0.27: stop). By hand: 4 updates, each on a fresh draw, and every fit scored on the one
+    held-out draw made first (never trained on)."""
+    draws, updated, seen = [], [], []
+    scripted = iter([1.0, 0.6, 0.5, 0.3, 0.28, 0.1, 0.05])
     monkeypatch.setattr(s3ac, "warmup_rollouts", lambda args, state, fn: draws.append(object()) or
                         (draws[-1], None, {"rollout/samples": 4}))
-    monkeypatch.setattr(s3ac, "held_out_fit", lambda args, state, held: {"pretrain/v_loss": 1.0,
-                                                                          "pretrain/explained_var": 0.0})
+    monkeypatch.setattr(s3ac, "critic_update", lambda args, state, batch, rewards: updated.append(batch) or {})
 
-    def step(args, state, fn, held_out):
+    def fit(args, state, held_out):
         seen.append(held_out[0])
-        return {"pretrain/v_loss": next(scripted), "pretrain/explained_var": 0.0, "time/pretrain": 1.0,
-                "rollout/samples": 4}
+        return {"pretrain/v_loss": next(scripted), "pretrain/explained_var": 0.0}
 
-    monkeypatch.setattr(s3ac, "critic_warmup_step", step)
+    monkeypatch.setattr(s3ac, "held_out_fit", fit)
     logged = []
     args = s3ac.resolve_args(s3ac.Args(critic_warmup_steps="plateau"))
     s3ac.critic_pretraining(args, types.SimpleNamespace(train_s=0.0), None, logged.append, lambda text: None)
-    assert len(draws) == 1 and len(seen) == 4 and all(h is draws[0] for h in seen)
+    assert len(draws) == 5 and updated == draws[1:] and len(seen) == 5 and all(h is draws[0] for h in seen)
     assert [r["pretrain/v_loss"] for r in logged] == [0.6, 0.5, 0.3, 0.28]
     assert logged[0]["pretrain/v_loss_before"] == 1.0 and logged[0]["rollout/samples"] == 8  # the held-out 4 too
     assert all("pretrain/v_loss_before" not in r for r in logged[1:])
