@@ -571,13 +571,15 @@ def impact_score(signal, h):
 #    C), mu the engine's own log-prob, against the sampler/trainer gap (bf16 vLLM, fp32 trainer). Under --top-p /
 #    --top-k mu is mu / Z on the kept tokens (Z their mass): the weight is about Z, the update their policy gradient
 #    times Z. --is-correction none: mu only feeds rollout/logprob_gap. PACT's rho = pi_new / mu too.
-# 2. log pi_old always comes from a separate no-grad pass (old_policy_logprobs; verl, OpenRLHF): at --minibatches 1 (the
-#    CPU demo's) the ratio is exactly 1 and CISPO's clip never acts; at auto (the paper's: DAPO's 16 of 32) it does.
+# 2. log pi_old comes from a separate no-grad pass (old_policy_logprobs; verl, OpenRLHF; none for FlashREINFORCE on the
+#    engine's mu): at --minibatches 1 (the CPU demo's) the ratio is exactly 1 and CISPO's clip never acts; at auto
+#    (the paper's: DAPO's 16 of 32) it does.
 # 3. Constant lr, AdamW without weight decay (DAPO: 10 warm-up steps, 0.1); fp32 weights/states, bf16 autocast on CUDA.
 # 4. The critic is a separate model (default: the actor's checkpoint; same tokenizer); --critic-layers k trains a copy
 #    of the actor's last k blocks on its hidden states after block L - k (Baseten's partial trunk; see Critic).
 # 5. Log-probs come from the last hidden state and the output embedding in chunks (kernels.logprobs_from_hidden), never
-#    the [B, T, V] logits; models that rescale logits after the output layer (Gemma-2, Granite, Cohere) are refused.
+#    the [B, T, V] logits, fp32 with TF32 matmuls on CUDA (kernels.HEAD_FP32_PRECISION); models that rescale logits
+#    after the output layer (Gemma-2, Granite, Cohere) are refused.
 # 6. The reward reads one final answer by section 4's policy (the last \boxed{}, else the final statement's number;
 #    truncated -1; exact comparison), not math-verify's default extraction; a hung check is killed after
 #    --verify-timeout s and is wrong (see Verifier). Actor and critic load without dropout.
@@ -674,10 +676,12 @@ def train_step(args: Args, state: TrainState, reward_fn):
     if args.adv_norm != "none":  # the actor's advantages alone, over its loss tokens; returns (targets) stay raw
         advantages = masked_whiten(advantages, loss_mask, scale=args.adv_norm == "whiten")  # [B, T] A - mean(A)
     t0 = synced_time(state.device)
-    old_logprobs = old_policy_logprobs(args, state, batch)  # [B, T] log pi_old, before the update
+    engine_mu = args.is_correction == "tis" and batch.sampler_logprobs is not None
+    flash_on_mu = args.actor_loss == "flash_reinforce" and engine_mu  # its ratio is pi / mu: it needs no pi_old
+    old_logprobs = None if flash_on_mu else old_policy_logprobs(args, state, batch)  # [B, T] log pi_old, before
     is_weights, m = importance_weights(args, batch, old_logprobs, loss_mask)  # [B, T] TIS: min(pi_old / mu, C)
     metrics.update(m)
-    sampler_logprobs = logprobs_of_mu(args, batch, old_logprobs)  # [B, T] log mu (FlashREINFORCE's ratio, PACT's rho)
+    sampler_logprobs = logprobs_of_mu(args, batch, old_logprobs, state.device)  # [B, T] log mu (PACT's rho too)
     metrics.update(train_actor(args, state, batch, is_weights * advantages, old_logprobs, sampler_logprobs,
                                loss_mask))  # w_t A_t
     metrics["time/actor"] = synced_time(state.device) - t0
@@ -788,11 +792,12 @@ def actor_loss_mask(args: Args, batch: Batch, mask):
 
 def importance_weights(args: Args, batch: Batch, old_logprobs, loss_mask):
     """(w [B, T], metrics): TIS's min(pi_old / mu, C) (tis_weights) with --is-correction tis and the engine's
-    log-probs, else 1 (and for flash_reinforce, whose loss holds pi / mu). Metrics, whenever the engine gave
-    log-probs: the gap |log pi_old - log mu| and the weights' statistics over loss_mask [B, T]."""
+    log-probs, else 1 (and for flash_reinforce, whose loss holds pi / mu; 1.0 where old_logprobs is None). Metrics,
+    with the engine's log-probs and log pi_old: the gap |log pi_old - log mu| and the weights' statistics over
+    loss_mask [B, T]."""
+    if batch.sampler_logprobs is None or old_logprobs is None:  # no engine log-probs, or no pi_old pass
+        return 1.0, {}
     ones = torch.ones_like(old_logprobs)  # [B, T]
-    if batch.sampler_logprobs is None:
-        return ones, {}
     sampler = batch.sampler_logprobs.to(old_logprobs.device)  # [B, T] log mu
     gap = (old_logprobs - sampler).abs()[loss_mask.bool()]  # [N]
     w, m = tis_weights(old_logprobs, sampler, loss_mask, args.is_cap)  # [B, T]
@@ -802,11 +807,12 @@ def importance_weights(args: Args, batch: Batch, old_logprobs, loss_mask):
     return (w if args.is_correction == "tis" and args.actor_loss != "flash_reinforce" else ones), metrics
 
 
-def logprobs_of_mu(args: Args, batch: Batch, old_logprobs):
-    """log mu [B, T], the policy the rollouts were drawn from, as FlashREINFORCE's pi / mu and PACT's rho_t = pi_new
-    / mu read it: the engine's own log-probs with --is-correction tis (where it gave them), else log pi_old [B, T]."""
+def logprobs_of_mu(args: Args, batch: Batch, old_logprobs, device):
+    """log mu [B, T] on device, the policy the rollouts were drawn from, as FlashREINFORCE's pi / mu and PACT's rho_t
+    = pi_new / mu read it: the engine's own log-probs with --is-correction tis (where it gave them), else log pi_old
+    [B, T]."""
     if args.is_correction == "tis" and batch.sampler_logprobs is not None:
-        return batch.sampler_logprobs.to(old_logprobs.device)  # [B, T]
+        return batch.sampler_logprobs.to(device)  # [B, T]
     return old_logprobs
 
 
@@ -1104,8 +1110,9 @@ def warmup_rollouts(args: Args, state: TrainState, reward_fn):
 
 def critic_pretraining(args: Args, state: TrainState, reward_fn, log, say):
     """Before step 1, the actor frozen (S3AC's critic pretraining): coverage pretraining when asked for, then on-policy
-    warm-up, N batches or plateau (warmup_plateaued, at most WARMUP_MAX_BATCHES; ours), each update scored on one batch
-    drawn first and never trained on; --max-minutes counts it. Logged (log), said (say), timed in state.train_s."""
+    warm-up, plateau (warmup_plateaued, at most WARMUP_MAX_BATCHES; ours: each update scored on one batch drawn first
+    and never trained on) or N batches (each scored on its own rollouts before it trains on them); --max-minutes counts
+    it. Logged (log), said (say), timed in state.train_s."""
     if uses_coverage(args):
         epochs = coverage_pretraining(args, state, reward_fn)
         state.train_s += epochs[-1]["time/pretrain"]  # generation (unless --coverage-data) and every epoch
@@ -1116,25 +1123,28 @@ def critic_pretraining(args: Args, state: TrainState, reward_fn, log, say):
     plateau = args.critic_warmup_steps == "plateau"
     if not (plateau or args.critic_warmup_steps):
         return
-    t0 = time.time()
-    *held_out, drawn = warmup_rollouts(args, state, reward_fn)  # the first batch: never trained on, scores each update
-    first = mean_over_ranks({"rollout/samples": drawn["rollout/samples"],
-                             **{f"{k}_before": v for k, v in held_out_fit(args, state, held_out).items()}})
-    held_out_losses, spent = [first["pretrain/v_loss_before"]], time.time() - t0  # the same on every rank
+    t0, first, held_out = time.time(), {}, None
+    if plateau:  # the first batch: never trained on, scores each update (N batches draw none: each is scored before)
+        *held_out, drawn = warmup_rollouts(args, state, reward_fn)
+        first = mean_over_ranks({"rollout/samples": drawn["rollout/samples"],
+                                 **{f"{k}_before": v for k, v in held_out_fit(args, state, held_out).items()}})
+    held_out_losses, spent = [first.get("pretrain/v_loss_before")], time.time() - t0  # the same on every rank
     batches = WARMUP_MAX_BATCHES if plateau else args.critic_warmup_steps
-    for i in range(batches):  # a critic_update on fresh rollouts, then its fit on held_out
+    for i in range(batches):  # a critic_update on fresh rollouts, fit on held_out after it, or on them before it
         t0 = time.time()
         batch, rewards, m = warmup_rollouts(args, state, reward_fn)  # its rollouts count in state
-        m = mean_over_ranks({**m, **critic_update(args, state, batch, rewards), **held_out_fit(args, state, held_out),
+        fresh = {} if plateau else held_out_fit(args, state, (batch, rewards))  # not yet trained on
+        m = {**m, **fresh, **critic_update(args, state, batch, rewards)}
+        m = mean_over_ranks({**m, **(held_out_fit(args, state, held_out) if plateau else {}),
                              "time/pretrain": time.time() - t0})
-        if i == 0:  # the held-out batch's samples and time count in the first record
+        if i == 0 and first:  # the held-out batch's samples and time count in the first record
             m = {**m, **first, "rollout/samples": m["rollout/samples"] + first["rollout/samples"],
                  "time/pretrain": m["time/pretrain"] + spent}
         state.train_s += m["time/pretrain"]
         log({"step": 0, "pretrain/warmup_step": i + 1, **m})
         say(f"critic warm-up batch {i + 1} of {'at most ' if plateau else ''}{batches} | held-out EV "
-            f"{m['pretrain/explained_var']:+.3f} v_loss {m['pretrain/v_loss']:.4f} (the fixed held-out rollouts, "
-            f"after its update)")
+            f"{m['pretrain/explained_var']:+.3f} v_loss {m['pretrain/v_loss']:.4f} "
+            f"({'the fixed held-out rollouts, after its update' if plateau else 'its rollouts, before its update'})")
         held_out_losses.append(m["pretrain/v_loss"])
         if plateau and warmup_plateaued(held_out_losses):
             say(f"critic warm-up: the fit stopped improving after {i + 1} batches")

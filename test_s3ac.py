@@ -1819,7 +1819,7 @@ def test_flash_reinforce_defaults_and_k():
 
 def test_smoke_flash_reinforce_logs_its_metrics_and_trains(tiny, tmp_path):
     """python s3ac.py --algo flash_reinforce --k 1 with a reward that varies (even length): two steps log the trust
-    region's drop share and mean KL, take one optimizer step each, and move the weights."""
+    region's drop share and mean KL, take one optimizer step each with no log pi_old pass, and move the weights."""
     reward = tmp_path / "even.py"
     reward.write_text("def reward(golds, completions, truncated):\n"
                       "    r = [1.0 if len(c) % 2 == 0 else -1.0 for c in completions]\n"
@@ -1834,6 +1834,7 @@ def test_smoke_flash_reinforce_logs_its_metrics_and_trains(tiny, tmp_path):
     for r in records[1:]:
         assert 0 <= r["actor/trust_region_drop"] <= 1 and r["actor/seq_kl"] >= 0 and r["actor/skipped_steps"] == 0
         assert not [k for k in r if k.startswith("critic/")]
+        assert "rollout/logprob_gap_mean" not in r  # no log pi_old pass: its ratio is pi / mu, mu the sampler's
     assert any(r["actor/grad_norm"] > 0 for r in records[1:]), records  # the rewards differed in some step
     from transformers import AutoModelForCausalLM
     trained = AutoModelForCausalLM.from_pretrained(os.path.join(s3ac.latest_checkpoint(out), "actor"))
@@ -5492,6 +5493,25 @@ def test_warmup_stops_where_the_hand_count_says_on_one_held_out_set(monkeypatch)
     assert [r["pretrain/v_loss"] for r in logged] == [0.6, 0.5, 0.3, 0.28]
     assert logged[0]["pretrain/v_loss_before"] == 1.0 and logged[0]["rollout/samples"] == 8  # the held-out 4 too
     assert all("pretrain/v_loss_before" not in r for r in logged[1:])
+
+
+def test_a_fixed_warmup_draws_no_held_out_batch_and_scores_each_batch_before_it_trains(monkeypatch):
+    """--critic-warmup-steps 3: three draws, no more (plateau draws a held-out batch first), each fit on its own draw
+    before critic_update trains on it, and logged as that batch's record."""
+    events, draws = [], []
+    monkeypatch.setattr(s3ac, "warmup_rollouts", lambda args, state, fn: draws.append(object()) or
+                        (draws[-1], None, {"rollout/samples": 4}))
+    monkeypatch.setattr(s3ac, "critic_update", lambda args, state, batch, rewards: events.append(("update", batch))
+                        or {"critic/v_loss": 0.0})
+    losses = iter([0.9, 0.7, 0.6])
+    monkeypatch.setattr(s3ac, "held_out_fit", lambda args, state, held: events.append(("fit", held[0])) or
+                        {"pretrain/v_loss": next(losses), "pretrain/explained_var": 0.1})
+    logged = []
+    args = s3ac.resolve_args(s3ac.Args(critic_warmup_steps=3))
+    s3ac.critic_pretraining(args, types.SimpleNamespace(train_s=0.0), None, logged.append, lambda text: None)
+    assert len(draws) == 3 and events == [(kind, d) for d in draws for kind in ("fit", "update")]
+    assert [r["pretrain/v_loss"] for r in logged] == [0.9, 0.7, 0.6] and [r["rollout/samples"] for r in logged] == [4] * 3
+    assert all("pretrain/v_loss_before" not in r for r in logged)
 
 
 def _pretrain_records(out):
