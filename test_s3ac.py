@@ -2471,7 +2471,7 @@ def test_readme_figure_is_in_the_repository_and_its_command_draws_it(tmp_path):
 
 def test_figure_mean_and_band_from_tiny_tables_and_run_files(tmp_path):
     """.ci/figure.py on two tiny tables (two seeds of each method; GRPO left out) and on the same runs as run
-    folders (compare's names): minutes from s3ac.read_records (S3AC: 30 s of warm-up, then 1.5 s a step;
+    folders (compare's names): minutes from curves.read_records (S3AC: 30 s of warm-up, then 1.5 s a step;
     REINFORCE++: 60 steps over --minutes 2), pass@1 joined linearly, mean and one standard error, worked by hand;
     the EV panel's mean over seeds of each run's second-half mean."""
     import matplotlib.pyplot as plt
