@@ -574,12 +574,15 @@ def head_matmul_precision(device_type: str):
     if device_type != "cuda":
         yield
         return
-    before = torch.backends.cuda.matmul.fp32_precision
-    torch.backends.cuda.matmul.fp32_precision = HEAD_FP32_PRECISION
+    matmul = torch.backends.cuda.matmul
+    name, value = (("fp32_precision", HEAD_FP32_PRECISION) if hasattr(matmul, "fp32_precision")  # torch >= 2.9
+                   else ("allow_tf32", HEAD_FP32_PRECISION == "tf32"))  # the legacy flag of older torch
+    before = getattr(matmul, name)
+    setattr(matmul, name, value)
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.fp32_precision = before
+        setattr(matmul, name, before)
 
 
 @_jit(do_not_specialize=["V", "stride_row"])

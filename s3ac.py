@@ -22,9 +22,11 @@ importance_weights (TIS: min(pi_old / mu, C)) -> logprobs_of_mu (log mu) -> trai
 the one loss normaliser -> cispo_loss) -> train_critic (update_critic toward the returns, or PACT's pact_targets) ->
 critic_metrics (explained variance EV, V(s_0) EV, c: the critic's compute over the actor's, ...).
 
-Where to look: section 3a opens with the reward's contract, its checker call_reward, and make_rewards (which
-reward trains, which evaluates, which golds each reads); every "auto" flag's rule is in the last block of
-resolve_args (a run says each at start).
+Where to look: the loss normaliser is optimize's (a mini-batch's loss tokens over every rank, counted once; each
+micro-batch's loss divides by it); the critic's targets are decoupled_gae's returns (Monte-Carlo at critic lambda 1)
+or pact_targets; DAPS is daps_estimate and daps_accept_prob (section 1), applied by daps_select (section 2); the
+reward's contract, call_reward and make_rewards open section 3a; defaults are Args' fields (section 4), and every
+"auto" flag's rule is in the last block of resolve_args (a run says each at start).
 
 Run:
     python s3ac.py --model Qwen/Qwen2.5-Math-1.5B          # paper setting, GPU: DAPO-Math, evaluated on MATH-500
@@ -676,9 +678,7 @@ def train_step(args: Args, state: TrainState, reward_fn):
     if args.adv_norm != "none":  # the actor's advantages alone, over its loss tokens; returns (targets) stay raw
         advantages = masked_whiten(advantages, loss_mask, scale=args.adv_norm == "whiten")  # [B, T] A - mean(A)
     t0 = synced_time(state.device)
-    engine_mu = args.is_correction == "tis" and batch.sampler_logprobs is not None
-    flash_on_mu = args.actor_loss == "flash_reinforce" and engine_mu  # its ratio is pi / mu: it needs no pi_old
-    old_logprobs = None if flash_on_mu else old_policy_logprobs(args, state, batch)  # [B, T] log pi_old, before
+    old_logprobs = old_policy_logprobs(args, state, batch) if needs_pi_old(args, batch) else None  # [B, T] log pi_old
     is_weights, m = importance_weights(args, batch, old_logprobs, loss_mask)  # [B, T] TIS: min(pi_old / mu, C)
     metrics.update(m)
     sampler_logprobs = logprobs_of_mu(args, batch, old_logprobs, state.device)  # [B, T] log mu (PACT's rho too)
@@ -780,6 +780,13 @@ def old_policy_logprobs(args: Args, state: TrainState, batch: Batch):
     ratio's denominator in every optimizer step of the update, and TIS's numerator."""
     with autocast(state.device, compute_dtype(args.dtype, state.device)):
         return policy_logprobs(state.policy, batch, args.temperature, args.micro_batch_tokens)  # [B, T]
+
+
+def needs_pi_old(args: Args, batch: Batch) -> bool:
+    """Whether the step makes the log pi_old pass: every actor loss but FlashREINFORCE's on the engine's log mu (its
+    ratio is pi / mu)."""
+    return not (args.actor_loss == "flash_reinforce" and args.is_correction == "tis"
+                and batch.sampler_logprobs is not None)
 
 
 def actor_loss_mask(args: Args, batch: Batch, mask):
@@ -949,7 +956,7 @@ def step_metrics(args: Args, state: TrainState, batch: Batch, rewards, statuses:
     """The step's rollout/, verify/, prompts/ metrics and perf/padding: pad / computed slots over
     its passes (no-grad ones over the batch, and the updates' pad_slots and slots, taken out of metrics)."""
     mask = batch.response_mask.to(rewards.device)  # [B, T]
-    passes = 1 + (state.critic is not None) + (args.critic_sync == "pact")  # no-grad: log pi_old, values, PACT's
+    passes = needs_pi_old(args, batch) + (state.critic is not None) + (args.critic_sync == "pact")  # no-grad passes
     pad, slots = (passes * n for n in padding_counts(batch, micro_batches(batch, args.micro_batch_tokens)))
     for part in ("actor", "critic"):  # the updates' micro-batches (optimize)
         pad, slots = pad + metrics.pop(f"{part}/pad_slots", 0), slots + metrics.pop(f"{part}/slots", 0)

@@ -1817,6 +1817,25 @@ def test_flash_reinforce_defaults_and_k():
         s3ac.resolve_args(s3ac.Args(algo="flash_reinforce", trust_delta=-1.0))
 
 
+def test_perf_padding_counts_the_no_grad_passes_each_algorithm_makes():
+    """step_metrics' perf/padding by hand on rows of 2 + 3 and 1 + 1 tokens (two micro-batches: together they would
+    pad 3 of 10 slots, over MAX_PADDING; so 7 slots a pass, none padding) and an update of 20 slots, 4 padding:
+    FlashREINFORCE on the engine's log mu makes no no-grad pass (4 / 20), on log pi_old one (4 / 27); S3AC two,
+    pi_old and values (4 / 34), three under PACT (4 / 41)."""
+    batch = s3ac.Batch(torch.tensor([[1, 1], [0, 1]]), torch.tensor([[1.0, 1.0], [0.0, 1.0]]),
+                       torch.tensor([[5, 5, 5], [5, 0, 0]]), torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]]),
+                       torch.tensor([False, False]), torch.tensor([0, 1]), sampler_logprobs=torch.zeros(2, 3))
+    state = types.SimpleNamespace(critic=None, successes=torch.zeros(2), attempts=torch.ones(2))
+    cases = [("flash_reinforce", "tis", None, "s3ac", 4 / 20), ("flash_reinforce", "none", None, "s3ac", 4 / 27),
+             ("cispo", "tis", object(), "s3ac", 4 / 34), ("cispo", "tis", object(), "pact", 4 / 41)]
+    for loss, correction, critic, sync, want in cases:
+        args = types.SimpleNamespace(actor_loss=loss, is_correction=correction, critic_sync=sync, micro_batch_tokens=64)
+        state.critic = critic
+        m = s3ac.step_metrics(args, state, batch, torch.tensor([1.0, -1.0]), ["correct", "wrong"],
+                              {"actor/pad_slots": 4, "actor/slots": 20})
+        assert m["perf/padding"] == pytest.approx(want), (loss, correction, sync)
+
+
 def test_smoke_flash_reinforce_logs_its_metrics_and_trains(tiny, tmp_path):
     """python s3ac.py --algo flash_reinforce --k 1 with a reward that varies (even length): two steps log the trust
     region's drop share and mean KL, take one optimizer step each with no log pi_old pass, and move the weights."""

@@ -391,7 +391,10 @@ def bench_gpu(print_json, sizes=SIZES["full"], device="cuda"):
         weight = (torch.randn(V, H, device=dev, generator=g) * H ** -0.5).to(dtype).requires_grad_()
         targets = torch.randint(0, V, (N,), device=dev, generator=g)
         rows = {}
-        for label, fn in [("naive", naive_logprobs), ("triton", kernels._logprobs_from_hidden_triton),
+        def naive(*a):  # at the head's precision too (TF32 on CUDA for fp32 inputs), so that the rows compare
+            with kernels.head_matmul_precision(dev.type):
+                return naive_logprobs(*a)
+        for label, fn in [("naive", naive), ("triton", kernels._logprobs_from_hidden_triton),
                           ("ref", kernels.logprobs_from_hidden_ref)]:
             def run():
                 hidden.grad = weight.grad = None

@@ -6,7 +6,7 @@
 The head is z = h W^T (h [N, H] final hidden states, W [V, H] the output embedding), log pi(y) = z_y - logsumexp z.
 Each precision's log-probs are compared with fp64's on the same fp32 inputs, its rounding emulated on this CPU
 (a GPU is not needed to know what a precision rounds, only to time it):
-- fp32: what s3ac.py runs (kernels.logprobs_from_hidden with fp32 inputs, TF32 off);
+- fp32: IEEE fp32 matmuls (what s3ac.py runs on a CPU, and ran on CUDA before TF32 was chosen);
 - tf32: both inputs rounded to 10 mantissa bits (round to nearest; also truncated, the worse case), fp32 products
   and accumulation: what CUDA's TF32 tensor cores do;
 - bf16 -> fp32: inputs rounded to bf16, fp32 accumulation, fp32 logits;
