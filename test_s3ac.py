@@ -4891,6 +4891,12 @@ def test_kernels_head_precision_is_set_for_cuda_matmuls_only_and_restored(kops, 
         raise RuntimeError("inside")
     assert torch.backends.cuda.matmul.fp32_precision == before  # restored on an error too
     torch.get_float32_matmul_precision()  # torch's legacy getter still reads (it raises while the new API is set)
+    legacy = types.SimpleNamespace(allow_tf32=False)  # torch < 2.9: no fp32_precision, the allow_tf32 flag
+    with monkeypatch.context() as m:
+        m.setattr(torch.backends.cuda, "matmul", legacy)
+        with K.head_matmul_precision("cuda"):
+            assert legacy.allow_tf32 is True
+        assert legacy.allow_tf32 is False
     g = torch.Generator().manual_seed(2)
     hidden, weight = torch.randn(6, 64, generator=g), torch.randn(4000, 64, generator=g) / 8
     targets = torch.randint(0, 4000, (6,), generator=g)
