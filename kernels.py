@@ -562,7 +562,7 @@ def bce_value_loss(value_logits: Tensor, targets: Tensor, response_mask: Tensor,
 
 LOGITS_CHUNK_ELEMENTS = 1 << 24  # logits held at once (rows * V forward, N * V_chunk backward): 64 MiB in fp32
 # The head's fp32 matmuls on CUDA: "tf32" (inputs rounded to 10 mantissa bits, fp32 accumulation), or "ieee". Chosen
-# by measurement (.ci/head_precision.py): TF32's log-prob error is a tenth of what the bf16 trunk already carries,
+# by measurement (.ci/head_precision.py): TF32's log-prob error is a twelfth of what the bf16 trunk already carries,
 # its arithmetic a seventh of fp32's. CPU matmuls are fp32 whatever this says.
 HEAD_FP32_PRECISION = "tf32"
 

@@ -135,7 +135,6 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="small sizes: the code path in seconds")
     opts = parser.parse_args(argv)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     V, H, N = (1024, 64, 32) if opts.tiny else (151_936, 1_536, 256)
     rows = []
     for regime, std, lead in (("qwen-shaped, spread", 3.0, 0.0), ("qwen-shaped, confident", 3.0, 12.0)):
