@@ -3659,7 +3659,7 @@ def test_compare_summary_response_length_and_trust_region_drop(tmp_path):
 
 def test_compare_table_arithmetic(tmp_path):
     """Means and standard errors over seeds, pass@1 at the least training time any run reached (a step that runs
-    across it counts), the best of those evaluations, its step and final - best, the second half of the steps for EV,
+    across it counts), the best of all its evaluations, its step and final - best, the second half of the steps for EV,
     all steps for c, and '-' for the keys a critic-free run lacks; the paired differences by seed."""
     compare = load_ci("compare")
     ev = lambda e, v0, c: {"critic/explained_var": e, "critic/adv_explained_var": v0, "critic/compute_ratio": c}
@@ -3677,14 +3677,15 @@ def test_compare_table_arithmetic(tmp_path):
                         "best pass@1 | best at step | final - best | largest drop | fell | token EV | V(s_0) EV | c | "
                         "efficiency, token EV | efficiency, V(s_0) EV | response length at the end | "
                         "trust-region drop |")
-    # by hand: at 3 min the step-2 evaluations (2 min) 0.3, 0.2; best 0.3 (step 2) and 0.3 (step 1), so final - best
-    # 0 and -0.1; token EV over steps 3-4: 0.3 and 0.6 (null skipped); V(s_0) EV 0.2 and 0.5; c 0.4 and 0.35;
+    # by hand: at 3 min the step-2 evaluations (2 min) 0.3, 0.2; the best of all 0.5 and 0.4 (step 4 each, the
+    # last; by 3 min 0.3 and 0.3), so final - best 0 and 0 (from the 3-minute evaluations -0.2 and -0.1);
+    # token EV over steps 3-4: 0.3 and 0.6 (null skipped); V(s_0) EV 0.2 and 0.5; c 0.4 and 0.35;
     # efficiency 1 / ((1 - EV)(1 + c))
     se = lambda a, b: abs(a - b) / 2  # the standard error of two values: std (n - 1) / sqrt(2) = |a - b| / 2
     eff_token, eff_v0 = (1 / (0.7 * 1.4), 1 / (0.4 * 1.35)), (1 / (0.8 * 1.4), 1 / (0.5 * 1.35))
     # the last evaluations 0.5 and 0.4 at the end; no rollout/acc logged: no largest drop
-    want = [(4.0, 0.0), (4.0, 0.0), (0.1, 0.0), (0.25, se(0.3, 0.2)), (0.45, se(0.5, 0.4)), (0.3, 0.0),
-            (1.5, se(2, 1)), (-0.05, se(0.0, -0.1)), None, None, (0.45, se(0.3, 0.6)), (0.35, se(0.2, 0.5)),
+    want = [(4.0, 0.0), (4.0, 0.0), (0.1, 0.0), (0.25, se(0.3, 0.2)), (0.45, se(0.5, 0.4)), (0.45, se(0.5, 0.4)),
+            (4.0, 0.0), (0.0, 0.0), None, None, (0.45, se(0.3, 0.6)), (0.35, se(0.2, 0.5)),
             (0.375, se(0.4, 0.35)), (sum(eff_token) / 2, se(*eff_token)), (sum(eff_v0) / 2, se(*eff_v0)), None, None]
     assert table[2] == "| s3ac | 2 | " + " | ".join("-" if w is None else f"{w[0]:.3f} ± {w[1]:.3f}"
                                                     for w in want) + " |"

@@ -85,9 +85,9 @@ def run_summary(records: list, at_minutes: float) -> dict:
     """One run of the comparison, from curves.read_records: the training minutes it reached (a run stopped by
     --max-minutes passes the budget by up to one step); pass@1 at step 0; pass@1 at at_minutes (the last evaluation
     by that minute of training, or after the step running at that minute: a run stopped by --max-minutes ends with
-    the step that crosses the budget, so its final evaluation counts at it); the best pass@1 of those evaluations, the
-    step it came at, and final minus best (0 for a curve that ends at its best); token EV and V(s_0) EV averaged over
-    the second half of its steps; c over all steps; and efficiency 1 / ((1 - EV)(1 + c)) of those means, once with the
+    the step that crosses the budget, so its final evaluation counts at it); the best pass@1 of all its evaluations,
+    the step it came at, and its last minus its best (0 for a curve that ends at its best); token EV and V(s_0) EV
+    averaged over the second half of its steps; c over all steps; and efficiency 1 / ((1 - EV)(1 + c)) of those means, once with the
     token EV and once with V(s_0) EV (as critic/efficiency); the mean response length of its last 5 steps by
     at_minutes; the trust region's drop share over all steps (FlashREINFORCE); its steps, its last evaluation (at
     the end), its largest_drop and whether that is FALL or more (1 or 0). NaN where the run logged no such key
@@ -95,7 +95,7 @@ def run_summary(records: list, at_minutes: float) -> dict:
     steps, evals = [r for r in records if "perf/step_s" in r], [r for r in records if r.get("eval/pass@1") is not None]
     half = steps[len(steps) // 2:]
     on_time = evaluations_by(records, at_minutes)
-    best = max(on_time, key=lambda r: r["eval/pass@1"])  # the first of equal bests
+    best = max(evals, key=lambda r: r["eval/pass@1"])  # the first of equal bests; a fixed-step run's whole curve
     token_ev = mean_se([r.get("critic/explained_var") for r in half])[0]
     v0_ev = mean_se([r.get("critic/adv_explained_var") for r in half])[0]
     c = mean_se([r.get("critic/compute_ratio") for r in steps])[0]
@@ -104,7 +104,7 @@ def run_summary(records: list, at_minutes: float) -> dict:
     return {"steps": len(steps), "minutes": records[-1]["minutes"], "pass@1 at step 0": evals[0]["eval/pass@1"],
             "pass@1 at equal minutes": on_time[-1]["eval/pass@1"], "pass@1 at the end": evals[-1]["eval/pass@1"],
             "best pass@1": best["eval/pass@1"], "best at step": best["step"],
-            "final - best": on_time[-1]["eval/pass@1"] - best["eval/pass@1"], "largest drop": drop,
+            "final - best": evals[-1]["eval/pass@1"] - best["eval/pass@1"], "largest drop": drop,
             "fell": float(drop >= FALL) if math.isfinite(drop) else math.nan,
             "token EV": token_ev, "V(s_0) EV": v0_ev, "c": c, "efficiency, token EV": critic_efficiency(token_ev, c),
             "efficiency, V(s_0) EV": critic_efficiency(v0_ev, c), "response length at the end": length,
