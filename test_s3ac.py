@@ -3674,7 +3674,8 @@ def test_compare_table_arithmetic(tmp_path):
             "grpo": [read_records(str(tmp_path / "g"))], "late": [read_records(str(tmp_path / "late"))]}
     table = compare.compare_table(runs).splitlines()
     assert table[0] == ("| run | seeds | steps | minutes | pass@1 at step 0 | pass@1 at 3.0 min | pass@1 at the end | "
-                        "best pass@1 | best at step | final - best | largest drop | fell | token EV | V(s_0) EV | c | "
+                        "best pass@1 | best at step | final - best | largest drop | fell | held-out fall | token EV | "
+                        "V(s_0) EV | c | "
                         "efficiency, token EV | efficiency, V(s_0) EV | response length at the end | "
                         "trust-region drop |")
     # by hand: at 3 min the step-2 evaluations (2 min) 0.3, 0.2; the best of all 0.5 and 0.4 (step 4 each, the
@@ -3683,17 +3684,18 @@ def test_compare_table_arithmetic(tmp_path):
     # efficiency 1 / ((1 - EV)(1 + c))
     se = lambda a, b: abs(a - b) / 2  # the standard error of two values: std (n - 1) / sqrt(2) = |a - b| / 2
     eff_token, eff_v0 = (1 / (0.7 * 1.4), 1 / (0.4 * 1.35)), (1 / (0.8 * 1.4), 1 / (0.5 * 1.35))
-    # the last evaluations 0.5 and 0.4 at the end; no rollout/acc logged: no largest drop
+    # the last evaluations 0.5 and 0.4 at the end; no rollout/acc logged: no largest drop; held-out falls 0 (0.1,
+    # 0.3, 0.5) and 0.1 (0.3 then 0.2)
     want = [(4.0, 0.0), (4.0, 0.0), (0.1, 0.0), (0.25, se(0.3, 0.2)), (0.45, se(0.5, 0.4)), (0.45, se(0.5, 0.4)),
-            (4.0, 0.0), (0.0, 0.0), None, None, (0.45, se(0.3, 0.6)), (0.35, se(0.2, 0.5)),
+            (4.0, 0.0), (0.0, 0.0), None, None, (0.05, se(0.0, 0.1)), (0.45, se(0.3, 0.6)), (0.35, se(0.2, 0.5)),
             (0.375, se(0.4, 0.35)), (sum(eff_token) / 2, se(*eff_token)), (sum(eff_v0) / 2, se(*eff_v0)), None, None]
     assert table[2] == "| s3ac | 2 | " + " | ".join("-" if w is None else f"{w[0]:.3f} ± {w[1]:.3f}"
                                                     for w in want) + " |"
-    assert table[3] == ("| grpo | 1 | 3.000 | 3.000 | 0.100 | 0.250 | 0.250 | 0.250 | 3.000 | 0.000 | - | - | - | - | "
-                        "- | - | - | - | - |")
+    assert table[3] == ("| grpo | 1 | 3.000 | 3.000 | 0.100 | 0.250 | 0.250 | 0.250 | 3.000 | 0.000 | - | - | 0.000 | "
+                        "- | - | - | - | - | - | - |")
     # its step 3 began before minute 3, so its evaluation counts
-    assert table[4] == ("| late | 1 | 3.000 | 3.500 | 0.100 | 0.350 | 0.350 | 0.350 | 3.000 | 0.000 | - | - | - | - | "
-                        "- | - | - | - | - |")
+    assert table[4] == ("| late | 1 | 3.000 | 3.500 | 0.100 | 0.350 | 0.350 | 0.350 | 3.000 | 0.000 | - | - | 0.000 | "
+                        "- | - | - | - | - | - | - |")
     paired = compare.paired_table({"s3ac": runs["s3ac"], "late": [runs["late"][0]] * 2}, "s3ac", ["late"])
     # equal minutes 3.5 here (late's): step 4 of s0 and s1 began at minute 3, so 0.5 - 0.35 and 0.4 - 0.35; from
     # minute 1.75 on: s0 mean(0.3, 0.5), s1 mean(0.2, 0.4), late 0.35 (step 3), so +0.05 and -0.05; at equal samples
@@ -3725,6 +3727,23 @@ def test_largest_drop_and_fall_by_hand(tmp_path):
     assert compare.largest_drop(read_records(str(tmp_path / "c"))) == 0.0
     write_run(str(tmp_path / "d"), {0: 0.1, 4: 0.2}, [{"rollout/acc": 0.5}] * 4)
     assert math.isnan(compare.largest_drop(read_records(str(tmp_path / "d"))))
+
+
+def test_fall_noise_floor_against_exact_cases(tmp_path):
+    """flat_run_drops against cases worked by hand: 2 steps of 1 rollout, window 1, drop 1 exactly when the first is
+    right and the second wrong, p (1 - p) (0.21 at p 0.3; 2,000 runs: standard error 0.009), else 0, so the median is
+    0; a rate of 0 or 1 never moves. heldout_fall: evaluations 0.2, 0.5, 0.3, 0.45, 0.1 fall 0.4 below the best so
+    far (not 0.1 below the first, nor 0.35 below the last local peak). noise_floor's line names the pooled rate."""
+    compare = load_ci("compare")
+    median, share = compare.flat_run_drops(0.3, 1, 2, window=1, trials=2000, seed=1)
+    assert median == 0.0 and abs(share - 0.21) < 0.04
+    assert compare.flat_run_drops(0.0, 16, 20) == (0.0, 0.0) and compare.flat_run_drops(1.0, 16, 20) == (0.0, 0.0)
+    write_run(str(tmp_path / "a"), {0: 0.2, 1: 0.5, 2: 0.3, 3: 0.45, 4: 0.1},
+              [{"rollout/acc": 0.25, "rollout/samples": 16}] * 4)
+    records = read_records(str(tmp_path / "a"))
+    assert compare.heldout_fall(records) == pytest.approx(0.4)
+    assert compare.noise_floor({"x": [records]}).startswith("A run whose success rate stayed at 0.250 (16 rollouts a "
+                                                              "step, 4 steps)")
 
 
 def test_pitman_morgan_against_the_variance_ratio_form():

@@ -9,15 +9,15 @@ the prompts (equal samples per step); --only s3ac-k1,flash_reinforce-k1 runs one
 one after another, seed s of every config before seed s + 1; each with the same --max-minutes, the same training
 data and the same held-out problems (--eval-data heldout is one fixed sample for every seed), and seed s of every
 config draws the same prompt order (S3AC's critic warm-up takes its first batches). With --steps N every run stops
-after step N instead (no minute budget): pass@1 "at the end" is then at the fixed step, and "at equal minutes" at the
-least time any run took. --only s3ac-center-k1 adds S3AC with --adv-norm center (run only when named). Then one
-table (compare_table) with pass@1 at equal minutes and at the end, each run's best
-pass@1, the step it came at and its final minus best, its largest drop (largest_drop) and whether it fell by
-FALL or more, its response length at the end and FlashREINFORCE's trust-region drop share; one row per run
+after step N instead (no minute budget): pass@1 "at the end" is then at the fixed step, and "at equal minutes" at
+the least time any run took. --only s3ac-center-k1 adds S3AC with --adv-norm center (run only when named). Then one
+table (compare_table) with pass@1 at equal minutes and at the end, each run's best pass@1, the step it came at and
+its final minus best, its largest drop (largest_drop) and whether it fell by FALL or more, its held-out fall
+(heldout_fall), its response length at the end and FlashREINFORCE's trust-region drop share; one row per run
 (runs_table); and the paired differences by seed (paired_table): S3AC less each other setting at equal minutes, at
-the end, at equal samples and in largest drop, with their standard errors, and the paired-variance test of
-pass@1 at the end (pitman_morgan). Printed and written to <out-dir>/table.md; the curves of every run
-(curves.plot_runs) to <out-dir>/compare.png.
+the end, at equal samples and in largest drop, with their standard errors, and the paired-variance test of pass@1 at
+the end (pitman_morgan); last, the largest drop a run that never moved would show (noise_floor). Printed and written
+to <out-dir>/table.md; the curves of every run (curves.plot_runs) to <out-dir>/compare.png.
 """
 
 import argparse
@@ -52,11 +52,30 @@ def largest_drop(records: list, window: int = 5) -> float:
     `window` consecutive steps, below the running maximum of that mean, over its training steps (warm-up left out):
     max_t (max_{s <= t} m_s - m_t). 0 for a curve that never falls; NaN for fewer than `window` steps."""
     acc = [r.get("rollout/acc") for r in records if "perf/step_s" in r]
-    if None in acc:
-        return math.nan
-    means = [sum(acc[i - window:i]) / window for i in range(window, len(acc) + 1)]  # m_t, t = window .. steps
+    return math.nan if None in acc else drop_below_peak(acc, window)
+
+
+def drop_below_peak(values: list, window: int = 1) -> float:
+    """max_t (max_{s <= t} m_s - m_t), m_t the mean of `window` consecutive values; NaN for fewer than `window`."""
+    means = [sum(values[i - window:i]) / window for i in range(window, len(values) + 1)]  # m_t, t = window .. n
     peaks = list(itertools.accumulate(means, max))
     return max((p - m for p, m in zip(peaks, means)), default=math.nan)
+
+
+def heldout_fall(records: list) -> float:
+    """The largest fall of a run's held-out pass@1 below its best so far, over its evaluations in order (400
+    problems: a standard error near 0.025, where a 5-step window of 16 rollouts a step has one near 0.055)."""
+    return drop_below_peak([r["eval/pass@1"] for r in records if r.get("eval/pass@1") is not None])
+
+
+def flat_run_drops(p: float, rollouts: int, steps: int, window: int = 5, trials: int = 2000, seed: int = 0) -> tuple:
+    """The noise floor of largest_drop: (median largest drop, share of runs with FALL or more) of `trials` simulated
+    runs whose success rate never moves, each of `steps` steps of `rollouts` rollouts, each right with probability p."""
+    import random
+    rng = random.Random(seed)
+    drops = sorted(drop_below_peak([sum(rng.random() < p for _ in range(rollouts)) / rollouts for _ in range(steps)],
+                                   window) for _ in range(trials))
+    return drops[trials // 2], sum(d >= FALL for d in drops) / trials
 
 
 def pitman_morgan(x: list, y: list) -> tuple:
@@ -87,11 +106,11 @@ def run_summary(records: list, at_minutes: float) -> dict:
     by that minute of training, or after the step running at that minute: a run stopped by --max-minutes ends with
     the step that crosses the budget, so its final evaluation counts at it); the best pass@1 of all its evaluations,
     the step it came at, and its last minus its best (0 for a curve that ends at its best); token EV and V(s_0) EV
-    averaged over the second half of its steps; c over all steps; and efficiency 1 / ((1 - EV)(1 + c)) of those means, once with the
-    token EV and once with V(s_0) EV (as critic/efficiency); the mean response length of its last 5 steps by
-    at_minutes; the trust region's drop share over all steps (FlashREINFORCE); its steps, its last evaluation (at
-    the end), its largest_drop and whether that is FALL or more (1 or 0). NaN where the run logged no such key
-    (critic-free, or no trust region)."""
+    averaged over the second half of its steps; c over all steps; and efficiency 1 / ((1 - EV)(1 + c)) of those
+    means, once with the token EV and once with V(s_0) EV (as critic/efficiency); the mean response length of its
+    last 5 steps by at_minutes; the trust region's drop share over all steps (FlashREINFORCE); its steps, its last
+    evaluation (at the end), its largest_drop and whether that is FALL or more (1 or 0), its heldout_fall. NaN where
+    the run logged no such key (critic-free, or no trust region)."""
     steps, evals = [r for r in records if "perf/step_s" in r], [r for r in records if r.get("eval/pass@1") is not None]
     half = steps[len(steps) // 2:]
     on_time = evaluations_by(records, at_minutes)
@@ -105,7 +124,7 @@ def run_summary(records: list, at_minutes: float) -> dict:
             "pass@1 at equal minutes": on_time[-1]["eval/pass@1"], "pass@1 at the end": evals[-1]["eval/pass@1"],
             "best pass@1": best["eval/pass@1"], "best at step": best["step"],
             "final - best": evals[-1]["eval/pass@1"] - best["eval/pass@1"], "largest drop": drop,
-            "fell": float(drop >= FALL) if math.isfinite(drop) else math.nan,
+            "fell": float(drop >= FALL) if math.isfinite(drop) else math.nan, "held-out fall": heldout_fall(records),
             "token EV": token_ev, "V(s_0) EV": v0_ev, "c": c, "efficiency, token EV": critic_efficiency(token_ev, c),
             "efficiency, V(s_0) EV": critic_efficiency(v0_ev, c), "response length at the end": length,
             "trust-region drop": mean_se([r.get("actor/trust_region_drop") for r in steps])[0]}
@@ -153,7 +172,7 @@ def runs_table(runs: dict, dirs: dict = None) -> str:
     names each seed (its "-seed<s>" suffix); else the seeds count from 0."""
     at = equal_minutes(runs)
     columns = ["steps", "minutes", "pass@1 at equal minutes", "pass@1 at the end", "best pass@1", "best at step",
-               "final - best", "largest drop"]
+               "final - best", "largest drop", "held-out fall"]
     lines = ["| run | seed | " + " | ".join(columns).replace("equal minutes", f"{at:.1f} min") + " |",
              "|---" * (len(columns) + 2) + "|"]
     for name, seeds in runs.items():
@@ -199,6 +218,20 @@ def paired_table(runs: dict, first: str, others: list) -> str:
                      f"{pm(lm, lse)} | {pm(sm, sse)} | {pm(em, ese)} | {pm(dm, dse)} | "
                      + ("-" if math.isnan(ratio) else f"{ratio:.2f} (p {p:.2f})") + " |")
     return "\n".join(lines)
+
+
+def noise_floor(runs: dict) -> str:
+    """One line: flat_run_drops at the runs' pooled success rate, rollouts a step and most steps (runs {name:
+    [records]}), what largest_drop reads on a run that never moved; "" where no run logged rollout/acc."""
+    steps = [r for seeds in runs.values() for records in seeds for r in records if "perf/step_s" in r]
+    acc = [r["rollout/acc"] for r in steps if r.get("rollout/acc") is not None]
+    if not acc:
+        return ""
+    p, rollouts = sum(acc) / len(acc), round(sum(r["rollout/samples"] for r in steps) / len(steps))
+    n = max(sum("perf/step_s" in r for r in records) for seeds in runs.values() for records in seeds)
+    median, share = flat_run_drops(p, rollouts, n)
+    return (f"A run whose success rate stayed at {p:.3f} ({rollouts} rollouts a step, {n} steps) would show a largest "
+            f"drop of {median:.3f} (median of 2,000 simulated runs) and fall by {FALL} in {share:.0%} of them.")
 
 
 def compare(argv=None):
@@ -265,6 +298,7 @@ def compare(argv=None):
     table = compare_table(records) + "\n\n" + runs_table(records, {n: finished[n] for n in records})
     if "s3ac-k1" in records:
         table += "\n\n" + paired_table(records, "s3ac-k1", [n for n in records if n != "s3ac-k1"])
+    table += "\n\n" + noise_floor(records)
     print(table)
     _write_atomic(os.path.join(opts.out_dir, "table.md"), table + "\n")
     print(plot_runs([d for dirs in finished.values() for d in dirs], os.path.join(opts.out_dir, "compare.png")))
