@@ -168,8 +168,8 @@ def compare_table(runs: dict) -> str:
 
 def runs_table(runs: dict, dirs: dict = None) -> str:
     """Markdown, one row per run of runs {name: [records of each seed]} at equal_minutes(runs): its steps, minutes,
-    pass@1 at equal minutes and at the end, best (step), final - best, largest drop. dirs {name: [run directory]}
-    names each seed (its "-seed<s>" suffix); else the seeds count from 0."""
+    pass@1 at equal minutes and at the end, best (step), final - best, largest drop, held-out fall. dirs {name: [run
+    directory]} names each seed (its "-seed<s>" suffix); else the seeds count from 0."""
     at = equal_minutes(runs)
     columns = ["steps", "minutes", "pass@1 at equal minutes", "pass@1 at the end", "best pass@1", "best at step",
                "final - best", "largest drop", "held-out fall"]
