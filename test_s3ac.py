@@ -3696,6 +3696,9 @@ def test_compare_table_arithmetic(tmp_path):
     # its step 3 began before minute 3, so its evaluation counts
     assert table[4] == ("| late | 1 | 3.000 | 3.500 | 0.100 | 0.350 | 0.350 | 0.350 | 3.000 | 0.000 | - | - | 0.000 | "
                         "- | - | - | - | - | - | - |")
+    rows = compare.runs_table(runs).splitlines()  # the held-out fall closes each run's row: 0.1 for s1 (0.3, 0.2)
+    assert rows[0].endswith("| largest drop | held-out fall |") and rows[3].startswith("| s3ac | 1 | 4 |")
+    assert rows[3].endswith("| 0.000 | - | 0.100 |")
     paired = compare.paired_table({"s3ac": runs["s3ac"], "late": [runs["late"][0]] * 2}, "s3ac", ["late"])
     # equal minutes 3.5 here (late's): step 4 of s0 and s1 began at minute 3, so 0.5 - 0.35 and 0.4 - 0.35; from
     # minute 1.75 on: s0 mean(0.3, 0.5), s1 mean(0.2, 0.4), late 0.35 (step 3), so +0.05 and -0.05; at equal samples
@@ -3730,20 +3733,31 @@ def test_largest_drop_and_fall_by_hand(tmp_path):
 
 
 def test_fall_noise_floor_against_exact_cases(tmp_path):
-    """flat_run_drops against cases worked by hand: 2 steps of 1 rollout, window 1, drop 1 exactly when the first is
-    right and the second wrong, p (1 - p) (0.21 at p 0.3; 2,000 runs: standard error 0.009), else 0, so the median is
-    0; a rate of 0 or 1 never moves. heldout_fall: evaluations 0.2, 0.5, 0.3, 0.45, 0.1 fall 0.4 below the best so
-    far (not 0.1 below the first, nor 0.35 below the last local peak). noise_floor's line names the pooled rate."""
+    """flat_run_drops against cases worked by hand, window 1: 2 steps of 1 rollout drop 1 exactly when the first is
+    right and the second wrong, p (1 - p), else 0 (0.21 at p 0.3, median 0); 4 steps of 1 rollout at p 0.5 drop 1
+    unless the bits never fall (0*1*: 5 of 16), 11/16, median 1; 2 steps of 4 rollouts at p 0.5 drop by 0.25 or more
+    when k1 > k2 (k ~ Bin(4, 1/2)), 93/256 (by 0.25 exactly 56/256 of it: a strict > would miss it). drop_below_peak
+    counts a window-5 drop of exactly 0.25 (sums of 1/16) as 0.25. heldout_fall: 0.2, 0.5, 0.3, 0.45, 0.1 fall 0.4
+    below the best so far (not 0.1 below the first, nor 0.35 below the last local peak), 0.3, 0.2, 0.25 fall 0.1 (step
+    0 the peak). noise_floor pools the rate and rollouts over every run's steps and takes the fewest steps."""
     compare = load_ci("compare")
     median, share = compare.flat_run_drops(0.3, 1, 2, window=1, trials=2000, seed=1)
     assert median == 0.0 and abs(share - 0.21) < 0.04
+    median, share = compare.flat_run_drops(0.5, 1, 4, window=1, trials=2000, seed=1)
+    assert median == 1.0 and abs(share - 11 / 16) < 0.04
+    assert abs(compare.flat_run_drops(0.5, 4, 2, window=1, trials=4000, seed=1)[1] - 93 / 256) < 0.03
     assert compare.flat_run_drops(0.0, 16, 20) == (0.0, 0.0) and compare.flat_run_drops(1.0, 16, 20) == (0.0, 0.0)
+    acc = [14, 11, 4, 12, 0, 5, 0, 12, 5, 4]  # sixteenths: window means 41/80 and then 21/80
+    assert compare.drop_below_peak([k / 16 for k in acc], 5) == 0.25
     write_run(str(tmp_path / "a"), {0: 0.2, 1: 0.5, 2: 0.3, 3: 0.45, 4: 0.1},
-              [{"rollout/acc": 0.25, "rollout/samples": 16}] * 4)
-    records = read_records(str(tmp_path / "a"))
-    assert compare.heldout_fall(records) == pytest.approx(0.4)
-    assert compare.noise_floor({"x": [records]}).startswith("A run whose success rate stayed at 0.250 (16 rollouts a "
-                                                              "step, 4 steps)")
+              [{"rollout/acc": 0.25, "rollout/samples": 16}] * 5)
+    write_run(str(tmp_path / "b"), {0: 0.3, 1: 0.2, 7: 0.25}, [{"rollout/acc": 0.5, "rollout/samples": 8}] * 7)
+    a, b = read_records(str(tmp_path / "a")), read_records(str(tmp_path / "b"))
+    assert compare.heldout_fall(a) == pytest.approx(0.4) and compare.heldout_fall(b) == pytest.approx(0.1)
+    # pooled: (5 x 0.25 + 7 x 0.5) / 12 = 0.396, rollouts (5 x 16 + 7 x 8) / 12 = 11.3 -> 11, the fewest steps 5
+    assert compare.noise_floor({"x": [a], "y": [b]}).startswith("A run whose success rate stayed at 0.396 (11 "
+                                                                 "rollouts a step, 5 steps)")
+    assert compare.noise_floor({"x": [a[:5]]}) == ""  # 4 steps: no window of 5
 
 
 def test_pitman_morgan_against_the_variance_ratio_form():

@@ -56,10 +56,11 @@ def largest_drop(records: list, window: int = 5) -> float:
 
 
 def drop_below_peak(values: list, window: int = 1) -> float:
-    """max_t (max_{s <= t} m_s - m_t), m_t the mean of `window` consecutive values; NaN for fewer than `window`."""
+    """max_t (max_{s <= t} m_s - m_t), m_t the mean of `window` consecutive values; NaN for fewer than `window`.
+    Rounded to 12 places, so that a drop of exactly FALL in success rates (sums of 1/16) reads as FALL."""
     means = [sum(values[i - window:i]) / window for i in range(window, len(values) + 1)]  # m_t, t = window .. n
     peaks = list(itertools.accumulate(means, max))
-    return max((p - m for p, m in zip(peaks, means)), default=math.nan)
+    return max((round(p - m, 12) for p, m in zip(peaks, means)), default=math.nan)
 
 
 def heldout_fall(records: list) -> float:
@@ -220,16 +221,18 @@ def paired_table(runs: dict, first: str, others: list) -> str:
     return "\n".join(lines)
 
 
-def noise_floor(runs: dict) -> str:
-    """One line: flat_run_drops at the runs' pooled success rate, rollouts a step and most steps (runs {name:
-    [records]}), what largest_drop reads on a run that never moved; "" where no run logged rollout/acc."""
-    steps = [r for seeds in runs.values() for records in seeds for r in records if "perf/step_s" in r]
-    acc = [r["rollout/acc"] for r in steps if r.get("rollout/acc") is not None]
-    if not acc:
+def noise_floor(runs: dict, window: int = 5) -> str:
+    """One line: flat_run_drops at the runs' pooled success rate and mean rollouts a step (over the steps that logged
+    both) and the fewest steps any run took (runs {name: [records]}), what largest_drop reads on a run that never
+    moved; "" where no step logged both or a run took fewer than `window` steps."""
+    steps = [r for seeds in runs.values() for records in seeds for r in records
+             if "perf/step_s" in r and r.get("rollout/acc") is not None and r.get("rollout/samples")]
+    n = min(sum("perf/step_s" in r for r in records) for seeds in runs.values() for records in seeds)
+    if not steps or n < window:
         return ""
-    p, rollouts = sum(acc) / len(acc), round(sum(r["rollout/samples"] for r in steps) / len(steps))
-    n = max(sum("perf/step_s" in r for r in records) for seeds in runs.values() for records in seeds)
-    median, share = flat_run_drops(p, rollouts, n)
+    p = sum(r["rollout/acc"] for r in steps) / len(steps)
+    rollouts = round(sum(r["rollout/samples"] for r in steps) / len(steps))
+    median, share = flat_run_drops(p, rollouts, n, window)
     return (f"A run whose success rate stayed at {p:.3f} ({rollouts} rollouts a step, {n} steps) would show a largest "
             f"drop of {median:.3f} (median of 2,000 simulated runs) and fall by {FALL} in {share:.0%} of them.")
 
@@ -298,7 +301,7 @@ def compare(argv=None):
     table = compare_table(records) + "\n\n" + runs_table(records, {n: finished[n] for n in records})
     if "s3ac-k1" in records:
         table += "\n\n" + paired_table(records, "s3ac-k1", [n for n in records if n != "s3ac-k1"])
-    table += "\n\n" + noise_floor(records)
+    table += "".join("\n\n" + line for line in [noise_floor(records)] if line)
     print(table)
     _write_atomic(os.path.join(opts.out_dir, "table.md"), table + "\n")
     print(plot_runs([d for dirs in finished.values() for d in dirs], os.path.join(opts.out_dir, "compare.png")))
