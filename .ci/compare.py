@@ -25,6 +25,7 @@ import itertools
 import json
 import math
 import os
+import random
 import shlex
 import shutil
 import subprocess
@@ -72,7 +73,6 @@ def heldout_fall(records: list) -> float:
 def flat_run_drops(p: float, rollouts: int, steps: int, window: int = 5, trials: int = 2000, seed: int = 0) -> tuple:
     """The noise floor of largest_drop: (median largest drop, share of runs with FALL or more) of `trials` simulated
     runs whose success rate never moves, each of `steps` steps of `rollouts` rollouts, each right with probability p."""
-    import random
     rng = random.Random(seed)
     drops = sorted(drop_below_peak([sum(rng.random() < p for _ in range(rollouts)) / rollouts for _ in range(steps)],
                                    window) for _ in range(trials))
@@ -301,7 +301,9 @@ def compare(argv=None):
     table = compare_table(records) + "\n\n" + runs_table(records, {n: finished[n] for n in records})
     if "s3ac-k1" in records:
         table += "\n\n" + paired_table(records, "s3ac-k1", [n for n in records if n != "s3ac-k1"])
-    table += "".join("\n\n" + line for line in [noise_floor(records)] if line)
+    floor = noise_floor(records)  # "" when no run logged enough steps
+    if floor:
+        table += "\n\n" + floor
     print(table)
     _write_atomic(os.path.join(opts.out_dir, "table.md"), table + "\n")
     print(plot_runs([d for dirs in finished.values() for d in dirs], os.path.join(opts.out_dir, "compare.png")))
