@@ -2445,6 +2445,29 @@ def test_readme_reward_example_trains_two_steps(tiny, tmp_path):
     assert records[0]["eval/reward"] == pytest.approx(sum(want) / len(want))
 
 
+def test_readme_line_map_tiles_s3ac_py_and_names_what_each_range_holds():
+    """README's map of s3ac.py by line ('| A-B | what is there |'): the ranges follow one another from section 1's
+    banner to the file's last line, each opens at a banner line (`# ---`, `# ===` or a rule), and every function or
+    class a row names in backticks is defined at the top level inside its range. The message gives the banners' lines
+    as they are now, to redraw the map by."""
+    with open(os.path.join(HERE, "README.md")) as f:
+        rows = [(int(a), int(b), text) for a, b, text in re.findall(r"^\| (\d+)-(\d+) \| (.+) \|$", f.read(), re.M)]
+    with open(os.path.join(HERE, "s3ac.py")) as f:
+        lines = f.read().splitlines()
+    banners = [i + 1 for i, line in enumerate(lines) if re.match(r"# (---|===)", line)]
+    defined = {m[1]: i + 1 for i, line in enumerate(lines) if (m := re.match(r"(?:def|class) (\w+)", line))}
+    now = f"s3ac.py has {len(lines)} lines, banners at {banners}"
+    assert len(rows) >= 8, "README.md: no map of s3ac.py by line ('| A-B | ... |' rows)"
+    section_1 = next(i for i in range(len(lines)) if lines[i + 1].startswith("# 1. "))  # the rule above its title
+    assert rows[0][0] == section_1 + 1 and rows[-1][1] == len(lines), now
+    assert [a for a, _, _ in rows[1:]] == [b + 1 for _, b, _ in rows[:-1]], now
+    for a, b, text in rows:
+        assert a in banners, f"README.md map row {a}-{b}: line {a} of s3ac.py is no banner; {now}"
+        for name in re.findall(r"`(\w+)`", text):
+            assert name == "auto" or a <= defined.get(name, 0) <= b, \
+                f"README.md map row {a}-{b}: `{name}` is defined at line {defined.get(name)}; {now}"
+
+
 README_FIGURE = re.compile(r"!\[[^\]]*\]\((?P<png>[^)]+\.png)\)\n\n```bash\n(?P<command>[^\n#]*?)\s*(?:#[^\n]*)?\n```")
 TINY_TABLES = """
 | seed | warm-up batches (s) | steps | token EV | V(s_0) EV | s / step |
