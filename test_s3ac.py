@@ -2502,13 +2502,47 @@ def test_readme_figure_is_in_the_repository_and_its_command_draws_it(tmp_path):
                           timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == out, proc.stderr[-3000:]
     assert size(out) == size(committed)
+    runs = load_ci("figure").fixed_step_runs(open(os.path.join(HERE, ".ci", "README.md")).read())
+    assert {"S3AC K=1", "FlashREINFORCE K=1"} <= set(runs)
+    assert len({tuple(r["seed"] for r in group) for group in runs.values()}) == 1  # every arm on the same seeds
+    seed8 = runs["S3AC K=1"][0]
+    assert (seed8["seed"], seed8["steps"], seed8["pass@1"], seed8["largest drop"], seed8["held-out fall"]) == \
+        (8, [0, 20, 40, 60, 80, 100], [0.265, 0.307, 0.453, 0.502, 0.48, 0.512], 0.275, 0.022)
+
+
+TINY_FIXED_STEP = """
+| seed, run | pass@1 at 0 / 50 / 100 | best | final - best | largest drop | held-out fall | length at 100 |
+|---|---|---|---|---|---|---|
+| 1, S3AC K=1 | 0.2 / 0.4 / 0.3 | 0.4 | -0.1 | 0.25 | 0.1 | 9.0 |
+| 1, FlashREINFORCE K=1 | 0.2 / 0.5 / 0.5 | 0.5 | 0.0 | 0.125 | 0.0 | 9.0 |
+| 2, S3AC K=1 | 0.2 / 0.6 / 0.7 | 0.7 | 0.0 | 0.3125 | 0.0 | 9.0 |
+| 2, FlashREINFORCE K=1 | 0.2 / 0.1 / 0.3 | 0.3 | 0.0 | 0.375 | 0.1 | 9.0 |
+"""
+
+
+def test_fixed_step_figure_from_a_tiny_table():
+    """.ci/figure.py's README picture on a two-seed table worked by hand: a thin line per run, the mean over seeds
+    at each step (S3AC: (0.4 + 0.6) / 2 = 0.5 at step 50, 0.5 at 100), each run's largest drop and held-out fall as
+    dots, the fall rules as dashed lines; a row with an evaluation missing is refused."""
+    import matplotlib.pyplot as plt
     figure_py = load_ci("figure")
-    runs = figure_py.table_runs(open(os.path.join(HERE, ".ci", "README.md")).read(), 20.0)
-    assert sorted(runs) == sorted(f"{m}-seed{s}" for m in ("s3ac-k1", "reinforce_pp-k1") for s in range(21))
-    seed0 = runs["s3ac-k1-seed0"]
-    assert [(r["step"], r["eval/pass@1"]) for r in seed0 if "eval/pass@1" in r] == \
-        [(0, 0.265), (30, 0.323), (60, 0.333), (90, 0.492), (100, 0.49)]
-    assert seed0[1]["time/pretrain"] == 30.0 and seed0[-1]["perf/step_s"] == 11.7
+    runs = figure_py.fixed_step_runs(TINY_FIXED_STEP)
+    assert list(runs) == ["S3AC K=1", "FlashREINFORCE K=1"] and [r["seed"] for r in runs["S3AC K=1"]] == [1, 2]
+    fig = figure_py.fixed_step_figure(runs)
+    left, right = fig.axes
+    means = {line.get_label(): list(line.get_ydata()) for line in left.get_lines() if line.get_linewidth() > 2}
+    assert means == {"S3AC K=1, 2 seeds": pytest.approx([0.2, 0.5, 0.5]),
+                     "FlashREINFORCE K=1, 2 seeds": pytest.approx([0.2, 0.3, 0.4])}
+    assert sorted(tuple(line.get_ydata()) for line in left.get_lines() if line.get_linewidth() < 1) == \
+        [(0.2, 0.1, 0.3), (0.2, 0.4, 0.3), (0.2, 0.5, 0.5), (0.2, 0.6, 0.7)]
+    dots = sorted((bool(c.get_offsets()[0, 0] < 0.5), *(float(v) for v in c.get_offsets()[:, 1]))
+                  for c in right.collections if c.get_offsets().shape[0] == 2)  # (left group: largest drop, ...)
+    assert dots == [(False, 0.0, 0.1), (False, 0.1, 0.0), (True, 0.125, 0.375), (True, 0.25, 0.3125)]
+    assert sorted(float(c.get_segments()[0][0][1]) for c in right.collections if c.get_offsets().shape[0] != 2) == \
+        [0.1, 0.25]
+    plt.close(fig)
+    with pytest.raises(ValueError, match="row '2, S3AC K=1': 2 evaluations"):
+        figure_py.fixed_step_runs(TINY_FIXED_STEP.replace("0.2 / 0.6 / 0.7", "0.2 / 0.6"))
 
 
 def test_figure_mean_and_band_from_tiny_tables_and_run_files(tmp_path):

@@ -1,10 +1,18 @@
-"""The README's picture: greedy pass@1 against training minutes, S3AC K=1 beside REINFORCE++ K=1 on the CPU demo,
-the mean over seeds with a band of one standard error, and the critic's explained variance per seed.
+"""The README's picture, and the pictures of the comparisons behind it.
 
-    python .ci/figure.py                          # from the measured tables of .ci/README.md -> .ci/demo_curves.png
+    python .ci/figure.py                          # the fixed-step comparison's table -> .ci/fixed_step.png (README)
+    python .ci/figure.py --demo                   # the 21-seed demo tables -> .ci/demo_curves.png
     python .ci/figure.py --runs runs/compare -o compare_band.png     # from ./run.sh compare's run folders
 
-The tables keep each run's evaluations ("run | seed | steps | pass@1 at step 0 | 30 | 60 | ...") and S3AC's warm-up
+The README's picture (fixed_step_figure): S3AC K=1 beside FlashREINFORCE K=1 (and S3AC with --adv-norm center), 100
+steps per run, greedy pass@1 on 400 held-out problems every 20 steps, a thin line per seed and the mean over seeds;
+beside it each run's largest drop of the 5-step rolling training reward below its running maximum, and its held-out
+fall (the largest drop of pass@1 below its running best), a dot per run, with the lines the comparison calls a fall
+(0.25 and 0.10). It reads the per-run table of .ci/README.md ("| seed, run | pass@1 at 0 / 20 / ... |").
+
+The 21-seed picture (--demo, band_figure): greedy pass@1 against training minutes, S3AC K=1 beside REINFORCE++ K=1
+at 20 minutes, the mean over seeds with a band of one standard error, and the critic's explained variance per seed.
+Its tables keep each run's evaluations ("run | seed | steps | pass@1 at step 0 | 30 | 60 | ...") and S3AC's warm-up
 seconds, seconds per step and explained variances ("seed | warm-up batches (s) | steps | ..."); their run files are
 gone. Each table row becomes a small run folder whose metrics.jsonl has one record per step (perf/step_s, the run's
 mean step time; S3AC's warm-up as time/pretrain; the evaluations at their steps; the second half's EVs), and every
@@ -32,6 +40,8 @@ LABELS = {"s3ac-k1": "S3AC K=1 (critic)", "reinforce_pp-k1": "REINFORCE++ K=1 (c
 
 EVALUATIONS = "| run | seed | steps | pass@1 at step 0 |"  # the header rows the tables begin with
 DEMO = "| seed | warm-up batches (s) | steps |"
+FIXED_STEP = "| seed, run | pass@1 at "  # the fixed-step comparison's per-run table
+FALL_RULES = (0.25, 0.10)  # compare.py's fall of the training reward's largest drop; the held-out fall rule
 
 
 def markdown_table(text: str, header_start: str) -> list:
@@ -141,30 +151,87 @@ def band_figure(run_dirs: list, points: int = 81):
     return fig
 
 
+def fixed_step_runs(text: str) -> dict:
+    """{run name as the table gives it (backquotes dropped): [{"seed", "steps", "pass@1", "largest drop",
+    "held-out fall"}, ...] in table order} from the fixed-step comparison's per-run table, whose header cell
+    "pass@1 at 0 / 20 / ..." gives the steps of the cells "0.265 / 0.307 / ...". Raises ValueError when there is no
+    such table or a row's evaluations do not match its steps."""
+    rows = markdown_table(text, FIXED_STEP)
+    header = next((h for h in rows[0] if h.startswith("pass@1 at ")), "") if rows else ""
+    steps = [int(x) for x in re.findall(r"\d+", header[len("pass@1 at "):])]
+    runs = {}
+    for row in rows:
+        seed, name = row["seed, run"].split(", ", 1)
+        values = [number(c) for c in row[header].split("/")]
+        if len(values) != len(steps) or None in values:
+            raise ValueError(f"fixed-step table, row {row['seed, run']!r}: {len(values)} evaluations for steps {steps}")
+        runs.setdefault(name.replace("`", ""), []).append(
+            {"seed": int(seed), "steps": steps, "pass@1": values, "largest drop": number(row["largest drop"]),
+             "held-out fall": number(row["held-out fall"])})
+    return runs
+
+
+def fixed_step_figure(runs: dict):
+    """A two-panel matplotlib figure of fixed_step_runs' runs: left, greedy pass@1 against the training step, a thin
+    line per seed and a thick one for the mean over seeds of each run name; right, each run's largest drop of the
+    training reward and its held-out fall, a dot per run, beside the dashed lines that call a run fallen."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [3, 1.4]})
+    width = 0.5 / max(len(runs), 1)
+    for i, (name, group) in enumerate(runs.items()):
+        colour = plt.get_cmap("tab10")(i)
+        for run in group:
+            left.plot(run["steps"], run["pass@1"], color=colour, alpha=0.3, linewidth=0.8)
+        left.plot(group[0]["steps"], np.mean([run["pass@1"] for run in group], axis=0), color=colour, linewidth=2.2,
+                  label=f"{name}, {len(group)} seeds")
+        for j, key in enumerate(("largest drop", "held-out fall")):
+            x = j - 0.25 + width * (i + 0.5)
+            right.scatter(np.full(len(group), x), [run[key] for run in group], s=16, color=colour, alpha=0.8)
+    for j, rule in enumerate(FALL_RULES):
+        right.hlines(rule, j - 0.4, j + 0.4, colors="black", linestyles="dashed", linewidth=1)
+    left.set(xlabel="training step", ylabel="greedy pass@1, 400 held-out problems",
+             title="CPU demo, K = 1, 100 steps: a thin line per seed, the mean thick")
+    left.grid(alpha=0.3)
+    left.legend(loc="upper left")
+    right.set(xticks=[0, 1], xticklabels=["largest drop,\ntraining reward", "held-out fall"], xlim=(-0.5, 1.5),
+              title="each run's fall (dashed: fallen)")
+    right.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tables", default=os.path.join(HERE, ".ci", "README.md"),
-                        help="the markdown file holding the evaluations table and the demo's per-seed table")
-    parser.add_argument("--minutes", type=float, default=20.0, help="the runs' --max-minutes: spreads the steps "
-                        "of a run whose step time the tables do not give")
-    parser.add_argument("--runs", help="a folder of run folders <method>-seed<s> (./run.sh compare's), drawn "
-                        "instead of the tables")
-    parser.add_argument("-o", "--out", default=os.path.join(HERE, ".ci", "demo_curves.png"), help="the PNG to write")
+                        help="the markdown file holding the measured tables")
+    parser.add_argument("--demo", action="store_true", help="the 21-seed demo picture (S3AC beside REINFORCE++ "
+                        "at 20 minutes) instead of the fixed-step comparison's")
+    parser.add_argument("--minutes", type=float, default=20.0, help="--demo: the runs' --max-minutes, spreads the "
+                        "steps of a run whose step time the tables do not give")
+    parser.add_argument("--runs", help="a folder of run folders <method>-seed<s> (./run.sh compare's), drawn as "
+                        "--demo draws its tables")
+    parser.add_argument("-o", "--out", help="the PNG to write (default .ci/fixed_step.png, with --demo or --runs "
+                        ".ci/demo_curves.png)")
     opts = parser.parse_args(argv)
+    out = opts.out or os.path.join(HERE, ".ci", "demo_curves.png" if opts.demo or opts.runs else "fixed_step.png")
     import matplotlib
     matplotlib.use("Agg")  # a file, no display
     import matplotlib.pyplot as plt
+    with open(opts.tables) as f:
+        text = f.read()
     with tempfile.TemporaryDirectory() as tmp:
         if opts.runs:
             dirs = [os.path.join(opts.runs, d) for d in sorted(os.listdir(opts.runs))
                     if re.search(r"-seed\d+$", d) and os.path.isfile(os.path.join(opts.runs, d, "metrics.jsonl"))]
+            fig = band_figure(dirs)
+        elif opts.demo:
+            fig = band_figure(write_runs(table_runs(text, opts.minutes), tmp))
         else:
-            with open(opts.tables) as f:
-                dirs = write_runs(table_runs(f.read(), opts.minutes), tmp)
-        fig = band_figure(dirs)
-        fig.savefig(opts.out, dpi=100)
+            fig = fixed_step_figure(fixed_step_runs(text))
+        fig.savefig(out, dpi=100)
         plt.close(fig)
-    print(opts.out)
+    print(out)
 
 
 if __name__ == "__main__":
