@@ -920,7 +920,7 @@ def optimize(module, optimizer, batch: Batch, loss_fn, token_mask, epochs: int, 
             rows_mask = token_mask[mb.to(token_mask.device)]  # [b, T]
             # THE normaliser of every loss (section 1): the tokens of the (actor's or critic's) mask in this whole
             # mini-batch, all ranks summed and passed to every micro-batch's loss, so the step's gradient is that of
-            # the global token mean (FSDP2 sums the ranks' gradients); "sequences" (FlashREINFORCE's sample mean,
+            # the global token mean (FSDP2 sums the ranks' gradients: shard); "sequences" (FlashREINFORCE's sample mean,
             # each response's token mean summed): its responses instead
             count = rows_mask.sum() if normaliser == "tokens" else (rows_mask.sum(1) > 0).sum().float()
             num_tokens = all_reduce(count.to(device)).clamp(min=1)

@@ -2448,10 +2448,11 @@ def test_readme_reward_example_trains_two_steps(tiny, tmp_path):
 def test_readme_line_map_tiles_s3ac_py_and_names_what_each_range_holds():
     """README's map of s3ac.py by line ('| A-B | what is there |'): the ranges follow one another from section 1's
     banner to the file's last line, each opens at a banner line (`# ---`, `# ===` or a rule), and every function or
-    class a row names in backticks is defined at the top level inside its range. The message gives the banners' lines
-    as they are now, to redraw the map by."""
+    class a row names in backticks is defined at the top level inside its range, its line beside it; every
+    "`name` (N)" in README gives the line that defines name. The message gives the banners' lines as they are now."""
     with open(os.path.join(HERE, "README.md")) as f:
-        rows = [(int(a), int(b), text) for a, b, text in re.findall(r"^\| (\d+)-(\d+) \| (.+) \|$", f.read(), re.M)]
+        readme = f.read()
+    rows = [(int(a), int(b), text) for a, b, text in re.findall(r"^\| (\d+)-(\d+) \| (.+) \|$", readme, re.M)]
     with open(os.path.join(HERE, "s3ac.py")) as f:
         lines = f.read().splitlines()
     banners = [i + 1 for i, line in enumerate(lines) if re.match(r"# (---|===)", line)]
@@ -2463,9 +2464,11 @@ def test_readme_line_map_tiles_s3ac_py_and_names_what_each_range_holds():
     assert [a for a, _, _ in rows[1:]] == [b + 1 for _, b, _ in rows[:-1]], now
     for a, b, text in rows:
         assert a in banners, f"README.md map row {a}-{b}: line {a} of s3ac.py is no banner; {now}"
-        for name in re.findall(r"`(\w+)`", text):
-            assert name == "auto" or a <= defined.get(name, 0) <= b, \
+        for name, line in re.findall(r"`(\w+)`(?: \((\d+)\))?", text):
+            assert name == "auto" or a <= defined.get(name, 0) <= b and line, \
                 f"README.md map row {a}-{b}: `{name}` is defined at line {defined.get(name)}; {now}"
+    cited = re.findall(r"`(\w+)` \((\d+)\)", readme)  # `optimize` (906): the line that defines it, all over README
+    assert len(cited) >= 20 and [(n, defined.get(n)) for n, _ in cited] == [(n, int(line)) for n, line in cited]
 
 
 README_FIGURE = re.compile(r"!\[[^\]]*\]\((?P<png>[^)]+\.png)\)\n\n```bash\n(?P<command>[^\n#]*?)\s*(?:#[^\n]*)?\n```")
