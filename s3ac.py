@@ -604,6 +604,9 @@ def impact_score(signal, h):
 #    (population std) at the output of one block, by default the middle one, L // 2 (credit there has crossed the
 #    attention of the blocks above it, the paper's path around the sampling step; the last block's output would hold
 #    little more than the output layer's gradient).
+# 14. With a critic the actor's advantages are centred per batch (--adv-norm auto: center, less their token mean over
+#    the loss tokens, the centring of verl's and OpenRLHF's whitening); the paper is silent. The critic's returns stay
+#    raw. --adv-norm none keeps the critic's level in every advantage (the fixed-step comparison, .ci/README.md).
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -2370,9 +2373,10 @@ class Args:
     eps_high: float = flag(0.28, "upper clip, relative: ratio (ppo) or weight (cispo) <= 1 + eps_high")
     actor_grad_clip: float = flag(1.0, "global grad-norm clip of the actor")
     actor_epochs: int = flag(1, "passes over each rollout batch")
-    adv_norm: Literal["none", "center", "whiten"] = flag("none", "the actor's advantages (never the critic's returns): "
-                                                         "center: less their token mean over the batch | whiten: "
-                                                         "centred and / their std (as verl)")
+    adv_norm: Literal["auto", "none", "center", "whiten"] = flag("auto", "the actor's advantages (never the critic's "
+                                                                 "returns): center: less their token mean over the "
+                                                                 "batch | whiten: centred and / their std (as verl) | "
+                                                                 "none: raw")
     is_correction: Literal["tis", "none"] = flag("tis", "tis: each token's actor loss times min(pi_old / mu, is_cap)")
     is_cap: float = flag(2.0, "tis: the cap C of the weight")
     trust_delta: float = flag(3e-3, "flash_reinforce: a response with mean Bernoulli KL(mu || pi) above this leaves "
@@ -2524,6 +2528,9 @@ def resolve_args(args: Args, say=None) -> Args:
                              "flash_reinforce"),
              "critic_warmup_steps": ("plateau" if args.algo in CRITIC_ALGOS and not uses_coverage(args) else 0,
                                      "plateau with a critic and no coverage pretraining, else 0"),
+             "adv_norm": ("center" if args.algo in CRITIC_ALGOS else "none", "center with a critic: the critic's "
+                          "level leaves the actor's advantages; none for the critic-free baselines, centred their own "
+                          "way"),
              "eval_max_new_tokens": (args.max_new_tokens, "--max-new-tokens")}
     chosen = {name: rule for name, rule in rules.items() if getattr(args, name) == "auto"}
     for name, (value, rule) in chosen.items() if say else ():

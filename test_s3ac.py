@@ -1903,6 +1903,20 @@ def test_masked_whiten_centre_only_and_the_advantage_metrics_by_hand():
     assert fit["pretrain/offset"] == pytest.approx(cm["critic/offset"])
 
 
+def test_adv_norm_auto_centres_with_a_critic_and_leaves_the_baselines_raw():
+    """--adv-norm auto: center for the algorithms with a critic (whose advantages carry its level), none for the
+    critic-free baselines (whose own baselines centre them: FlashREINFORCE's R less the batch mean per response, whose
+    token mean a centring would move); said at start; a value given is kept."""
+    said = []
+    for algo, want in (("s3ac", "center"), ("ppo", "center"), ("grpo", "none"), ("rloo", "none"),
+                       ("reinforce_pp", "none"), ("flash_reinforce", "none")):
+        k = 4 if algo in ("grpo", "rloo") else 1
+        assert s3ac.resolve_args(s3ac.Args(algo=algo, k=k), say=said.append).adv_norm == want, algo
+    assert sum(line.startswith("--adv-norm center (auto: center with a critic") for line in said) == 2
+    assert s3ac.resolve_args(s3ac.Args(algo="s3ac", adv_norm="none")).adv_norm == "none"
+    assert s3ac.resolve_args(s3ac.Args(algo="flash_reinforce", adv_norm="center")).adv_norm == "center"
+
+
 def test_adv_norm_centres_the_actors_advantages_and_leaves_the_critics_targets(tiny, tmp_path, monkeypatch):
     """One step of s3ac.train with --adv-norm none, center and whiten from the same seed (the same rollouts): the
     critic gets the same returns and old values every time; the actor gets the raw advantages less their token mean
@@ -2506,9 +2520,9 @@ def test_readme_figure_is_in_the_repository_and_its_command_draws_it(tmp_path):
     assert proc.returncode == 0 and proc.stdout.strip() == out, proc.stderr[-3000:]
     assert size(out) == size(committed)
     runs = load_ci("figure").fixed_step_runs(open(os.path.join(HERE, ".ci", "README.md")).read())
-    assert {"S3AC K=1", "FlashREINFORCE K=1"} <= set(runs)
+    assert {"S3AC --adv-norm none", "S3AC --adv-norm center", "FlashREINFORCE K=1"} == set(runs)
     assert len({tuple(r["seed"] for r in group) for group in runs.values()}) == 1  # every arm on the same seeds
-    seed8 = runs["S3AC K=1"][0]
+    seed8 = runs["S3AC --adv-norm none"][0]
     assert (seed8["seed"], seed8["steps"], seed8["pass@1"], seed8["largest drop"], seed8["held-out fall"]) == \
         (8, [0, 20, 40, 60, 80, 100], [0.265, 0.307, 0.453, 0.502, 0.48, 0.512], 0.275, 0.022)
 
@@ -3934,6 +3948,10 @@ def test_compare_runs_seed_major_with_each_configs_flags(tmp_path, monkeypatch):
     assert [name for name, _ in calls] == ["s3ac-center-k1-seed0", "s3ac-center-k1-seed1"]
     assert [value(calls[1][1], f) for f in (*critic_flags, "--adv-norm")] == ["4", "1", "center"]
     assert "| s3ac-k1 - s3ac-center-k1 | 2 |" in open(os.path.join(tmp_path, "table.md")).read()
+    calls.clear()
+    compare.compare(argv + ["--only", "s3ac-none-k1"])  # opt-in: the advantages raw, as before the default changed
+    assert [name for name, _ in calls] == ["s3ac-none-k1-seed0", "s3ac-none-k1-seed1"]
+    assert [value(calls[1][1], f) for f in (*critic_flags, "--adv-norm")] == ["4", "1", "none"]
 
 
 def test_compare_first_seed_runs_and_tables_only_later_seeds(tmp_path, monkeypatch):

@@ -10,14 +10,15 @@ one after another, seed s of every config before seed s + 1; each with the same 
 data and the same held-out problems (--eval-data heldout is one fixed sample for every seed), and seed s of every
 config draws the same prompt order (S3AC's critic warm-up takes its first batches). With --steps N every run stops
 after step N instead (no minute budget): pass@1 "at the end" is then at the fixed step, and "at equal minutes" at
-the least time any run took. --only s3ac-center-k1 adds S3AC with --adv-norm center (run only when named). Then one
-table (compare_table) with pass@1 at equal minutes and at the end, each run's best pass@1, the step it came at and
-its final minus best, its largest drop (largest_drop) and whether it fell by FALL or more, its held-out fall
-(heldout_fall), its response length at the end and FlashREINFORCE's trust-region drop share; one row per run
-(runs_table); and the paired differences by seed (paired_table): S3AC less each other setting at equal minutes, at
-the end, at equal samples and in largest drop, with their standard errors, and the paired-variance test of pass@1 at
-the end (pitman_morgan); last, the largest drop a run that never moved would show (noise_floor). Printed and written
-to <out-dir>/table.md; the curves of every run (curves.plot_runs) to <out-dir>/compare.png.
+the least time any run took. --only s3ac-center-k1 and s3ac-none-k1 add S3AC with --adv-norm center and none (run
+only when named: the default is center, so s3ac-k1 runs it). Then one table (compare_table) with pass@1 at equal
+minutes and at the end, each run's best pass@1, the step it came at and its final minus best, its largest drop
+(largest_drop) and whether it fell by FALL or more, its held-out fall (heldout_fall), its response length at the end
+and FlashREINFORCE's trust-region drop share; one row per run (runs_table); and the paired differences by seed
+(paired_table): S3AC less each other setting at equal minutes, at the end, at equal samples and in largest drop,
+with their standard errors, and the paired-variance test of pass@1 at the end (pitman_morgan); last, the largest
+drop a run that never moved would show (noise_floor). Printed and written to <out-dir>/table.md; the curves of every
+run (curves.plot_runs) to <out-dir>/compare.png.
 """
 
 import argparse
@@ -257,8 +258,9 @@ def compare(argv=None):
             ("--eval-every", 20, "steps between evaluations of every run (and one at its end)"),
             ("--batch-prompts", 16, "prompts per step at K = 1; GRPO answers a quarter of them 4 times"),
             ("--only", "", "run only these settings now, comma-separated (s3ac-k1, reinforce_pp-k1, "
-                           "flash_reinforce-k1, grpo-k4, s3ac-center-k1: S3AC with --adv-norm center; '' = all but "
-                           "the last), to split a comparison over sessions; the tables cover every finished run"),
+                           "flash_reinforce-k1, grpo-k4, s3ac-center-k1 and s3ac-none-k1: S3AC with --adv-norm "
+                           "center and none; '' = all but the last two), to split a comparison over sessions; the "
+                           "tables cover every finished run"),
             ("--out-dir", "runs/compare", "one directory per run, table.md, compare.png")):
         parser.add_argument(flag, type=type(default), default=default, help=text)
     opts, rest = parser.parse_known_args(argv)
@@ -268,8 +270,11 @@ def compare(argv=None):
                "flash_reinforce-k1": (opts.seeds, ["--algo", "flash_reinforce", "--k", "1", "--batch-prompts", str(b)]),
                "grpo-k4": (opts.grpo_seeds, ["--algo", "grpo", "--k", "4", "--batch-prompts", str(b // 4)]),
                "s3ac-center-k1": (opts.seeds, ["--k", "1", "--batch-prompts", str(b), *shlex.split(opts.s3ac_flags),
-                                               "--adv-norm", "center"])}  # only when --only names it
-    only = [name for name in opts.only.split(",") if name] or [name for name in configs if name != "s3ac-center-k1"]
+                                               "--adv-norm", "center"]),
+               "s3ac-none-k1": (opts.seeds, ["--k", "1", "--batch-prompts", str(b), *shlex.split(opts.s3ac_flags),
+                                             "--adv-norm", "none"])}  # these two only when --only names them
+    only = [name for name in opts.only.split(",") if name] or \
+        [name for name in configs if name not in ("s3ac-center-k1", "s3ac-none-k1")]
     if set(only) - set(configs):
         parser.error(f"--only: {', '.join(sorted(set(only) - set(configs)))} is not one of {', '.join(configs)}")
     if not 0 <= opts.first_seed < opts.seeds:

@@ -6,11 +6,11 @@
 A base is a finished s3ac.py run of a critic algorithm (critic lambda 1) with its last checkpoint. Every branch copies
 it and resumes with the base's own flags (its run.json) plus the branch's (--resume restores the RNG, so every branch
 draws the same rollouts at its first step):
-    control        nothing
+    control        --adv-norm none (the advantages raw)
     center         --adv-norm center
-    shift          V(s_t) + shift in the actor's GAE alone on --shift-steps: the advantages of a critic that lags
-                   above the success rate; the critic's targets (lambda 1: the Monte-Carlo return, whatever V) and
-                   its update are untouched
+    shift          --adv-norm none, V(s_t) + shift in the actor's GAE alone on --shift-steps: the advantages of a
+                   critic that lags above the success rate; the critic's targets (lambda 1: the Monte-Carlo return,
+                   whatever V) and its update are untouched
     shift+center   both
 Then one markdown table (printed and written to <out>/table.md): per base and branch, over the shifted steps and
 the steps after them, the means of the training reward, adv/mean, adv/pos_share, critic/offset, the actor's
@@ -27,7 +27,8 @@ import sys
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 sys.path.insert(0, HERE)  # s3ac.py
 
-BRANCHES = {"control": [], "center": ["--adv-norm", "center"], "shift": [], "shift+center": ["--adv-norm", "center"]}
+BRANCHES = {"control": ["--adv-norm", "none"], "center": ["--adv-norm", "center"], "shift": ["--adv-norm", "none"],
+            "shift+center": ["--adv-norm", "center"]}
 COLUMNS = ["rollout/reward", "adv/mean", "adv/pos_share", "critic/offset", "actor/entropy", "actor/grad_norm",
            "rollout/response_len"]
 
