@@ -22,12 +22,6 @@ importance_weights (TIS: min(pi_old / mu, C)) -> logprobs_of_mu (log mu) -> trai
 the one loss normaliser -> cispo_loss) -> train_critic (update_critic toward the returns, or PACT's pact_targets) ->
 critic_metrics (explained variance EV, V(s_0) EV, c: the critic's compute over the actor's, ...).
 
-Where to look: the loss normaliser is optimize's (a mini-batch's loss tokens over every rank, counted once; each
-micro-batch's loss divides by it); the critic's targets are decoupled_gae's returns (Monte-Carlo at critic lambda 1)
-or pact_targets; DAPS is daps_estimate and daps_accept_prob (section 1), applied by daps_select (section 2); the
-reward's contract, call_reward and make_rewards open section 3a; defaults are Args' fields (section 4), and every
-"auto" flag's rule is in the last block of resolve_args (a run says each at start).
-
 Run:
     python s3ac.py --model Qwen/Qwen2.5-Math-1.5B          # paper setting, GPU: DAPO-Math, evaluated on MATH-500
     ./run.sh                                               # CPU demo: SmolLM2-135M on builtin arithmetic
@@ -605,8 +599,8 @@ def impact_score(signal, h):
 #    attention of the blocks above it, the paper's path around the sampling step; the last block's output would hold
 #    little more than the output layer's gradient).
 # 14. With a critic the actor's advantages are centred per batch (--adv-norm auto: center, less their token mean over
-#    the loss tokens, the centring of verl's and OpenRLHF's whitening); the paper is silent. The critic's returns stay
-#    raw. --adv-norm none keeps the critic's level in every advantage (the fixed-step comparison, .ci/README.md).
+#    the loss tokens, the centring of verl's and OpenRLHF's whitening; measured for s3ac, not ppo); the paper is
+#    silent. The critic's returns stay raw. --adv-norm none keeps the critic's level in every advantage.
 
 
 # -----------------------------------------------------------------------------------------------------------------

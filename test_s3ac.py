@@ -2504,7 +2504,8 @@ TINY_TABLES = """
 
 def test_readme_figure_is_in_the_repository_and_its_command_draws_it(tmp_path):
     """The README's picture exists in the checkout, and the command in the code block beside it draws a picture of
-    the same size from the measured tables of .ci/README.md, whose S3AC seed 0 keeps its figures."""
+    the same size from the measured tables of .ci/README.md: the fixed-step table, whose seed 8 keeps its figures,
+    every arm on the same seeds; and --demo's 21-seed tables, whose S3AC seed 0 keeps its figures."""
     import struct
     with open(os.path.join(HERE, "README.md")) as f:
         figure = README_FIGURE.search(f.read())
@@ -2525,6 +2526,12 @@ def test_readme_figure_is_in_the_repository_and_its_command_draws_it(tmp_path):
     seed8 = runs["S3AC --adv-norm none"][0]
     assert (seed8["seed"], seed8["steps"], seed8["pass@1"], seed8["largest drop"], seed8["held-out fall"]) == \
         (8, [0, 20, 40, 60, 80, 100], [0.265, 0.307, 0.453, 0.502, 0.48, 0.512], 0.275, 0.022)
+    runs = load_ci("figure").table_runs(open(os.path.join(HERE, ".ci", "README.md")).read(), 20.0)
+    assert sorted(runs) == sorted(f"{m}-seed{s}" for m in ("s3ac-k1", "reinforce_pp-k1") for s in range(21))
+    seed0 = runs["s3ac-k1-seed0"]
+    assert [(r["step"], r["eval/pass@1"]) for r in seed0 if "eval/pass@1" in r] == \
+        [(0, 0.265), (30, 0.323), (60, 0.333), (90, 0.492), (100, 0.49)]
+    assert seed0[1]["time/pretrain"] == 30.0 and seed0[-1]["perf/step_s"] == 11.7
 
 
 TINY_FIXED_STEP = """
@@ -3952,6 +3959,10 @@ def test_compare_runs_seed_major_with_each_configs_flags(tmp_path, monkeypatch):
     compare.compare(argv + ["--only", "s3ac-none-k1"])  # opt-in: the advantages raw, as before the default changed
     assert [name for name, _ in calls] == ["s3ac-none-k1-seed0", "s3ac-none-k1-seed1"]
     assert [value(calls[1][1], f) for f in (*critic_flags, "--adv-norm")] == ["4", "1", "none"]
+    later = argv[:argv.index("--out-dir") + 1] + [str(tmp_path / "later")] + argv[argv.index("--out-dir") + 2:]
+    compare.compare(later + ["--only", "s3ac-none-k1,s3ac-center-k1,flash_reinforce-k1"])  # no s3ac-k1 run here
+    table = open(os.path.join(tmp_path, "later", "table.md")).read()
+    assert "| s3ac-center-k1 - s3ac-none-k1 | 2 |" in table and "| s3ac-center-k1 - flash_reinforce-k1 | 2 |" in table
 
 
 def test_compare_first_seed_runs_and_tables_only_later_seeds(tmp_path, monkeypatch):

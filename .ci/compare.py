@@ -15,10 +15,10 @@ only when named: the default is center, so s3ac-k1 runs it). Then one table (com
 minutes and at the end, each run's best pass@1, the step it came at and its final minus best, its largest drop
 (largest_drop) and whether it fell by FALL or more, its held-out fall (heldout_fall), its response length at the end
 and FlashREINFORCE's trust-region drop share; one row per run (runs_table); and the paired differences by seed
-(paired_table): S3AC less each other setting at equal minutes, at the end, at equal samples and in largest drop,
-with their standard errors, and the paired-variance test of pass@1 at the end (pitman_morgan); last, the largest
-drop a run that never moved would show (noise_floor). Printed and written to <out-dir>/table.md; the curves of every
-run (curves.plot_runs) to <out-dir>/compare.png.
+(paired_table): S3AC (s3ac-k1, else s3ac-center-k1, else s3ac-none-k1) less each other setting at equal minutes, at
+the end, at equal samples and in largest drop, with their standard errors, and the paired-variance test of pass@1 at
+the end (pitman_morgan); last, the largest drop a run that never moved would show (noise_floor). Printed and written
+to <out-dir>/table.md; the curves of every run (curves.plot_runs) to <out-dir>/compare.png.
 """
 
 import argparse
@@ -259,7 +259,7 @@ def compare(argv=None):
             ("--batch-prompts", 16, "prompts per step at K = 1; GRPO answers a quarter of them 4 times"),
             ("--only", "", "run only these settings now, comma-separated (s3ac-k1, reinforce_pp-k1, "
                            "flash_reinforce-k1, grpo-k4, s3ac-center-k1 and s3ac-none-k1: S3AC with --adv-norm "
-                           "center and none; '' = all but the last two), to split a comparison over sessions; the "
+                           "center and none; '' = all but the last two), to split a comparison over several invocations; the "
                            "tables cover every finished run"),
             ("--out-dir", "runs/compare", "one directory per run, table.md, compare.png")):
         parser.add_argument(flag, type=type(default), default=default, help=text)
@@ -304,8 +304,9 @@ def compare(argv=None):
                 for name, dirs in runs.items()}  # the first seed, the next, ... while finished: i pairs with i
     records = {name: [read_records(d) for d in dirs] for name, dirs in finished.items() if dirs}
     table = compare_table(records) + "\n\n" + runs_table(records, {n: finished[n] for n in records})
-    if "s3ac-k1" in records:
-        table += "\n\n" + paired_table(records, "s3ac-k1", [n for n in records if n != "s3ac-k1"])
+    reference = next((n for n in ("s3ac-k1", "s3ac-center-k1", "s3ac-none-k1") if n in records), None)  # an S3AC
+    if reference:
+        table += "\n\n" + paired_table(records, reference, [n for n in records if n != reference])
     floor = noise_floor(records)  # "" when no run logged enough steps
     if floor:
         table += "\n\n" + floor
