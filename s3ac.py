@@ -2367,10 +2367,9 @@ class Args:
     eps_high: float = flag(0.28, "upper clip, relative: ratio (ppo) or weight (cispo) <= 1 + eps_high")
     actor_grad_clip: float = flag(1.0, "global grad-norm clip of the actor")
     actor_epochs: int = flag(1, "passes over each rollout batch")
-    adv_norm: Literal["auto", "none", "center", "whiten"] = flag("auto", "the actor's advantages (never the critic's "
-                                                                 "returns): center: less their token mean over the "
-                                                                 "batch | whiten: centred and / their std (as verl) | "
-                                                                 "none: raw")
+    adv_norm: Literal["auto", "none", "center", "whiten"] = flag("auto", "the actor's advantages, never the returns: "
+                                                                 "center (less their batch token mean) | whiten "
+                                                                 "(centred, / their std; verl) | none (raw)")
     is_correction: Literal["tis", "none"] = flag("tis", "tis: each token's actor loss times min(pi_old / mu, is_cap)")
     is_cap: float = flag(2.0, "tis: the cap C of the weight")
     trust_delta: float = flag(3e-3, "flash_reinforce: a response with mean Bernoulli KL(mu || pi) above this leaves "

@@ -47,6 +47,7 @@ def mean_se(values: list):
 
 
 FALL = 0.25  # a run "fell" when its largest_drop is at least this (success rate, [0, 1])
+OPT_IN = ("s3ac-center-k1", "s3ac-none-k1")  # S3AC with --adv-norm center / none: run only when --only names them
 
 
 def largest_drop(records: list, window: int = 5) -> float:
@@ -259,8 +260,8 @@ def compare(argv=None):
             ("--batch-prompts", 16, "prompts per step at K = 1; GRPO answers a quarter of them 4 times"),
             ("--only", "", "run only these settings now, comma-separated (s3ac-k1, reinforce_pp-k1, "
                            "flash_reinforce-k1, grpo-k4, s3ac-center-k1 and s3ac-none-k1: S3AC with --adv-norm "
-                           "center and none; '' = all but the last two), to split a comparison over several invocations; the "
-                           "tables cover every finished run"),
+                           "center and none; '' = all but these two), to split a comparison over several "
+                           "invocations; the tables cover every finished run"),
             ("--out-dir", "runs/compare", "one directory per run, table.md, compare.png")):
         parser.add_argument(flag, type=type(default), default=default, help=text)
     opts, rest = parser.parse_known_args(argv)
@@ -272,9 +273,8 @@ def compare(argv=None):
                "s3ac-center-k1": (opts.seeds, ["--k", "1", "--batch-prompts", str(b), *shlex.split(opts.s3ac_flags),
                                                "--adv-norm", "center"]),
                "s3ac-none-k1": (opts.seeds, ["--k", "1", "--batch-prompts", str(b), *shlex.split(opts.s3ac_flags),
-                                             "--adv-norm", "none"])}  # these two only when --only names them
-    only = [name for name in opts.only.split(",") if name] or \
-        [name for name in configs if name not in ("s3ac-center-k1", "s3ac-none-k1")]
+                                             "--adv-norm", "none"])}  # OPT_IN
+    only = [name for name in opts.only.split(",") if name] or [name for name in configs if name not in OPT_IN]
     if set(only) - set(configs):
         parser.error(f"--only: {', '.join(sorted(set(only) - set(configs)))} is not one of {', '.join(configs)}")
     if not 0 <= opts.first_seed < opts.seeds:
@@ -304,7 +304,7 @@ def compare(argv=None):
                 for name, dirs in runs.items()}  # the first seed, the next, ... while finished: i pairs with i
     records = {name: [read_records(d) for d in dirs] for name, dirs in finished.items() if dirs}
     table = compare_table(records) + "\n\n" + runs_table(records, {n: finished[n] for n in records})
-    reference = next((n for n in ("s3ac-k1", "s3ac-center-k1", "s3ac-none-k1") if n in records), None)  # an S3AC
+    reference = next((n for n in ("s3ac-k1", *OPT_IN) if n in records), None)  # the S3AC arm the others pair with
     if reference:
         table += "\n\n" + paired_table(records, reference, [n for n in records if n != reference])
     floor = noise_floor(records)  # "" when no run logged enough steps
