@@ -3907,6 +3907,44 @@ def test_offset_branches_share_the_draws_and_shift_only_the_actors_advantages(ti
     assert "| base | shift | " in (tmp_path / "branches" / "table.md").read_text()
 
 
+def test_offset_branches_of_ones_own_take_the_base_flags_then_theirs(tmp_path, monkeypatch):
+    """.ci/offset.py --branch NAME=FLAGS with s3ac.py replaced by a recorder: each branch resumes with the base's flags
+    and then its own (the last value wins), the shift only on a name that starts with "shift", one table row a branch;
+    a branch without "=" or a repeated name is refused. Mutants caught: the four default branches run anyway, the
+    flags dropped, the shift given to every branch."""
+    offset = load_ci("offset")
+    base = tmp_path / "base"
+    (base / "checkpoints" / "step_10").mkdir(parents=True)
+    (base / "metrics.jsonl").write_text("")
+    monkeypatch.setattr(offset, "base_flags", lambda b: (["--lr", "2e-5", "--seed", "11"], 10))
+    monkeypatch.setattr(s3ac, "latest_checkpoint", lambda out: str(base / "checkpoints" / "step_10"))
+    calls = {}
+
+    def fake_run(command, check):
+        child = command[command.index("--child") + 1:]
+        out = child[child.index("--out-dir") + 1]
+        calls[os.path.basename(out)] = child
+        with open(os.path.join(out, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps({"step": 11, "perf/step_s": 1.0, "rollout/reward": 0.5}) + "\n")
+
+    monkeypatch.setattr(offset.subprocess, "run", fake_run)
+    argv = ["--bases", str(base), "--shift", "0.5", "--shift-steps", "11-20", "--steps", "35", "--eval-every", "35",
+            "--out", str(tmp_path / "b")]
+    offset.main(argv + ["--branch", "control=", "--branch", "lr1e-5=--lr 1e-5 --actor-lam 1.0",
+                        "--branch", "shift+lam1=--actor-lam 1.0"])
+    assert list(calls) == ["base-control", "base-lr1e-5", "base-shift+lam1"]
+    last = lambda child, flag: [child[i + 1] for i, part in enumerate(child) if part == flag][-1]
+    assert [calls[n][0] for n in calls] == ["0.0", "0.0", "0.5"]  # the shift: the shift branch alone
+    assert [last(calls[n], "--lr") for n in calls] == ["2e-5", "1e-5", "2e-5"]
+    assert "--actor-lam" not in calls["base-control"] and last(calls["base-lr1e-5"], "--actor-lam") == "1.0"
+    assert all(last(c, "--seed") == "11" and last(c, "--steps") == "35" for c in calls.values())
+    table = (tmp_path / "b" / "table.md").read_text()
+    assert [line.split(" | ")[1] for line in table.splitlines()[2:]] == ["control", "lr1e-5", "shift+lam1"]
+    for bad in (["--branch", "lr1e-5"], ["--branch", "a=", "--branch", "a=--lr 1e-5"]):
+        with pytest.raises(SystemExit):
+            offset.main(argv + bad)
+
+
 def test_compare_runs_seed_major_with_each_configs_flags(tmp_path, monkeypatch):
     """compare() with s3ac.py replaced by a recorder: seed 0 of every config first; --s3ac-flags reach only the
     S3AC run; shared flags reach every run; a rerun skips finished runs, and stops on a run finished with other

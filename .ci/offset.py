@@ -12,6 +12,8 @@ draws the same rollouts at its first step):
                    critic that lags above the success rate; the critic's targets (lambda 1: the Monte-Carlo return,
                    whatever V) and its update are untouched
     shift+center   both
+or, with --branch NAME=FLAGS (repeatable), those branches instead: the base's flags plus FLAGS, the shift only where
+NAME starts with "shift" (e.g. --shift 0 --branch control= --branch lr1e-5="--lr 1e-5": which knob moves a fall).
 Then one markdown table (printed and written to <out>/table.md): per base and branch, over the shifted steps and
 the steps after them, the means of the training reward, adv/mean, adv/pos_share, critic/offset, the actor's
 entropy and grad norm and the response length, and pass@1 at every evaluation after the base (--eval-every).
@@ -20,6 +22,7 @@ entropy and grad norm and the response length, and pass@1 at every evaluation af
 import argparse
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -101,15 +104,23 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=40, help="the step every branch stops after")
     parser.add_argument("--eval-every", type=int, default=5, help="steps between evaluations of every branch")
     parser.add_argument("--out", default="runs/offset", help="one directory per base and branch, table.md")
+    parser.add_argument("--branch", action="append", metavar="NAME=FLAGS", help="a branch of one's own, its s3ac.py "
+                        "flags one string (repeatable; replaces the four)")
     parser.add_argument("--child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)  # a branch's own process
     opts = parser.parse_args(argv)
     first, last = (int(x) for x in opts.shift_steps.split("-"))
+    branches = BRANCHES
+    if opts.branch:
+        named = [b.partition("=") for b in opts.branch]
+        branches = {name: shlex.split(flags) for name, _, flags in named}
+        if any(not name or not eq for name, eq, _ in named) or len(branches) < len(named):
+            parser.error(f"--branch {' '.join(opts.branch)}: each NAME=FLAGS, the names distinct and not empty")
     runs = {}
     for base in opts.bases.split(","):
         flags, step = base_flags(base)
         if not step < first <= last <= opts.steps:
             parser.error(f"--shift-steps {opts.shift_steps} must lie after {base}'s step {step}, by --steps")
-        for name, extra in BRANCHES.items():
+        for name, extra in branches.items():
             out = os.path.join(opts.out, f"{os.path.basename(base)}-{name}")
             shift = opts.shift if name.startswith("shift") else 0.0
             child = [str(shift), str(first), str(last), *flags, *extra, "--out-dir", out, "--resume", "true",
