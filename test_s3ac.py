@@ -3910,8 +3910,9 @@ def test_offset_branches_share_the_draws_and_shift_only_the_actors_advantages(ti
 def test_offset_branches_of_ones_own_take_the_base_flags_then_theirs(tmp_path, monkeypatch):
     """.ci/offset.py --branch NAME=FLAGS with s3ac.py replaced by a recorder: each branch resumes with the base's flags
     and then its own (the last value wins), the shift only on a name that starts with "shift", one table row a branch;
-    a branch without "=" or a repeated name is refused. Mutants caught: the four default branches run anyway, the
-    flags dropped, the shift given to every branch."""
+    a branch without "=", a repeated, empty or path-like name and an unclosed quote are refused before any branch
+    runs. Mutants caught: the four default branches run anyway, the flags dropped or split on spaces, the shift given
+    to every branch."""
     offset = load_ci("offset")
     base = tmp_path / "base"
     (base / "checkpoints" / "step_10").mkdir(parents=True)
@@ -3931,18 +3932,22 @@ def test_offset_branches_of_ones_own_take_the_base_flags_then_theirs(tmp_path, m
     argv = ["--bases", str(base), "--shift", "0.5", "--shift-steps", "11-20", "--steps", "35", "--eval-every", "35",
             "--out", str(tmp_path / "b")]
     offset.main(argv + ["--branch", "control=", "--branch", "lr1e-5=--lr 1e-5 --actor-lam 1.0",
-                        "--branch", "shift+lam1=--actor-lam 1.0"])
+                        "--branch", 'shift+lam1=--actor-lam "1.0"'])
     assert list(calls) == ["base-control", "base-lr1e-5", "base-shift+lam1"]
     last = lambda child, flag: [child[i + 1] for i, part in enumerate(child) if part == flag][-1]
     assert [calls[n][0] for n in calls] == ["0.0", "0.0", "0.5"]  # the shift: the shift branch alone
     assert [last(calls[n], "--lr") for n in calls] == ["2e-5", "1e-5", "2e-5"]
     assert "--actor-lam" not in calls["base-control"] and last(calls["base-lr1e-5"], "--actor-lam") == "1.0"
+    assert last(calls["base-shift+lam1"], "--actor-lam") == "1.0"  # its quotes read as a shell reads them
     assert all(last(c, "--seed") == "11" and last(c, "--steps") == "35" for c in calls.values())
     table = (tmp_path / "b" / "table.md").read_text()
     assert [line.split(" | ")[1] for line in table.splitlines()[2:]] == ["control", "lr1e-5", "shift+lam1"]
-    for bad in (["--branch", "lr1e-5"], ["--branch", "a=", "--branch", "a=--lr 1e-5"]):
-        with pytest.raises(SystemExit):
-            offset.main(argv + bad)
+    calls.clear()
+    argv[argv.index("--out") + 1] = str(tmp_path / "c")  # no finished branch to collide with
+    for bad in (["lr1e-5"], ["a=", "--branch", "a=--lr 1e-5"], ["=--lr 1e-5"], ["../x="], ['a=--lr "1e-5']):
+        with pytest.raises(SystemExit) as refused:
+            offset.main(argv + ["--branch", *bad])
+        assert refused.value.code == 2 and calls == {}  # parser.error, before any branch ran
 
 
 def test_compare_runs_seed_major_with_each_configs_flags(tmp_path, monkeypatch):

@@ -12,8 +12,9 @@ draws the same rollouts at its first step):
                    critic that lags above the success rate; the critic's targets (lambda 1: the Monte-Carlo return,
                    whatever V) and its update are untouched
     shift+center   both
-or, with --branch NAME=FLAGS (repeatable), those branches instead: the base's flags plus FLAGS, the shift only where
-NAME starts with "shift" (e.g. --shift 0 --branch control= --branch lr1e-5="--lr 1e-5": which knob moves a fall).
+or, with --branch NAME=FLAGS (repeatable), those branches instead: the base's flags, then FLAGS, then this script's
+own (--out-dir, --resume, --steps, --eval-every, --save-every, --max-minutes: they win), the shift only where NAME
+starts with "shift" (e.g. --shift 0 --branch control= --branch lr1e-5="--lr 1e-5": control= keeps the base's flags).
 Then one markdown table (printed and written to <out>/table.md): per base and branch, over the shifted steps and
 the steps after them, the means of the training reward, adv/mean, adv/pos_share, critic/offset, the actor's
 entropy and grad norm and the response length, and pass@1 at every evaluation after the base (--eval-every).
@@ -22,6 +23,7 @@ entropy and grad norm and the response length, and pass@1 at every evaluation af
 import argparse
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -109,12 +111,15 @@ def main(argv=None):
     parser.add_argument("--child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)  # a branch's own process
     opts = parser.parse_args(argv)
     first, last = (int(x) for x in opts.shift_steps.split("-"))
-    branches = BRANCHES
-    if opts.branch:
-        named = [b.partition("=") for b in opts.branch]
-        branches = {name: shlex.split(flags) for name, _, flags in named}
-        if any(not name or not eq for name, eq, _ in named) or len(branches) < len(named):
-            parser.error(f"--branch {' '.join(opts.branch)}: each NAME=FLAGS, the names distinct and not empty")
+    branches = BRANCHES if not opts.branch else {}
+    for name, eq, flags in (b.partition("=") for b in opts.branch or ()):
+        if not eq or not re.fullmatch(r"[A-Za-z0-9][\w.+-]*", name) or name in branches:
+            parser.error(f"--branch {name}{eq}{flags}: need NAME=FLAGS, NAME letters, digits, . _ + - (a directory "
+                         f"name) and not given twice")
+        try:
+            branches[name] = shlex.split(flags)
+        except ValueError as e:  # an unclosed quote
+            parser.error(f"--branch {name}={flags}: {e}")
     runs = {}
     for base in opts.bases.split(","):
         flags, step = base_flags(base)
