@@ -1066,11 +1066,11 @@ def rows_to_batch(rows: list, pad_id: int):
 
 
 def critic_fit(values, raw, returns, response_mask, critic_loss: str) -> dict:
-    """pretrain/ explained variance, loss (unclipped, token mean) and offset (mean V(s_0) - mean R) of values / raw
-    [B, T] against returns [B, T] (R_0 = R at gamma 1)."""
+    """pretrain/ explained variance, loss (unclipped, token mean) and offset (mean V(s_0) - mean R, rows with a
+    token) of values / raw [B, T] against returns [B, T] (R_0 = R at gamma 1)."""
     v_loss, _ = critic_loss_fn(raw, values, returns, response_mask, critic_loss, eps_v=0.0)  # V_old = V: no clip
     return {"pretrain/explained_var": explained_variance(values, returns, response_mask),
-            "pretrain/v_loss": v_loss.item(), "pretrain/offset": (values[:, 0] - returns[:, 0]).mean().item()}
+            "pretrain/v_loss": v_loss.item(), "pretrain/offset": (values - returns)[response_mask[:, 0] > 0, 0].mean().item()}
 
 
 def held_out_fit(args: Args, state: TrainState, held_out) -> dict:

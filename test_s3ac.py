@@ -1315,8 +1315,9 @@ def test_every_flag_is_said_at_start_with_each_auto_rule(smoke_run):
 REQUIRED_KEYS = ["rollout/reward", "rollout/acc", "rollout/response_len", "rollout/truncated", "verify/no_answer",
                  "verify/timeout", "verify/error", "actor/pg_loss", "actor/pg_clipfrac", "actor/approx_kl",
                  "actor/entropy", "actor/grad_norm", "critic/v_loss", "critic/explained_var",
-                 "critic/value_mean", "critic/grad_norm", "perf/tokens_per_s", "time/rollout", "time/verify",
-                 "time/values", "time/actor", "time/critic", "perf/step_s"]
+                 "critic/value_mean", "critic/grad_norm", "critic/offset", "adv/mean", "adv/pos_share",
+                 "perf/tokens_per_s", "time/rollout", "time/verify", "time/values", "time/actor", "time/critic",
+                 "perf/step_s"]
 
 
 def test_smoke_run_logs_metrics_and_moves_critic(smoke_run):
@@ -1900,6 +1901,10 @@ def test_masked_whiten_centre_only_and_the_advantage_metrics_by_hand():
                                 torch.cat([vmask, torch.zeros(1, 3)]), 1.0, 1.0, 0.05)  # a row with no token
     assert empty["critic/offset"] == pytest.approx(cm["critic/offset"])  # is no V(s_0): left out
     fit = s3ac.critic_fit(values, values, s3ac.mc_returns(rewards, vmask, 1.0), vmask, "mse")  # the warm-up's
+    assert fit["pretrain/offset"] == pytest.approx(cm["critic/offset"])
+    values4, mask4 = torch.cat([values, torch.full((1, 3), 0.7)]), torch.cat([vmask, torch.zeros(1, 3)])
+    fit = s3ac.critic_fit(values4, values4, s3ac.mc_returns(torch.cat([rewards, torch.tensor([-1.0])]), mask4, 1.0),
+                          mask4, "mse")  # the empty row's V(s_0) = 0.7 would move a mean over every row
     assert fit["pretrain/offset"] == pytest.approx(cm["critic/offset"])
 
 

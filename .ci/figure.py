@@ -6,7 +6,7 @@
 
 The README's picture (fixed_step_figure): S3AC K=1 beside FlashREINFORCE K=1 (and S3AC with --adv-norm center), 100
 steps per run, greedy pass@1 on 400 held-out problems every 20 steps, a thin line per seed and the mean over seeds;
-beside it each run's largest drop of the 5-step rolling training reward below its running maximum, and its held-out
+beside it each run's largest drop of the 5-step rolling training success rate below its running maximum, and its held-out
 fall (the largest drop of pass@1 below its running best), a dot per run, with the lines the comparison calls a fall
 (0.25 and 0.10). It reads the per-run table of .ci/README.md ("| seed, run | pass@1 at 0 / 20 / ... |").
 
@@ -41,7 +41,7 @@ LABELS = {"s3ac-k1": "S3AC K=1 (critic)", "reinforce_pp-k1": "REINFORCE++ K=1 (c
 EVALUATIONS = "| run | seed | steps | pass@1 at step 0 |"  # the header rows the tables begin with
 DEMO = "| seed | warm-up batches (s) | steps |"
 FIXED_STEP = "| seed, run | pass@1 at "  # the fixed-step comparison's per-run table
-FALL_RULES = (0.25, 0.10)  # compare.py's fall of the training reward's largest drop; the held-out fall rule
+FALL_RULES = (0.25, 0.10)  # compare.py's fall of the training success rate's largest drop; the held-out fall rule
 
 
 def markdown_table(text: str, header_start: str) -> list:
@@ -174,7 +174,7 @@ def fixed_step_runs(text: str) -> dict:
 def fixed_step_figure(runs: dict):
     """A two-panel matplotlib figure of fixed_step_runs' runs: left, greedy pass@1 against the training step, a thin
     line per seed and a thick one for the mean over seeds of each run name; right, each run's largest drop of the
-    training reward and its held-out fall, a dot per run, beside the dashed lines that call a run fallen."""
+    training success rate and its held-out fall, a dot per run, beside the dashed lines that call a run fallen."""
     import matplotlib.pyplot as plt
     import numpy as np
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [3, 1.4]})
@@ -194,7 +194,7 @@ def fixed_step_figure(runs: dict):
              title="CPU demo, K = 1, 100 steps: a thin line per seed, the mean thick")
     left.grid(alpha=0.3)
     left.legend(loc="upper left")
-    right.set(xticks=[0, 1], xticklabels=["largest drop,\ntraining reward", "held-out fall"], xlim=(-0.5, 1.5),
+    right.set(xticks=[0, 1], xticklabels=["largest drop,\ntraining success", "held-out fall"], xlim=(-0.5, 1.5),
               title="each run's fall (dashed: fallen)")
     right.grid(alpha=0.3)
     fig.tight_layout()
