@@ -3,8 +3,8 @@
 # ./run.sh test [ARGS]  run the test suite (extra args go to pytest); on CPU it also makes .venv-vllm for the vLLM test
 # ./run.sh compare [--seeds N] [--minutes M | --steps S]
 #                       the CPU demo's model, task and critic: S3AC K=1, REINFORCE++ and FlashREINFORCE K=1 and GRPO K=4,
-#                       the same minutes (or steps) each; tables and runs/compare/compare.png (.ci/compare.py; extra args
-#                       go to it; --only s3ac-k1,flash_reinforce-k1: that pair alone)
+#                       the same minutes (or steps) each; tables and runs/compare/compare.png (.ci/compare.py;
+#                       extra args go to it; --only s3ac-k1,flash_reinforce-k1: that pair alone)
 # ./run.sh mechanisms   the CPU demo's model: each S3AC piece against the effect its paper claims, a table
 #                       (.ci/mechanisms.py; extra args go to it)
 # ./run.sh readiness    the CPU demo's model and checkpoints: does the value-gradient impact score predict RL's gain
