@@ -3177,8 +3177,9 @@ def init_distributed(device_name: str):
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(device)
         if not dist.is_initialized():  # a long timeout: rank 0 writes whole checkpoints while the others wait
-            import datetime
+            import atexit, datetime
             dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=60))
+            atexit.register(dist.destroy_process_group)  # gloo's threads stopped before exit, where they can abort
     return rank, world, device
 
 
