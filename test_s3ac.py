@@ -3744,9 +3744,10 @@ def test_compare_summary_response_length_and_trust_region_drop(tmp_path):
 
 
 def test_compare_table_arithmetic(tmp_path):
-    """Means and standard errors over seeds, pass@1 at the least training time any run reached (a step that runs
-    across it counts), the best of all its evaluations, its step and final - best, the second half of the steps for EV,
-    all steps for c, and '-' for the keys a critic-free run lacks; the paired differences by seed."""
+    """Means and standard errors over seeds, pass@1 at the least training time any run reached (the evaluation of the
+    step that runs across it; none where that step logged none), the best of all its evaluations, its step and
+    final - best, the second half of the steps for EV, all steps for c, and '-' for the keys a critic-free run lacks;
+    the paired differences by seed."""
     compare = load_ci("compare")
     ev = lambda e, v0, c: {"critic/explained_var": e, "critic/adv_explained_var": v0, "critic/compute_ratio": c}
     write_run(str(tmp_path / "s0"), {0: 0.1, 2: 0.3, 4: 0.5}, [ev(0.0, 0.0, 0.5), ev(0.0, 0.0, 0.5),
@@ -3764,15 +3765,15 @@ def test_compare_table_arithmetic(tmp_path):
                         "V(s_0) EV | c | "
                         "efficiency, token EV | efficiency, V(s_0) EV | response length at the end | "
                         "trust-region drop |")
-    # by hand: at 3 min the step-2 evaluations (2 min) 0.3, 0.2; the best of all 0.5 and 0.4 (step 4 each, the
-    # last; by 3 min 0.3 and 0.3), so final - best 0 and 0 (from the 3-minute evaluations -0.2 and -0.1);
+    # by hand: at 3 min step 3 runs (minutes 2-3) and logged no evaluation: no figure; the best of all 0.5 and 0.4
+    # (step 4 each, the last), so final - best 0 and 0;
     # token EV over steps 3-4: 0.3 and 0.6 (null skipped); V(s_0) EV 0.2 and 0.5; c 0.4 and 0.35;
     # efficiency 1 / ((1 - EV)(1 + c))
     se = lambda a, b: abs(a - b) / 2  # the standard error of two values: std (n - 1) / sqrt(2) = |a - b| / 2
     eff_token, eff_v0 = (1 / (0.7 * 1.4), 1 / (0.4 * 1.35)), (1 / (0.8 * 1.4), 1 / (0.5 * 1.35))
     # the last evaluations 0.5 and 0.4 at the end; no rollout/acc logged: no largest drop; held-out falls 0 (0.1,
     # 0.3, 0.5) and 0.1 (0.3 then 0.2)
-    want = [(4.0, 0.0), (4.0, 0.0), (0.1, 0.0), (0.25, se(0.3, 0.2)), (0.45, se(0.5, 0.4)), (0.45, se(0.5, 0.4)),
+    want = [(4.0, 0.0), (4.0, 0.0), (0.1, 0.0), None, (0.45, se(0.5, 0.4)), (0.45, se(0.5, 0.4)),
             (4.0, 0.0), (0.0, 0.0), None, None, (0.05, se(0.0, 0.1)), (0.45, se(0.3, 0.6)), (0.35, se(0.2, 0.5)),
             (0.375, se(0.4, 0.35)), (sum(eff_token) / 2, se(*eff_token)), (sum(eff_v0) / 2, se(*eff_v0)), None, None]
     assert table[2] == "| s3ac | 2 | " + " | ".join("-" if w is None else f"{w[0]:.3f} ± {w[1]:.3f}"
@@ -3796,6 +3797,36 @@ def test_compare_table_arithmetic(tmp_path):
     assert paired.splitlines()[2] == ("| s3ac - late | 2 | +0.100 ± 0.050 | +0.150, +0.050 | +0.000 ± 0.050 | "
                                       "-0.100 ± 0.050 | +0.100 ± 0.050 | - | - |")
 
+
+def test_compare_equal_minutes_reads_no_evaluation_grid(tmp_path):
+    """pass@1 at equal minutes comes only from an evaluation at those minutes. By hand, on a coarse grid: "fast" takes
+    10 steps of 1 minute, evaluated at steps 5 and 10 (0.2, 0.4); "slow" the same steps in 1.2 minutes each,
+    evaluated at steps 5 and 10 (0.5 at 6 minutes, 0.3 at 12). At 10 minutes fast's step 10 counts (0.4) and slow's
+    step 9 (minutes 9.6-10.8) logged no evaluation: no figure and no paired difference, where the last evaluation by
+    10 minutes would pair slow's step 5 with fast's step 10 (+0.1 for slow). On a minute budget slow's last step
+    crosses the budget and evaluates at its end (0.3 after step 9): -0.1. Fixed
+    steps (by_minutes False) give no figure at equal minutes, at equal samples still one. Mutant caught: the last
+    evaluation before the least time (evaluations_by(...)[-1]) as the equal-minutes figure."""
+    compare = load_ci("compare")
+    write_run(str(tmp_path / "fast"), {0: 0.1, 5: 0.2, 10: 0.4}, [{}] * 10)
+    write_run(str(tmp_path / "slow"), {0: 0.1, 5: 0.5, 10: 0.3}, [{}] * 10)
+    fast, slow = read_records(str(tmp_path / "fast")), read_records(str(tmp_path / "slow"))
+    for r in slow:
+        r["minutes"] *= 1.2
+    runs = {"fast": [fast], "slow": [slow]}
+    assert compare.equal_minutes(runs) == 10.0
+    assert compare.run_summary(fast, 10.0)["pass@1 at equal minutes"] == 0.4
+    assert math.isnan(compare.run_summary(slow, 10.0)["pass@1 at equal minutes"])
+    assert compare.paired_table(runs, "slow", ["fast"]).splitlines()[2].startswith("| slow - fast | 1 | - | - |")
+    cut = [dict(r, **{"eval/pass@1": 0.3}) if r["step"] == 9 else r for r in slow[:10]]  # stopped after step 9
+    budget = {"fast": [fast], "slow": [cut]}
+    assert compare.equal_minutes(budget) == 10.0
+    assert compare.paired_table(budget, "slow", ["fast"]).splitlines()[2].startswith("| slow - fast | 1 | -0.100 |")
+    fixed = compare.compare_table(runs, by_minutes=False).splitlines()
+    assert "| pass@1 at equal minutes (none: fixed steps) |" in fixed[0]
+    assert fixed[2].split(" | ")[5] == "-" and fixed[3].split(" | ")[5] == "-"  # the equal-minutes column
+    paired = compare.paired_table(runs, "slow", ["fast"], by_minutes=False).splitlines()[2]
+    assert paired.startswith("| slow - fast | 1 | - | - | - | -0.100 | -0.100 |")  # samples and end: step 10
 
 def test_largest_drop_and_fall_by_hand(tmp_path):
     """largest_drop: the 5-step rolling success rate below its running maximum. By hand, acc 0.5 x5, 0.9 x5, 0.1 x5,

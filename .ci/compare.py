@@ -9,16 +9,19 @@ the prompts (equal samples per step); --only s3ac-k1,flash_reinforce-k1 runs one
 one after another, seed s of every config before seed s + 1; each with the same --max-minutes, the same training
 data and the same held-out problems (--eval-data heldout is one fixed sample for every seed), and seed s of every
 config draws the same prompt order (S3AC's critic warm-up takes its first batches). With --steps N every run stops
-after step N instead (no minute budget): pass@1 "at the end" is then at the fixed step, and "at equal minutes" at
-the least time any run took. --only s3ac-center-k1 and s3ac-none-k1 add S3AC with --adv-norm center and none (run
-only when named: the default is center, so s3ac-k1 runs it). Then one table (compare_table) with pass@1 at equal
-minutes and at the end, each run's best pass@1, the step it came at and its final minus best, its largest drop
-(largest_drop) and whether it fell by FALL or more, its held-out fall (heldout_fall), its response length at the end
-and FlashREINFORCE's trust-region drop share; one row per run (runs_table); and the paired differences by seed
-(paired_table): S3AC (s3ac-k1, else s3ac-center-k1, else s3ac-none-k1) less each other setting at equal minutes, at
-the end, at equal samples and in largest drop, with their standard errors, and the paired-variance test of pass@1 at
-the end (pitman_morgan); last, the largest drop a run that never moved would show (noise_floor). Printed and written
-to <out-dir>/table.md; the curves of every run (curves.plot_runs) to <out-dir>/compare.png.
+after step N instead (no minute budget): pass@1 "at the end" is then at the fixed step, and the tables give no
+figure at equal minutes (an evaluation every 20 steps would read a run 4-17% slower at step 80 against another's
+step 100: the figure would be partly the evaluation grid). With --minutes every arm evaluates at its own end, and
+pass@1 at equal minutes is the evaluation of the step running at the least time any run reached (equal_minutes).
+--only s3ac-center-k1 and s3ac-none-k1 add S3AC with --adv-norm center and none (run only when named: the default is
+center, so s3ac-k1 runs it). Then one table (compare_table) with pass@1 at equal minutes and at the end, each run's
+best pass@1, the step it came at and its final minus best, its largest drop (largest_drop) and whether it fell by
+FALL or more, its held-out fall (heldout_fall), its response length at the end and FlashREINFORCE's trust-region
+drop share; one row per run (runs_table); and the paired differences by seed (paired_table): S3AC (s3ac-k1, else
+s3ac-center-k1, else s3ac-none-k1) less each other setting at equal minutes, at the end, at equal samples and in
+largest drop, with their standard errors, and the paired-variance test of pass@1 at the end (pitman_morgan); last,
+the largest drop a run that never moved would show (noise_floor). Printed and written to <out-dir>/table.md; the
+curves of every run (curves.plot_runs) to <out-dir>/compare.png.
 """
 
 import argparse
@@ -103,28 +106,29 @@ def pitman_morgan(x: list, y: list) -> tuple:
     return vx / vy, t, p
 
 
-def run_summary(records: list, at_minutes: float) -> dict:
+def run_summary(records: list, at_minutes: float = None) -> dict:
     """One run of the comparison, from curves.read_records: the training minutes it reached (a run stopped by
-    --max-minutes passes the budget by up to one step); pass@1 at step 0; pass@1 at at_minutes (the last evaluation
-    by that minute of training, or after the step running at that minute: a run stopped by --max-minutes ends with
-    the step that crosses the budget, so its final evaluation counts at it); the best pass@1 of all its evaluations,
-    the step it came at, and its last minus its best (0 for a curve that ends at its best); token EV and V(s_0) EV
-    averaged over the second half of its steps; c over all steps; and efficiency 1 / ((1 - EV)(1 + c)) of those
-    means, once with the token EV and once with V(s_0) EV (as critic/efficiency); the mean response length of its
-    last 5 steps by at_minutes; the trust region's drop share over all steps (FlashREINFORCE); its steps, its last
-    evaluation (at the end), its largest_drop and whether that is FALL or more (1 or 0), its heldout_fall. NaN where
-    the run logged no such key (critic-free, or no trust region)."""
+    --max-minutes passes the budget by up to one step); pass@1 at step 0; pass@1 at at_minutes (evaluation_at: NaN
+    where the step running at that minute logged no evaluation, and for a fixed-step run, at_minutes None); the best
+    pass@1 of all its evaluations, the step it came at, and its last minus its best (0 for a curve that ends at its
+    best); token EV and V(s_0) EV averaged over the second half of its steps; c over all steps; and efficiency 1 /
+    ((1 - EV)(1 + c)) of those means, once with the token EV and once with V(s_0) EV (as critic/efficiency); the
+    mean response length of its last 5 steps by at_minutes (of all its steps for None); the trust region's drop
+    share over all steps (FlashREINFORCE); its steps, its last evaluation (at the end), its largest_drop and whether
+    that is FALL or more (1 or 0), its heldout_fall. NaN where the run logged no such key (critic-free, or no trust
+    region)."""
     steps, evals = [r for r in records if "perf/step_s" in r], [r for r in records if r.get("eval/pass@1") is not None]
     half = steps[len(steps) // 2:]
-    on_time = evaluations_by(records, at_minutes)
     best = max(evals, key=lambda r: r["eval/pass@1"])  # the first of equal bests; a fixed-step run's whole curve
     token_ev = mean_se([r.get("critic/explained_var") for r in half])[0]
     v0_ev = mean_se([r.get("critic/adv_explained_var") for r in half])[0]
     c = mean_se([r.get("critic/compute_ratio") for r in steps])[0]
-    length = mean_se([r.get("rollout/response_len") for r in steps if r["minutes"] <= at_minutes][-5:])[0]
+    length = mean_se([r.get("rollout/response_len") for r in steps
+                      if at_minutes is None or r["minutes"] <= at_minutes][-5:])[0]
     drop = largest_drop(records)
     return {"steps": len(steps), "minutes": records[-1]["minutes"], "pass@1 at step 0": evals[0]["eval/pass@1"],
-            "pass@1 at equal minutes": on_time[-1]["eval/pass@1"], "pass@1 at the end": evals[-1]["eval/pass@1"],
+            "pass@1 at equal minutes": evaluation_at(records, at_minutes),
+            "pass@1 at the end": evals[-1]["eval/pass@1"],
             "best pass@1": best["eval/pass@1"], "best at step": best["step"],
             "final - best": evals[-1]["eval/pass@1"] - best["eval/pass@1"], "largest drop": drop,
             "fell": float(drop >= FALL) if math.isfinite(drop) else math.nan, "held-out fall": heldout_fall(records),
@@ -136,10 +140,24 @@ def run_summary(records: list, at_minutes: float) -> dict:
 def evaluations_by(records: list, at_minutes: float) -> list:
     """The evaluation records of a run that count at at_minutes of training: those logged by then, and the one after
     the step running at that minute (a run stopped by --max-minutes evaluates after the step that crosses it)."""
-    begun = [r["minutes"] if "perf/step_s" not in r else prev["minutes"]  # training minutes when r's step began
-             for prev, r in zip([{"minutes": 0.0}] + records, records)]
-    return [r for r, t in zip(records, begun)
+    return [r for r, t in zip(records, step_begun(records))
             if r.get("eval/pass@1") is not None and (r["minutes"] <= at_minutes or t < at_minutes)]
+
+
+def evaluation_at(records: list, at_minutes: float = None) -> float:
+    """pass@1 of the evaluation logged at at_minutes of training: the one after the step whose training time spans
+    that minute (begun before it, ended at or after it). NaN where that step logged none, never an earlier
+    evaluation (which would compare the evaluation grid), and for at_minutes None (a fixed-step run)."""
+    if at_minutes is None:
+        return math.nan
+    spans = [r for r, t in zip(records, step_begun(records)) if t < at_minutes <= r["minutes"]]
+    return next((r["eval/pass@1"] for r in spans if r.get("eval/pass@1") is not None), math.nan)
+
+
+def step_begun(records: list) -> list:
+    """The training minutes at which each record's step began (its own minutes for a record that is no step)."""
+    return [r["minutes"] if "perf/step_s" not in r else prev["minutes"]
+            for prev, r in zip([{"minutes": 0.0}] + records, records)]
 
 
 def pass_at_samples(records: list, samples: int) -> float:
@@ -153,13 +171,14 @@ def equal_minutes(runs: dict) -> float:
     return min(seed[-1]["minutes"] for seeds in runs.values() for seed in seeds)
 
 
-def compare_table(runs: dict) -> str:
+def compare_table(runs: dict, by_minutes: bool = True) -> str:
     """A markdown table of runs {name: [curves.read_records of each seed]}: per name, mean ± standard error over seeds
-    of each run_summary column ("-": none), at equal_minutes(runs)."""
-    at = equal_minutes(runs)
+    of each run_summary column ("-": none), at equal_minutes(runs) for runs on one minute budget (by_minutes), with
+    no figure at equal minutes for fixed-step runs."""
+    at = equal_minutes(runs) if by_minutes else None
     rows = {name: [run_summary(seed, at) for seed in seeds] for name, seeds in runs.items()}
     columns = list(next(iter(rows.values()))[0])
-    lines = ["| run | seeds | " + " | ".join(columns).replace("equal minutes", f"{at:.1f} min") + " |",
+    lines = ["| run | seeds | " + " | ".join(columns).replace("equal minutes", minutes_label(at)) + " |",
              "|---" * (len(columns) + 2) + "|"]
     for name, summaries in rows.items():
         cells = [mean_se([s[c] for s in summaries]) for c in columns]
@@ -169,14 +188,19 @@ def compare_table(runs: dict) -> str:
     return "\n".join(lines)
 
 
-def runs_table(runs: dict, dirs: dict = None) -> str:
-    """Markdown, one row per run of runs {name: [records of each seed]} at equal_minutes(runs): its steps, minutes,
-    pass@1 at equal minutes and at the end, best (step), final - best, largest drop, held-out fall. dirs {name: [run
-    directory]} names each seed (its "-seed<s>" suffix); else the seeds count from 0."""
-    at = equal_minutes(runs)
+def minutes_label(at: float) -> str:
+    """The equal-minutes column's name: "3.0 min", or "equal minutes (none: fixed steps)" for at None."""
+    return "equal minutes (none: fixed steps)" if at is None else f"{at:.1f} min"
+
+
+def runs_table(runs: dict, dirs: dict = None, by_minutes: bool = True) -> str:
+    """Markdown, one row per run of runs {name: [records of each seed]} at equal_minutes(runs) (as compare_table):
+    its steps, minutes, pass@1 at equal minutes and at the end, best (step), final - best, largest drop, held-out
+    fall. dirs {name: [run directory]} names each seed (its "-seed<s>" suffix); else the seeds count from 0."""
+    at = equal_minutes(runs) if by_minutes else None
     columns = ["steps", "minutes", "pass@1 at equal minutes", "pass@1 at the end", "best pass@1", "best at step",
                "final - best", "largest drop", "held-out fall"]
-    lines = ["| run | seed | " + " | ".join(columns).replace("equal minutes", f"{at:.1f} min") + " |",
+    lines = ["| run | seed | " + " | ".join(columns).replace("equal minutes", minutes_label(at)) + " |",
              "|---" * (len(columns) + 2) + "|"]
     for name, seeds in runs.items():
         for i, records in enumerate(seeds):
@@ -188,18 +212,19 @@ def runs_table(runs: dict, dirs: dict = None) -> str:
     return "\n".join(lines)
 
 
-def paired_table(runs: dict, first: str, others: list) -> str:
-    """Markdown rows of paired differences by seed at equal_minutes(runs): for each name in others, first's pass@1
+def paired_table(runs: dict, first: str, others: list, by_minutes: bool = True) -> str:
+    """Markdown rows of paired differences by seed at equal_minutes(runs) (none for fixed-step runs, by_minutes
+    False: those columns read "-"): for each name in others, first's pass@1
     minus that run's, over the seeds both have (seed i of one against seed i of the other), with the mean, its
     standard error and every seed's difference; the same for the mean of every evaluation from the middle of the
     budget on (a smoother figure: several evaluations, the same problems); the difference at equal samples (the
     fewest rollouts any run generated, pass_at_samples); at the end (each run's last evaluation: the fixed step of
     --steps); in largest drop; and pitman_morgan's p for equal variances of pass@1 at the end (3 pairs or more)."""
-    at = equal_minutes(runs)
+    at = equal_minutes(runs) if by_minutes else None
     n = min(seed[-1]["samples"] for seeds in runs.values() for seed in seeds)
 
     def late_mean(records):  # the mean pass@1 of the evaluations that count at `at`, from at / 2 on
-        late = [r["eval/pass@1"] for r in evaluations_by(records, at) if r["minutes"] >= at / 2]
+        late = [r["eval/pass@1"] for r in evaluations_by(records, at) if r["minutes"] >= at / 2] if at else []
         return sum(late) / len(late) if late else math.nan
 
     lines = ["| difference | seeds | at equal minutes | per seed | mean of the evaluations from the middle on | "
@@ -217,7 +242,8 @@ def paired_table(runs: dict, first: str, others: list) -> str:
         dm, dse = mean_se([largest_drop(a) - largest_drop(b) for a, b in pairs])
         ratio, _, p = pitman_morgan(*zip(*ends)) if len(pairs) >= 3 else (math.nan, math.nan, math.nan)
         pm = lambda m, se: "-" if math.isnan(m) else f"{m:+.3f}" + ("" if math.isnan(se) else f" ± {se:.3f}")
-        lines.append(f"| {first} - {other} | {len(pairs)} | {pm(m, se)} | {', '.join(f'{d:+.3f}' for d in diffs)} | "
+        per_seed = ", ".join(pm(d, math.nan) for d in diffs)
+        lines.append(f"| {first} - {other} | {len(pairs)} | {pm(m, se)} | {per_seed} | "
                      f"{pm(lm, lse)} | {pm(sm, sse)} | {pm(em, ese)} | {pm(dm, dse)} | "
                      + ("-" if math.isnan(ratio) else f"{ratio:.2f} (p {p:.2f})") + " |")
     return "\n".join(lines)
@@ -303,10 +329,12 @@ def compare(argv=None):
     finished = {name: list(itertools.takewhile(lambda d: os.path.exists(os.path.join(d, "done")), dirs))
                 for name, dirs in runs.items()}  # the first seed, the next, ... while finished: i pairs with i
     records = {name: [read_records(d) for d in dirs] for name, dirs in finished.items() if dirs}
-    table = compare_table(records) + "\n\n" + runs_table(records, {n: finished[n] for n in records})
+    by_minutes = not opts.steps  # fixed-step runs: no figure at equal minutes
+    table = compare_table(records, by_minutes) + "\n\n" + runs_table(records, {n: finished[n] for n in records},
+                                                                      by_minutes)
     reference = next((n for n in ("s3ac-k1", *OPT_IN) if n in records), None)  # the S3AC arm the others pair with
     if reference:
-        table += "\n\n" + paired_table(records, reference, [n for n in records if n != reference])
+        table += "\n\n" + paired_table(records, reference, [n for n in records if n != reference], by_minutes)
     floor = noise_floor(records)  # "" when no run logged enough steps
     if floor:
         table += "\n\n" + floor
