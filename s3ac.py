@@ -98,9 +98,9 @@ kernels = _load_kernels_py()
 # -----------------------------------------------------------------------------------------------------------------
 # --- GAE and decoupled GAE ---
 def triton_on_cuda(fn):
-    """Decorator: on CUDA tensors (or with --kernels triton) the call runs kernels.<fn's name>, its Triton twin (same
-    signature and math); on CPU tensors, or with --kernels torch, fn itself runs. The first tensor argument decides; fn:
-    .__wrapped__. Pasted alone (no module s3ac_kernels), it returns fn itself, whatever `kernels` means there."""
+    """Decorator: on CUDA tensors (or --kernels triton) the call runs kernels.<fn's name>, its Triton twin (same math);
+    on CPU tensors or with --kernels torch, fn (.__wrapped__) runs; the first tensor argument decides. Pasted elsewhere
+    it is fn itself, unless `s3ac` was imported before the copy is defined: then CUDA runs s3ac's twin, not the copy."""
     import functools  # pasted with each function it decorates: torch and this alone
     import sys
     twins = sys.modules.get("s3ac_kernels")
@@ -672,7 +672,7 @@ def train_step(args: Args, state: TrainState, reward_fn):
     advantages, returns, m = compute_advantages(args, batch, rewards, values, mask)  # [B, T] raw, no whitening
     metrics.update(m)
     loss_mask = actor_loss_mask(args, batch, mask)  # [B, T] the tokens the actor loss averages over
-    if args.adv_norm != "none":  # the actor's advantages alone, over its loss tokens; returns (targets) stay raw
+    if args.adv_norm != "none":  # the actor's alone, before the IS weights multiply them; returns (targets) stay raw
         advantages = masked_whiten(advantages, loss_mask, scale=args.adv_norm == "whiten")  # [B, T] A - mean(A)
     t0 = synced_time(state.device)
     old_logprobs = old_policy_logprobs(args, state, batch) if needs_pi_old(args, batch) else None  # [B, T] log pi_old
