@@ -2676,6 +2676,38 @@ def test_every_readme_command_parses():
         assert "exec ./run.sh test\n" in f.read()
 
 
+README_FLAG_ROW = re.compile(r"^\| `--([\w-]+)` \| `([^`]*)` \|([^|]*)\| [^|]+ \|$", re.M)
+
+
+def test_readme_flags_table_matches_args_and_the_auto_rules():
+    """README's table of the main flags ('| `--flag` | `default` | when auto | what it sets |') against Args: each
+    default is the field's default, and each "when auto" cell of the form 'algo, algo: `value`; ...' is what
+    resolve_args makes of auto for those algorithms (K = 2 where the algorithm needs a group). The table names gamma,
+    the actor's epochs, the critic's clips and every algorithm-dependent auto rule. Mutants caught: a default moved in
+    Args (--critic-epochs 3), an auto rule changed (--adv-norm auto centring a critic-free baseline)."""
+    import typing
+    with open(os.path.join(HERE, "README.md")) as f:
+        rows = README_FLAG_ROW.findall(f.read())
+    fields = {f.name: f.default for f in dataclasses.fields(s3ac.Args)}
+    algos = typing.get_args(typing.get_type_hints(s3ac.Args)["algo"])
+    named = {flag.replace("-", "_") for flag, _, _ in rows}
+    assert {"gamma", "actor_epochs", "critic_grad_clip", "eps_v", "adv_norm", "eps_low", "actor_lam", "critic_lam",
+            "minibatches", "critic_warmup_steps", "lr", "critic_epochs"} <= named, named
+    same = lambda cell, value: (float(cell) == value if isinstance(value, float) and not isinstance(value, bool)
+                                else cell == str(value))
+    for flag, default, when in rows:
+        name = flag.replace("-", "_")
+        assert name in fields, f"README.md flags table: --{flag} is no field of Args"
+        assert same(default, fields[name]), f"README.md: --{flag} default {default!r}, Args says {fields[name]!r}"
+        rules = re.findall(r"([\w, ]+): `([^`]+)`", when)
+        assert bool(rules) == bool(when.strip()), f"README.md: --{flag}'s auto cell {when!r} reads no rule"
+        for algos_text, value in rules:
+            for algo in algos_text.strip().split(", "):
+                assert algo in algos, f"README.md: --{flag}'s auto cell names {algo!r}, no --algo"
+                resolved = getattr(s3ac.resolve_args(s3ac.Args(algo=algo, k=2 if algo in ("grpo", "rloo") else 1)),
+                                   name)
+                assert same(value, resolved), f"README.md: --{flag} auto for {algo} says {value}, resolves {resolved}"
+
 def test_reward_fn_flag_errors_are_one_line(tmp_path):
     no_model = str(tmp_path / "no-such-model")
     good = write_lines(tmp_path / "good.jsonl", [json.dumps({"problem": f"p{i}", "answer": "1"}) for i in range(8)])
