@@ -24,6 +24,7 @@ import collections
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -159,6 +160,8 @@ def load_s3ac(checkout: str = None, rev: str = None):
     module = importlib.util.module_from_spec(spec)
     sys.modules["s3ac"] = module
     spec.loader.exec_module(module)
+    if rev is not None:
+        shutil.rmtree(checkout)  # s3ac.py and kernels.py are loaded: the copies can go
     return module
 
 
