@@ -176,7 +176,7 @@ def main(argv=None):
     start = time.perf_counter()
     result = compare(rows, grade_corpus(s3ac.grade, rows))
     print(report(rows, result))
-    print(f"graded by {s3ac.__file__} ({args.rev or 'working tree'}) in {time.perf_counter() - start:.0f} s")
+    print(f"graded by the s3ac.py of {args.rev or args.s3ac or 'this checkout'} in {time.perf_counter() - start:.0f} s")
     return 1 if result["failing"] else 0
 
 
