@@ -751,314 +751,32 @@ def test_verifier_from_worker_thread_and_odd_output(verifier):
     assert rewards == [-1.0] * len(odd)
 
 
-# Gold 42 unless stated: the answer policy's cases (section 4 of s3ac.py), each with the status it must get.
-ANSWER_POLICY_CASES = [
-    ("6", "The answer is \\boxed{6}. Hmm, let me double check: \\boxed{9", True, "truncated"),  # cut at the limit
-    ("6", "The answer is \\boxed{6}.", True, "truncated"),  # a box does not rescue a cut-off response
-    ("8", "So the answer is \\boxed{3}. Checking again, I made an error; the answer is \\boxed{8}.", False, "correct"),
-    ("3", "So the answer is \\boxed{3}. Checking again, I made an error; the answer is \\boxed{8}.", False, "wrong"),
-    ("42", "\\boxed{42}", False, "correct"), ("42", "\\boxed{42.0}", False, "correct"),
-    ("42", "\\boxed{42}.", False, "correct"), ("42", "So it is \\boxed{6 \\times 7 = 42}.", False, "correct"),
-    ("42", "\\boxed{23 + 19}", False, "not_a_number"), ("42", "\\boxed{6 \\times 7}", False, "not_a_number"),
-    ("42", "We add the two numbers:\n23 + 19", False, "not_a_number"),
-    ("42", "To solve this problem, you simply multiply 6 * 7.", False, "not_a_number"),
-    ("42", "To solve this problem, you simply multiply 6 by 7.", False, "not_a_number"),
-    ("49", "Thus, the final answer is 58 - 9 = 47.", False, "wrong"),
-    ("49", "Thus, the final answer is 58 - 9 = 49.", False, "correct"),
-    ("25", "First, 25 + 0 is 25... thus, 25 + 0 =", False, "no_answer"),  # unfinished
-    ("25", "I think 25.\nThen we add 3 and get 28.\nHope this helps!", False, "wrong"),  # the last result counts
-    ("17", "Adding 17 and 3 gives 20.", False, "wrong"),  # the gold mid-text does not count
-    ("\\frac{1}{2^{60}}", "\\boxed{\\frac{1}{2^{61}}}", False, "wrong"),  # exact, no float tolerance
-    ("\\frac{1}{2^{60}}", "\\boxed{2^{-60}}", False, "correct"),
-    ("2500", "\\boxed{2\\,500}", False, "correct"), ("2500", "\\boxed{2{,}500}", False, "correct"),
-    ("2500", "\\boxed{2,500}", False, "correct"), ("2500", "\\boxed{2\\!500}", False, "correct"),
-    ("1,000", "So the total is 1,000 dollars.", False, "correct"), ("18", "She earns \\boxed{\\$18}.", False, "correct"),
-    ("-5", "The answer is -5.", False, "correct"), ("-5", "3 - 8 = -5", False, "correct"),
-    ("12", "7 + 5 = 12  (\\boxed{})", False, "correct"),  # an empty box echoes the instruction
-    ("15", "9 + 6 equals 15.\nBut what if we want other numbers?", False, "correct"),  # closing words skipped
-    ("\\frac{1}{3}", "\\boxed{0.3333}", False, "correct"), ("\\frac{1}{3}", "\\boxed{0.33}", False, "wrong"),
-    ("3", "\\boxed{\\frac{12}{4}}", False, "not_a_number"), ("0.5", "\\boxed{\\frac{1}{2}}", False, "correct"),
-    ("5\\sqrt{2}", "\\boxed{\\sqrt{50}}", False, "correct"), ("\\text{Evelyn}", "\\boxed{\\text{Evelyn}}", False, "correct"),
-    ("\\left( 3, \\frac{\\pi}{2} \\right)", "so \\boxed{(3, \\frac{\\pi}{2})}", False, "correct"),
-    ("x^2 + 1", "The result is x^2 + 1.", False, "no_answer"),  # no fallback for a non-number gold
-]
-
-
-# Traps for the answer policy (gold, completion, status): hedges, negations, lists, numbers inside LaTeX,
-# dangling or unicode operators, words that are not units, inequalities, decimals near exact values, and the
-# answer forms a model really writes.
-ANSWER_POLICY_TRAPS = [
-    # no reward: hedges, negations, lists, numbers inside LaTeX or expressions, words that are not units
-    ("42", "So the total is 42 +", "not_a_number"), ("42", "The answer is 42 -", "not_a_number"),
-    ("42", "The answer is not 42.", "no_answer"), ("42", "Is the answer 42?", "no_answer"),
-    ("42", "So 42 is incorrect.", "no_answer"), ("42", "I think the answer is 41 or 42.", "no_answer"),
-    ("10", "1 is not equal to 10.", "no_answer"), ("10", "2 + 8 isn't equal to 10", "no_answer"),  # a real rollout
-    ("10", "9 \\neq 10", "no_answer"), ("10", "9 \u2260 10", "no_answer"), ("10", "So 9 != 10.", "no_answer"),
-    ("10", "It does not equal 10.", "no_answer"), ("10", "5 + 5 is not the same as 10", "no_answer"),
-    ("10", "9 \\not= 10", "no_answer"), ("10", "9 doesn\u2019t equal 10", "no_answer"), ("10", "9 <> 10", "no_answer"),
-    ("10", "9 \u2249 10", "no_answer"),
-    ("10", "9 is not equivalent to 10.", "no_answer"), ("10", "9 is unequal to 10.", "no_answer"),
-    ("-2", "so the final result is either 13 or -2.", "no_answer"),  # a real rollout: a negative number read after
-    ("-4", "It is 4 nor -4.", "no_answer"), ("-42", "The answer is 5, not -42.", "wrong"),  # 'or', 'not', '!='
-    ("-10", "1 is not equal to -10.", "no_answer"), ("-3", "So x != -3.", "no_answer"), ("-2", "It is -2.", "correct"),
-    ("2", "either 13 or - 2.", "no_answer"), ("3", "x \\neq - 3", "no_answer"), ("2", "either 13 or +2.", "no_answer"),
-    ("-2", "either 13 or (-2).", "no_answer"), ("-2", "x = 2 or x = -2", "no_answer"), ("-2", "x = 13, or x = -2.", "no_answer"),
-    ("5", "The answer is 5, not -5.", "correct"), ("3", "x = 3 or -", "correct"), ("10", "x or y = 10", "correct"),
-    # an approximation is no exact value, in a box or not (a real rollout: '1 + 63 ≈ 64'); one elsewhere leaves it alone
-    ("64", "1 + 63 ≈ 64", "not_a_number"), ("42", "The answer is about 42.", "not_a_number"),
-    ("42", "It is approximately 42 apples.", "not_a_number"), ("42", "So x is roughly 42", "not_a_number"),
-    ("-5", "x \\approx -5", "not_a_number"), ("42", "\\boxed{\\approx 42}", "not_a_number"),
-    ("42", "\\boxed{≈ 42}", "not_a_number"), ("42", "It took about 3 hours, so the answer is 42.", "correct"),
-    # Unicode's other approximately-equal signs (a real rollout: '42 + 1 ≅ 43\nThe answer is correct.'), and LaTeX's
-    ("43", "42 + 1 \u2245 43\nThe answer is correct.", "not_a_number"), ("43", "42 + 1 \u2243 43", "not_a_number"),
-    ("43", "42 + 1 \u224a 43", "not_a_number"), ("43", "42 + 1 \u2252 43", "not_a_number"),
-    ("43", "42 + 1 \u223c 43", "not_a_number"), ("43", "\\boxed{\\cong 43}", "not_a_number"),
-    ("54", "53 + 1 \u2245 54.\nThe final answer is 54.", "correct"), ("43", "Since 1 \u2245 1, 42 + 1 = 43", "correct"),
-    # ASCII "~" after a space, the full-width tilde; "~" between two words is LaTeX's unbreakable space
-    ("43", "42 + 1 ~ 43", "not_a_number"), ("43", "42 + 1 ~43", "not_a_number"), ("-2", "x ~ -2", "not_a_number"),
-    ("43", "42 + 1 \uff5e 43", "not_a_number"), ("42", "The answer is~42.", "correct"),
-    ("42", "By Table~2, 6 * 7 = 42.", "correct"), ("42", "$6 \\times 7 = 42$~", "correct"),
-    ("42", "\\textbf{Answer:}~42", "correct"), ("42", "6 * 7 =\\quad~42", "correct"), ("5", "\\boxed{ ~5}", "correct"),
-    ("3", "I am almost done: 1 + 2 = 3", "correct"), ("42", "Pi is about 3.14; 6 * 7 = 42", "correct"),
-    # an inequality elsewhere in the sentence, or a factorial, leaves the answer alone
-    ("120", "So 5!=120.", "correct"), ("10", "Since x \\neq 0, we get x = 10.", "correct"),
-    ("10", "Because x \u2260 0, x = 10.", "correct"), ("10", "The boxes are not equally sized, so the answer is 10.", "correct"),
-    ("10", "It is not equal to 5, so the answer is 10.", "correct"),
-    ("43", "The answer is 42, not 43.", "wrong"), ("42", "The answer is 42, not 43.", "correct"),
-    ("42", "The possible answers are 41,42", "not_a_number"), ("1", "The answers are 1,2,3", "not_a_number"),
-    ("42", "The point is (42,7).", "not_a_number"), ("3", "The answer is 3,14", "not_a_number"),
-    ("42", "The answer is \\sqrt{42}.", "not_a_number"), ("10", "The answer is 2^{10}.", "not_a_number"),
-    ("42", "$\\frac{42}{x}$", "not_a_number"), ("42", "The area is $42\\pi$.", "not_a_number"),
-    ("2", "$42\\sqrt{2}$", "not_a_number"), ("42", "\\log_2 42", "not_a_number"),
-    ("5", "The answer is \u22125.", "wrong"), ("-5", "The answer is \u22125.", "correct"),
-    ("7", "14 \u2212 7", "not_a_number"), ("7", "1 \u2217 7", "not_a_number"), ("7", "1 \\ast 7", "not_a_number"),
-    ("42", "\\boxed{42x}", "not_a_number"), ("42", "\\boxed{42 is wrong}", "not_a_number"),
-    ("42", "\\boxed{42 \\text{ is not the answer}}", "not_a_number"), ("3", "\\boxed{3pi}", "not_a_number"),
-    ("5", "\\boxed{5 hundred}", "not_a_number"), ("2", "\\boxed{2 squared}", "not_a_number"),
-    ("42", "\\boxed{x <= 42}", "not_a_number"), ("42", "\\boxed{x != 42}", "not_a_number"), ("42", "\\boxed{41 = 42}", "wrong"),
-    ("2^{10}", "\\boxed{1024.05}", "wrong"), ("\\frac 34", "\\boxed{0.75003}", "wrong"), ("\\frac34", "\\boxed{0.75}", "correct"),
-    ("\\frac43", "\\boxed{1+\\frac13}", "not_a_number"), ("\\frac43", "\\boxed{\\frac86}", "not_a_number"),
-    ("7", "you simply multiply 1 and 7.", "not_a_number"), ("7", "Take 14 and subtract 7.", "not_a_number"),
-    ("7", "The difference between 14 and 7.", "not_a_number"), ("0", "The product of 9 and 0.", "not_a_number"),
-    ("42", "The answer is 42.\n\nWait, that is wrong. Let me redo it.", "no_answer"),
-    # a closing sentence without a digit that denies the answer; one that does not leaves it alone
-    ("12", "7 + 5 = 12.\nThe equation has no solution.", "no_answer"),  # a real rollout
-    ("12", "7 + 5 = 12. No real solutions exist.", "no_answer"), ("12", "7 + 5 = 12\nThis is impossible.", "no_answer"),
-    ("12", "x = 12. The answer is undefined.", "no_answer"), ("12", "x = 12\nThere are no valid answers!", "no_answer"),
-    ("12", "7 + 5 = 12. The limit doesn't exist.", "no_answer"),
-    ("12", "7 + 5 = 12.\nThere is no other answer.", "correct"),
-    ("12", "7 + 5 = 12.\nThe solution is complete.", "correct"),
-    ("12", "No solution is needed: 7 + 5 = 12", "correct"),  # only a closing sentence without a digit can deny
-    ("12", "x = 12. Otherwise it is undefined.", "correct"), ("12", "x = 12. No answer choices were given.", "correct"),
-    ("12", "x = 12. Division by zero is undefined.", "correct"),
-    ("12", "x = 12. I have no answers left to check.", "correct"),
-    ("12", "x = 12. It is impossible to get another result.", "correct"),
-    ("12", "x = 12. A larger one does not exist.", "correct"),
-    ("\\infty", "\\boxed{\\infty}", "correct"), ("10^{400}", "\\boxed{1.0\\times10^{400}}", "correct"),
-    # rewarded: units, wrappers, fraction spellings, unicode minus
-    ("42", "\\boxed{42 \\text{ cm}^2}", "correct"), ("42", "\\boxed{42\\text{ km/h}}", "correct"), ("42", "\\boxed{42\u00b0}", "correct"),
-    ("90", "\\boxed{90\\degree}", "correct"), ("42", "\\boxed{\\displaystyle 42}", "correct"), ("42", "\\boxed{{42}}", "correct"),
-    ("42", "\\boxed{(42)}", "correct"), ("\\frac{1}{2}", "\\boxed{\\frac12}", "correct"), ("\\frac{1}{2}", "\\boxed{\\cfrac{1}{2}}", "correct"),
-    ("\\frac{5}{9}", "The answer is 5/9.", "correct"), ("-45", "3 - 48 = \u221245.", "correct"), ("-5", "\\boxed{\u22125}", "correct"),
-    ("42", "Final answer - 42", "correct"),
-    # rewarded: the answer forms a model writes
-    ("42", "The answer is 42.", "correct"), ("42", "**42**", "correct"), ("42", "$42$", "correct"), ("42", "x = 42", "correct"),
-    ("42", "42 apples", "correct"), ("42", "\\boxed{42^\\circ}", "correct"), ("42", "\\boxed{\\$42.00}", "correct"),
-    ("42", "The answer is: 42", "correct"), ("42", "= 42.\n\nI hope it helps!", "correct"), ("2500", "It costs 2,500 dollars.", "correct"),
-    ("17", "8 + 9 = 17", "correct"), ("49", "58 - 9 = 49", "correct"), ("-33", "8 - 41 = -33", "correct"),
-    ("12", "7 + 5 = 12  (\\boxed{})", "correct"), ("10", "5 * 2 = 10\nYour answer is correct", "correct"),
-    # a mixed number is one value (3 1/4 = 13/4), boxed, in the fallback or as a gold; a fragment of one is no answer
-    ("\\frac{1}{4}", "You need 3 1/4 cups.", "wrong"), ("\\frac{13}{4}", "You need 3 1/4 cups.", "correct"),
-    ("3", "It takes 3 1/4 hours.", "wrong"), ("-\\frac{13}{4}", "The answer is -3 1/4.", "correct"),
-    ("\\frac{1}{4}", "So the answer is $3\\frac{1}{4}$.", "wrong"),
-    ("13/4", "So the answer is $3\\frac{1}{4}$.", "correct"),
-    ("13/4", "\\boxed{3\\frac{1}{4}}", "correct"), ("\\frac{1}{4}", "\\boxed{3\\frac{1}{4}}", "wrong"),
-    ("\\frac{13}{4}", "\\boxed{3 1/4}", "correct"), ("-\\frac{13}{4}", "\\boxed{-3\\frac{1}{4}}", "correct"),
-    ("\\frac{13}{4}", "\\boxed{3\\,\\dfrac{1}{4}\\text{ cups}}", "correct"),
-    ("3\\frac{1}{4}", "\\boxed{3.25}", "correct"),
-    ("3\\frac{1}{4}", "\\boxed{\\frac{13}{4}}", "correct"), ("137 \\frac{1}{2}", "\\boxed{137.5}", "correct"),
-    ("\\frac{2001}{2}", "It is 1,000 1/2.", "correct"), ("\\frac{13}{4}", "2 + 3 1/4", "not_a_number"),
-    ("\\frac{17}{4}", "\\boxed{3\\frac{5}{4}}", "not_a_number"),
-    ("\\frac{7}{2}", "\\boxed{3\\frac{2}{4}}", "not_a_number"),
-    ("\\frac{1}{4}", "It is 3.5 1/4.", "not_a_number"), ("\\frac{1}{2}", "The values are 1,2 1/2", "not_a_number"),
-    # a bare number before a mixed number: neither is the answer (a review's cases)
-    ("\\frac{11}{4}", "The answer is 1 2 3/4.", "not_a_number"), ("\\frac{13}{4}", "So it takes 2 3 1/4 hours", "not_a_number"),
-    ("\\frac{9}{4}", "Answer #2 1/4", "not_a_number"),
-]
-
-
-def test_answer_policy_cases():
-    for gold, completion, truncated, status in ANSWER_POLICY_CASES:
-        assert s3ac.grade(gold, completion, truncated) == status, (gold, completion)
-    for gold, completion, status in ANSWER_POLICY_TRAPS:
-        assert s3ac.grade(gold, completion) == status, (gold, completion)
-    assert s3ac.grade("42", "The answer is 42.", fallback="none") == "no_answer"  # --answer-fallback none
-
-
-# Classes of wrong verdicts, each a list of (gold, completion, status): the cases a looser policy graded wrongly and
-# the near misses that must keep their status (rules 2-6 of the answer policy in section 4 of s3ac.py).
-ANSWER_POLICY_CLASSES = {
-    "1_power": [  # a power after a number makes an expression, never its base; a unit keeps its own power
-        ("2", "\\boxed{2^3}", "not_a_number"), ("8", "\\boxed{2^3}", "not_a_number"),
-        ("2", "The answer is 2\u00b3.", "not_a_number"), ("8", "The answer is 2\u00b3.", "not_a_number"),
-        ("5", "\\boxed{5\\text{ cm}^3}", "correct"), ("5", "The volume is 5 cm\u00b3.", "correct"),
-        ("5", "The volume is 5 cm^3.", "correct"), ("8", "So 2^3 = 8.", "correct"),
-        ("8", "\\boxed{2^3 = 8}", "correct")],
-    "2_value_word": [  # a word that changes the value is no unit, in a box and in the final statement
-        ("5", "\\boxed{5 \\text{ dozen}}", "not_a_number"), ("60", "\\boxed{5 \\text{ dozen}}", "not_a_number"),
-        ("5", "The answer is 5 thousand.", "not_a_number"), ("5000", "The answer is 5 thousand.", "not_a_number"),
-        ("5", "The answer is 5 halves.", "not_a_number"), ("3", "The answer is 3 squared.", "not_a_number"),
-        ("5", "It is 5 factorial.", "not_a_number"), ("2", "The answer is 2 and a half.", "not_a_number"),
-        ("5", "\\boxed{5\\text{ million dollars}}", "not_a_number"), ("5", "The answer is 5 apples.", "correct"),
-        ("5000", "The answer is 5,000.", "correct"), ("42", "The answer is 42 dollars.", "correct"),
-        ("125", "\\boxed{125\\textnormal{ miles}}", "correct"), ("1000.99", "\\boxed{1,000.99\u20ac}", "correct")],
-    "3_e_notation": [  # 1e6 is 1 \times 10^6, never 1 e 6; against a plain-number gold an expression
-        ("6e", "\\boxed{1e6}", "wrong"), ("10^6", "\\boxed{1e6}", "correct"),
-        ("1000000", "\\boxed{1e6}", "not_a_number"),
-        ("2.5 \\times 10^{-3}", "\\boxed{2.5E-3}", "correct"), ("6e", "\\boxed{6e}", "correct"),
-        ("2e", "\\boxed{2\\mathrm{e}}", "correct")],
-    "4_closing_period": [  # a period closing a box is punctuation, for every gold
-        ("\\sqrt{2}", "\\boxed{\\sqrt{2}.}", "correct"), ("E", "\\boxed{E.}", "correct"),
-        ("(1,2)", "\\boxed{(1,2).}", "correct"), ("\\sqrt{9}", "\\boxed{3\\sqrt{2}.}", "wrong"),
-        ("42", "\\boxed{42.}", "correct"), ("2, 4, \\ldots", "\\boxed{2, 4, ...}", "correct")],
-    "5_denial": [  # only a sentence about this problem's answer denies it; an abbreviation ends no sentence
-        ("42", "6 * 7 = 42.\nFor any other value of x there is no solution.", "correct"),
-        ("42", "x = 42. The other root has no real solution.", "correct"),
-        ("42", "x = 42. At the vertical asymptote it is undefined.", "correct"),
-        ("42", "The answer is approx. 42", "not_a_number"), ("42", "So x is approx. 42.", "not_a_number"),
-        ("42", "x = 42. A larger one does not exist.", "correct"), ("42", "By Eq. 3, x = 42.", "correct"),
-        ("12", "7 + 5 = 12.\nTherefore, the equation has no real solutions.", "no_answer"),
-        ("12", "7 + 5 = 12.\nSo there is no solution.", "no_answer"), ("12", "x = 12. It is undefined.", "no_answer")],
-    "6_hedge_in_a_box": [  # two values asserted are a hedge in a box as in the fallback; one equation stays paid
-        ("5", "\\boxed{x = 3 \\text{ or } x = 5}", "no_answer"), ("5", "\\boxed{x=3, x=5}", "no_answer"),
-        ("5", "\\boxed{x_1 = 3, x_2 = 5}", "no_answer"), ("3", "\\boxed{x = 3 \\text{ or } x = 5}", "no_answer"),
-        ("5", "\\boxed{x = 5}", "correct"), ("5", "\\boxed{2 + 3 = 5}", "correct"),
-        ("5", "\\boxed{5\\text{ cm}}", "correct"), ("2500", "\\boxed{x = 2,500}", "correct"),
-        ("5", "\\boxed{x = 3 \\text{ OR } x = 5}", "no_answer"), ("6", "\\boxed{n = \\gcd(12, 18) = 6}", "correct"),
-        ("2500", "\\boxed{x = 1,250 \\times 2 = 2,500}", "correct"), ("5", "\\boxed{P = f(1, 2) = 5}", "correct"),
-        ("12", "\\boxed{\\text{red or blue} = 12}", "correct")],
-    "7_thinking": [  # the answer follows </think>; a box inside the thinking is no answer; an unclosed block none
-        ("2", "<think>Maybe \\boxed{2}? ... so not 2.</think>\nThe final answer is 3.", "wrong"),
-        ("3", "<think>Maybe \\boxed{2}? ... so not 2.</think>\nThe final answer is 3.", "correct"),
-        ("3", "<think>2 + 1 is \\boxed{3}", "no_answer"), ("3", "Hmm, 2 + 1.</think> \\boxed{3}", "correct"),
-        ("3", "<think>a</think> x <think>\\boxed{2}</think> \\boxed{3}", "correct"),
-        ("3", "x</think> \\boxed{3} <think> maybe \\boxed{4}", "correct"),  # the unclosed block after: thinking
-        ("4", "x</think> \\boxed{3} <think> maybe \\boxed{4}", "wrong")],
-    "8_frac_spacing": [  # LaTeX spacing inside \\frac is spacing: \\frac {1}{2} is 1/2; its value rules stay
-        ("0.5", "\\boxed{\\frac {1}{2}}", "correct"), ("0.5", "\\boxed{\\frac{1} {2}}", "correct"),
-        ("0.5", "The answer is \\frac {1}{2}.", "correct"), ("\\frac{1}{2}", "\\boxed{\\frac { 1 } { 2 }}", "correct"),
-        ("0.5", "\\boxed{\\frac {2}{4}}", "not_a_number"), ("0.5", "\\boxed{\\frac {1}{3}}", "wrong")],
-    "9_digit_groups": [  # MATH's thin space after a group comma joins the groups; a plain comma and space does not
-        ("11111111100", "\\boxed{11,\\! 111,\\! 111,\\! 100}", "correct"),
-        ("11111111000", "\\boxed{11,\\! 111,\\! 111,\\! 100}", "wrong"), ("1234", "\\boxed{1, 234}", "not_a_number"),
-        ("1234", "\\boxed{1,\\! 23}", "not_a_number"), ("2500", "The answer is 2,\\! 500.", "correct")],
-    "10_read_whole": [  # undefined equals nothing; a box read whole or not at all; digit groups one number or none
-        ("12:00", "\\boxed{1:00}", "wrong"), ("\\frac{2}{0}", "\\boxed{\\frac{1}{0}}", "wrong"),
-        ("\\frac{1}{0}", "\\boxed{\\frac{1}{0}}", "wrong"), ("2^{10}", "\\boxed{3 \\times 1024,}", "wrong"),
-        ("500", "The answer is 12 500.", "not_a_number"), ("12500", "The answer is 12 500.", "not_a_number"),
-        ("500", "\\boxed{0,500}", "not_a_number"), ("\\frac{71}{6}", "\\boxed{11\n5/6}", "not_a_number"),
-        ("2^{10}", "\\boxed{1024}", "correct"), ("12500", "The answer is 12,500.", "correct"),
-        ("12500", "\\boxed{12\\,500}", "correct"), ("\\frac{71}{6}", "\\boxed{+11 5/6}", "correct"),
-        ("\\infty", "\\boxed{\\infty}", "correct"), ("\\frac{40}{9}", "\\boxed{4 4/9\\%}", "correct"),  # rule 6
-        ("\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", "\\boxed{\n\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}\n}",
-         "correct")],
-    "11_parse_whole": [  # math-verify's parse must read the whole gold or answer: no number inside a formula
-        ("0.\\overline{3}", "\\boxed{0}", "bad_gold"), ("0.\\overline{3}", "\\boxed{0.\\overline{3}}", "bad_gold"),
-        ("x \\mapsto 2x", "\\boxed{2}", "bad_gold"), ("\\sqrt{2}", "\\boxed{x \\mapsto \\sqrt{2}}", "wrong"),
-        ("\\sqrt{2}", "\\boxed{\\sqrt{2}}", "correct"), ("x^2 + 1", "\\boxed{1 + x^2}", "correct"),
-        ("1 - \\frac{1}{\\mathrm{e}}", "\\boxed{1 - 1/e}", "correct"), ("\\text{(C)}", "\\boxed{C}", "correct")],
-    "12_letters_not_units": [  # a bare letter is a variable, never a unit (m, s, h, d, ab); a unit in \\text{} drops
-        ("2ab", "\\boxed{2}", "wrong"), ("a + 5d", "\\boxed{a+5}", "wrong"), ("4t", "\\boxed{4}", "wrong"),
-        ("2ab", "\\boxed{2ab}", "correct"), ("a + 5d", "\\boxed{5d + a}", "correct"),
-        ("2\\pi r h", "\\boxed{2\\pi rh}", "correct"), ("2\\pi rh", "\\boxed{2\\pi r h}", "correct"),
-        ("3\\sqrt{2}\\text{ cm}", "\\boxed{3\\sqrt{2}}", "correct"),
-        ("3\\sqrt{2}", "\\boxed{3\\sqrt{2}\\mbox{ m}^2}", "correct"),
-        ("\\frac{270}7\\text{ degrees}", "\\boxed{\\frac{270}{7}}", "correct"),
-        ("5", "\\boxed{5\\text{ cm}}", "correct")],
-    "13_scientific": [  # each decimal at its written value, exactly: a decimal mantissa is no crash, an exponent counts
-        ("1.5 \\times 10^{-3}", "\\boxed{0.0015}", "correct"), ("1.5 \\times 10^{-3}", "\\boxed{0.015}", "wrong"),
-        ("1.5 \\times 10^{-3}", "\\boxed{1.5 \\times 10^{-4}}", "wrong"),
-        ("1.5 \\times 10^{-3}", "\\boxed{15 \\times 10^{-4}}", "correct"),
-        ("1.5 \\times 10^{-3}", "\\boxed{\\frac{3}{2000}}", "correct"), ("2.5e-05", "\\boxed{0.000025}", "correct"),
-        ("2.5e-05", "\\boxed{2.5 \\times 10^{-4}}", "wrong"), ("2.5e-05", "\\boxed{2.50 \\times 10^{-5}}", "correct"),
-        ("2 \\times 10^{-3}", "\\boxed{0.002}", "correct"),
-        ("0.002", "\\boxed{2 \\times 10^{-3}}", "not_a_number"),  # rule 4: a plain-number gold, a plain number
-        ("\\frac{\\pi}{1000}", "\\boxed{3.1416 \\times 10^{-3}}", "correct"),
-        ("\\frac{\\pi}{1000}", "\\boxed{3.1416 \\times 10^{-2}}", "wrong")],
-    "14_asserted_result": [  # the fallback pays a number the sentence asserts as its result, not one it operates on
-        ("81", "To add 81, you simply add the number 81 to the original number.", "no_answer"),
-        ("81", "You add the number 81 to 0.", "no_answer"), ("81", "First take 81 away from nothing.", "no_answer"),
-        ("81", "0 + 81 = 81", "correct"), ("81", "The answer is 81.", "correct"), ("81", "81", "correct"),
-        ("81", "So 0 + 81 equals 81.", "correct"), ("81", "The total is 81 apples.", "correct"),
-        ("81", "It is exactly 81.", "correct"), ("81", "The sum of 0 and 81 is 81.", "correct"),
-        ("81", "Answer: 81", "correct"), ("81", "The result of adding them is equal to 81.", "correct"),
-        ("81", "81 is the final answer.", "correct"), ("81", "So it's 81.", "correct"),
-        ("82", "To add 81, you simply add the number 81 to the original number.", "no_answer")],
-    "15_imaginary_unit": [  # plain i is the imaginary unit in gold and answer, a symbol where the gold indexes by it
-        ("1+2i", "\\boxed{i(2-i)}", "correct"), ("1+2i", "\\boxed{\\mathrm{i}(2-\\mathrm{i})}", "correct"),
-        ("e^{i\\pi}", "\\boxed{-1}", "correct"), ("i", "\\boxed{\\sqrt{-1}}", "correct"),
-        ("1+2i", "\\boxed{i(2+i)}", "wrong"), ("1+2i", "\\boxed{2+i}", "wrong"), ("1+2i", "\\boxed{1+2I}", "wrong"),
-        ("-1", "\\boxed{i^2}", "not_a_number"), ("x_i + i^2", "\\boxed{x_i - 1}", "wrong"),
-        ("x_i + i^2", "\\boxed{i^2 + x_i}", "correct"), ("\\sum_{i=1}^{3} i", "\\boxed{6}", "correct")],
-    "16_list_items": [  # each item of a list by the rule for one value: REL_TOL for a decimal against sqrt(3)
-        ("\\frac13, \\sqrt3", "\\boxed{0.33333, 1.73205}", "correct"),
-        ("\\frac13, \\sqrt3", "\\boxed{1.73205, 0.33333}", "correct"),
-        ("(\\frac13, \\sqrt3)", "\\boxed{(0.33333, 1.73205)}", "correct"),
-        ("\\frac13, \\sqrt3", "\\boxed{0.3, 1.73205}", "wrong"), ("\\frac13, \\sqrt3", "\\boxed{0.33333}", "wrong"),
-        ("\\frac13, \\sqrt3", "\\boxed{0.33333, 0.33333}", "wrong"), ("\\frac12, 2", "\\boxed{0.50001, 2}", "wrong"),
-        ("(\\frac13, \\sqrt3)", "\\boxed{[0.33333, 1.73205]}", "wrong"),
-        ("(\\frac13, \\sqrt3)", "\\boxed{(1.73205, 0.33333)}", "wrong"), ("\\{1, 2\\}", "\\boxed{\\{2, 1\\}}", "correct")],
-    "17_counted_unit": [  # dozen, quarter: the unit counted when plural or before what they count, or after 'per'
-        ("7", "\\boxed{7 \\text{ dozen eggs}}", "correct"), ("7", "She needs 7 dozen eggs.", "correct"),
-        ("16", "\\boxed{16 \\text{ quarters}}", "correct"), ("16", "The answer is 16 quarters.", "correct"),
-        ("7", "\\boxed{7\\text{ dozens}}", "correct"), ("5", "\\boxed{5 \\text{ dollars per dozen}}", "correct"),
-        ("5", "It costs 5 dollars per dozen.", "correct"), ("84", "\\boxed{7 \\text{ dozen eggs}}", "wrong"),
-        ("5", "\\boxed{5 \\text{ dozen}}", "not_a_number"), ("60", "The answer is 5 dozen.", "not_a_number"),
-        ("2", "It takes 2 and a quarter hours.", "not_a_number"), ("2", "It is 2 dozen and a half.", "not_a_number"),
-        ("5", "It costs 5 thousand dollars per dozen.", "not_a_number"),
-        ("3", "It is 3 and three quarters.", "not_a_number")],
-    "18_time_of_day": [  # h:mm with two-digit minutes is a time, minutes after midnight, never a ratio
-        ("12:00", "\\boxed{12:00}", "correct"), ("3:00", "\\boxed{3:00}", "correct"), ("9:30", "\\boxed{3:10}", "wrong"),
-        ("3:10", "\\boxed{9:30}", "wrong"), ("9:30", "\\boxed{09:30 \\text{ a.m.}}", "correct"),
-        ("9:30 \\text{ a.m.}", "\\boxed{9:30 \\text{ p.m.}}", "wrong"), ("21:30", "\\boxed{9:30 \\text{ PM}}", "correct"),
-        ("12:00", "\\boxed{12:00 \\text{ p.m.}}", "correct"), ("12:00", "\\boxed{12:00 \\text{ a.m.}}", "wrong"),
-        ("12:00", "\\boxed{1:00}", "wrong"), ("3:00", "\\boxed{3}", "wrong"), ("1:2", "\\boxed{2:4}", "correct")],
-}
-
-
-@pytest.mark.parametrize("kind", sorted(ANSWER_POLICY_CLASSES))
-def test_answer_policy_class(kind):
-    graded = [(gold, completion, s3ac.grade(gold, completion), status)
-              for gold, completion, status in ANSWER_POLICY_CLASSES[kind]]
-    assert [g for g in graded if g[2] != g[3]] == []
-
-
+# math-verify's suite beside the checkout, where present: the corpus's copy of it (source math_verify) must be it.
 MATH_VERIFY_CASES = Path(__file__).resolve().parent.parent / "shared" / "data" / "math_verify_cases.json"
-PERCENT = "rule 6: % (or 'percent', 'pct') after a number is ignored, as golds write it either way: 4 4/9% is 40/9"
-# The pairs of math-verify's suite that grade pays although the suite expects them wrong: the answer policy's choices.
-SUITE_POLICY_EXCEPTIONS = {
-    "test_all::test_latex_notation[5]": "a line break in a box is spacing: \\boxed{\\n 9 \\n} is 9 (math-verify's "
-                                        "$...$ pattern spans no line break, so its prediction '$ \\n 9 \\n $' is none)",
-    "test_all::test_latex_notation[6]": "as [5], with \\( \\n 9 \\n \\)",
-    **{f"test_mixed_number_extraction::verify[{i}]": PERCENT for i in (47, 49, 53, 57, 61)},
-}
 
 
 def test_math_verify_suite_pays_no_wrong_answer():
-    """math-verify's own test pairs (gold, prediction, expected verdict) through grade, the prediction boxed (its
-    answer span, or as written where it holds a box already): no pair the suite calls wrong is paid, but the listed
-    policy exceptions, each still paid (the list stays honest); and most pairs agree, so strictness alone fails."""
-    if not MATH_VERIFY_CASES.exists():
-        pytest.skip(f"{MATH_VERIFY_CASES} is absent (the shared suite beside the checkout)")
-    cases = json.loads(MATH_VERIFY_CASES.read_text())["cases"]
-    counts, paid_wrong = collections.Counter(), []
-    for case in cases:
-        completion = case["pred"] if case["span_from"] == "native_box" else f"\\boxed{{{case['span']}}}"
-        paid = s3ac.grade(case["gold"], completion) == "correct"
-        counts["agree" if paid == case["expected"] else "stricter" if case["expected"] else "paid_wrong"] += 1
-        paid_wrong += [case["id"]] if paid and not case["expected"] else []
-    assert sorted(paid_wrong) == sorted(SUITE_POLICY_EXCEPTIONS)
-    assert len(cases) == 362 and counts["agree"] >= 304, counts  # rule 13: 2 golds not read whole are bad_gold
+    """math-verify's own test pairs, copied into testdata/verdicts.jsonl (source math_verify; the prediction boxed:
+    its answer span, or as written where it holds a box already) with the verdicts the regression gate holds them
+    to: no pair the suite calls wrong is labelled correct, but the listed policy exceptions; each pair where the
+    policy is stricter names its rule; and most pairs agree, so strictness alone fails. Where the suite's file is
+    beside the checkout, the copy must be that file. Mutant: a pair the suite calls wrong relabelled correct with
+    the reason 'Agrees with the suite' (or a stricter pair whose reason names no rule)."""
+    rows = [r for r in load_ci("gate").read_corpus(os.path.join(HERE, "testdata")) if r["source"].startswith("math_")]
+    counts, unexplained = collections.Counter(), []
+    for r in rows:
+        paid, expected = r["status"] == "correct", r["suite"]["expected"]
+        kind = "agree" if paid == expected else "stricter" if expected else "paid_wrong"
+        counts[kind] += 1
+        opening = {"agree": "Agrees with the suite", "stricter": "Stricter than the suite by policy rule ",
+                   "paid_wrong": "A listed policy exception, "}[kind]
+        unexplained += [] if r["reason"].startswith(opening) else [(r["id"], kind, r["reason"])]
+    assert not unexplained
+    assert len(rows) == 362 and counts["paid_wrong"] == 7 and counts["agree"] >= 304, counts
+    if MATH_VERIFY_CASES.exists():
+        cases = json.loads(MATH_VERIFY_CASES.read_text())["cases"]
+        assert [(c["id"], c["gold"], c["expected"]) for c in cases] == [
+            (r["suite"]["id"], r["gold"], r["suite"]["expected"]) for r in rows]
     print(f"math-verify's suite: {dict(counts)}")
 
 
@@ -1093,6 +811,51 @@ def test_verifier_on_hand_labelled_rollouts(verifier):
           f"{len(mismatched)} ({len(mismatched) / positives:.1%} of +1); math-verify's default extraction: "
           f"{lenient_fp} false positives")
     assert lenient_fp > 0
+
+
+def test_reward_regression_gate():
+    """Every verdict the project has decided, graded by s3ac.grade in-process: testdata/verdicts.jsonl (the answer
+    policy's cases, math-verify's suite, every MATH-500 gold in the forms a model writes), the hand-labelled rollouts
+    and policy_round7.jsonl where it exists. A row whose status moves from its label fails, but a row marked as a
+    known move (expected_fail_on: a commit whose rules miss it; known_miss), which is listed; a known_miss row that
+    agrees now fails too, so its mark goes. Prints the confusion matrix and every moved row, as python .ci/gate.py
+    does for any checkout. Mutant: extract_answer keeping a box's closing period (rule 2) fails it on \\boxed{E.}."""
+    gate = load_ci("gate")
+    rows = gate.read_corpus(os.path.join(HERE, "testdata"))
+    result = gate.compare(rows, gate.grade_corpus(s3ac.grade, rows))
+    print(gate.report(rows, result))
+    assert not result["failing"], gate.report(rows, result)
+    sources = collections.Counter(r["source"].split(" ")[0] for r in rows)
+    assert sources["math_verify"] == 362 and sources["verifier_labels"] == 564 and sources["math500"] >= 500, sources
+
+
+def test_gate_lists_each_move(tmp_path):
+    """The gate's comparison on hand-made rows: an unmarked move fails, a marked one is listed, a rollout labelled -1
+    agrees with any status but correct, a known_miss row that agrees fails (its mark must go), an expected_fail_on
+    row that agrees is listed for the mark's removal; a corpus row without a field is an error that names its file,
+    line and field, and a row of policy_round7.jsonl is named by its line. Mutants: agrees() taking 'reward -1' as a
+    status of its own; compare() keeping a known_miss mark that no longer moves."""
+    gate = load_ci("gate")
+    row = lambda i, status, **mark: {"id": i, "source": "s", "gold": "1", "completion": "c", "truncated": False,
+                                     "status": status, "reason": "r", **mark}
+    rows = [row("same", "correct"), row("moved", "wrong"), row("marked", "correct", expected_fail_on="abc"),
+            row("minus", gate.ANY_BUT_CORRECT), row("stale", "wrong", known_miss=True),
+            row("fixed", "no_answer", expected_fail_on="abc")]
+    result = gate.compare(rows, ["correct", "no_answer", "wrong", "not_a_number", "wrong", "no_answer"])
+    assert [r["id"] for r in result["failing"]] == ["moved", "stale"]
+    assert [r["id"] for r in result["known"]] == ["marked"] and [r["id"] for r in result["fixed"]] == ["fixed"]
+    assert result["matrix"][gate.ANY_BUT_CORRECT, "not_a_number"] == 1 and sum(result["matrix"].values()) == 6
+    assert 'moved | s | gold "1" | completion "c" | decided wrong | graded no_answer' in gate.report(rows, result)
+    write_lines(tmp_path / "verdicts.jsonl", [json.dumps(rows[0])])
+    write_lines(tmp_path / "verifier_labels.jsonl", [json.dumps(
+        {"id": 7, "source": "arith", "gold": "2", "completion": "1 + 1 = 2", "truncated": False, "label": 1,
+         "reason": "r"})])
+    round7 = {k: v for k, v in rows[1].items() if k != "id"}
+    write_lines(tmp_path / "policy_round7.jsonl", ["", json.dumps(round7)])
+    assert [r["id"] for r in gate.read_corpus(str(tmp_path))] == ["same", "rollout:7", "policy_round7.jsonl:2"]
+    write_lines(tmp_path / "policy_round7.jsonl", [json.dumps({k: v for k, v in round7.items() if k != "reason"})])
+    with pytest.raises(ValueError, match=r"^policy_round7\.jsonl, line 1: field 'reason' is missing$"):
+        gate.read_corpus(str(tmp_path))
 
 
 def test_verifier_deadline_kills_and_recovers():
@@ -5324,48 +5087,6 @@ def test_perturbation_set_of_math500():
           f"{len(misses)} of {counts[True]} equivalent forms (all listed), false positives 0 of {counts[False]}")
 
 
-# Four false-positive classes of symbolic answers and the others found beside them: (gold, boxed answer, status).
-SYMBOLIC_CASES = [
-    # \mathrm{e} is Euler's e: math-verify stopped reading at \mathrm{e}, so the sign after 2 went unread
-    ("2 - \\frac{1}{\\mathrm{e}}", "2 + \\frac{1}{\\mathrm{e}}", "wrong"),
-    ("2 - \\frac{1}{\\mathrm{e}}", "2 - \\frac{1}{e}", "correct"),
-    ("2 - \\frac{1}{\\mathrm{e}}", "2 - \\frac{1}{\\mathrm{e}}", "correct"),
-    ("2 - \\frac{1}{e}", "2 + \\frac{1}{\\mathrm{e}}", "wrong"),
-    ("2 - \\frac{1}{e}", "2 - \\frac{1}{\\mathrm{e}}", "correct"),
-    ("6 - 5i", "6 - 5\\mathrm{i}", "correct"), ("6 - 5i", "6 + 5\\mathrm{i}", "wrong"),
-    # a list with an ellipsis, item by item
-    ("2, 4, \\ldots, 2n", "1, 3, \\ldots, 2n-1", "wrong"), ("2, 4, \\ldots, 2n", "2, 4, \\dots, 2n", "correct"),
-    ("2, 4, \\ldots, 2n", "2,4,...,2n", "correct"), ("2, 4, \\ldots, 2n", "2, 4, \\ldots, 2n+2", "wrong"),
-    ("2, 4, \\ldots, 2n", "2, 4, 2n", "wrong"), ("2, 4, \\ldots, 2n", "\\{2, 4, \\ldots, 2n\\}", "correct"),
-    ("1 + 2 + \\cdots + n", "1+2+\\dots+n", "correct"), ("1 + 2 + \\cdots + n", "1 + 2 + \\cdots + (n-1)", "wrong"),
-    # base subscripts
-    ("41_6", "41_7", "wrong"), ("41_6", "41_{6}", "correct"), ("41_6", "41_6", "correct"), ("41_6", "42_6", "wrong"),
-    ("4210_{5}", "4210_5", "correct"), ("4210_{5}", "4210_{6}", "wrong"), ("4210_{5}", "4210", "correct"),
-    # unit powers, for symbolic and plain-number golds
-    ("12\\mbox{ m}^2", "12\\mbox{ m}^3", "wrong"), ("12\\mbox{ m}^2", "12\\text{ m}^2", "correct"),
-    ("12\\mbox{ m}^2", "12", "correct"), ("12\\mbox{ m}^2", "12 \\text{ square meters}", "correct"),
-    ("12\\mbox{ m}^2", "13\\mbox{ m}^2", "wrong"), ("864 \\mbox{ inches}^2", "864 \\text{ inches}^3", "wrong"),
-    ("864 \\mbox{ inches}^2", "864 \\text{ square inches}", "correct"), ("864 \\mbox{ inches}^2", "864", "correct"),
-    ("864 \\mbox{ inches}^2", "864 \\text{ cubic inches}", "wrong"),
-    # bracket kinds: tuple, interval ends, set
-    ("(6,31,-1)", "\\{6,31,-1\\}", "wrong"), ("(15,-29)", "[15,-29]", "wrong"), ("(15,-29)", "(-29,15)", "wrong"),
-    ("(3,4]", "(3,4)", "wrong"), ("(3,4]", "[3,4]", "wrong"), ("(3,4]", "\\left(3,4\\right]", "correct"),
-    ("\\{1\\pm\\sqrt{5},-2\\}", "\\{-2, 1+\\sqrt{5}, 1-\\sqrt{5}\\}", "correct"),
-    ("\\{1\\pm\\sqrt{5},-2\\}", "(1+\\sqrt{5}, 1-\\sqrt{5}, -2)", "wrong"),
-    ("\\{1\\pm\\sqrt{5},-2\\}", "-2, 1\\pm\\sqrt{5}", "correct"), ("1 \\pm \\sqrt{19}", "1 + \\sqrt{19}", "wrong"),
-    # degrees are not radians; letters keep their case; a trailing ! is a factorial
-    ("\\pi", "\\pi^\\circ", "wrong"), ("-\\frac{\\pi}{6}", "-30^\\circ", "wrong"), ("90^\\circ", "90", "correct"),
-    ("\\frac{270}7\\text{ degrees}", "\\frac{270}{7}^\\circ", "correct"),
-    ("3R^2", "3r^2", "wrong"), ("3R^2", "3R^2", "correct"), ("x=5", "x = 5", "correct"), ("x=5", "X=5", "wrong"),
-    ("\\text{(C)}", "C", "correct"), ("5", "5!", "not_a_number"), ("120", "5!", "not_a_number"),
-]
-
-
-def test_symbolic_answer_classes():
-    for gold, answer, status in SYMBOLIC_CASES:
-        assert s3ac.grade(gold, f"Thus \\boxed{{{answer}}}.") == status, (gold, answer)
-
-
 MATH_SOLUTION = ("Let $x = \\boxed{3}$ first; that is not the answer.\n\nSo the answer is "
                  "$\\boxed{\\frac{\\sqrt{3}}{2}+\\left\\{1\\right\\}}$.")
 
@@ -5839,14 +5560,9 @@ def test_strata_field_of_a_data_row(tmp_path):
         s3ac.load_problems(bad)
 
 
-@pytest.mark.parametrize("completion,status", [
-    ("7 - 9 = -2.", "correct"), ("The answer is \\boxed{-2}.", "correct"), ("7 minus 9 equals -2", "correct"),
-    ("7 - 9 = 2.", "wrong"), ("It is -2 or 2.", "no_answer"), ("\\boxed{7 - 9}", "not_a_number"),
-    ("The answer is -2, not 2.", "correct"), ("So 7 - 9 is 2, not -2.", "wrong"),
-    ("7 - 9 ≈ -2", "not_a_number")])
-def test_verifier_on_builtin_arithmetic_answer_forms(completion, status):
-    gold = next(p.answer for p in s3ac.make_arithmetic(5000, 0) if p.question == "What is 7 - 9?")
-    assert gold == "-2" and s3ac.grade(gold, completion) == status
+def test_builtin_arithmetic_gold_of_a_negative_difference():
+    """The builtin task's gold of 'What is 7 - 9?' is '-2' (testdata/verdicts.jsonl grades its answer forms)."""
+    assert next(p.answer for p in s3ac.make_arithmetic(5000, 0) if p.question == "What is 7 - 9?") == "-2"
 
 
 # --- Trust under faults and changed inputs: sampling distribution, engine rows, non-finite steps, resume, context ---
