@@ -1935,13 +1935,13 @@ _DENIAL = re.compile(  # a whole closing sentence, its subject the problem or it
     r"|(?:does\s*(?:not|n['\u2019]?t)|cannot)\s+exist)\W*$", re.I)  # 'The equation has no solution.'; not 'The other ...'
 _ABBREVIATION = re.compile(r"\b(approx|ca|cf|vs|e\.g|i\.e|eqs?|figs?)\.(?=\s)", re.IGNORECASE)  # no sentence end
 _NOT_EQUAL = re.compile(  # a negation or an inequality just before the number read: 'can't be 42', '9 \neq 10'
-    r"(?:(?:\b(?:not|cannot|never)|n['\u2019]t)(?:\s+[A-Za-z]+){0,3}"  # 'is not equal to 10', 'not the same as 10'
+    r"(?:(?:\b(?:not|cannot|never)|n['\u2019]t)(?:\s+(?!(?:is|are|was|were)\b)[A-Za-z]+){0,3}"  # 'not the same as 10'
     r"|\bunequal\s+to|(?<![\d)}!])!=|=/=|<>|[\u2260\u2249]|\\neq?|\\not\s*=)"  # ≠ ≉; not 5!=120
     r"\s*(?:[-+]\s*)?$", re.IGNORECASE)
 _ASSERTS = (  # rule 3: words that assert a number as the result, before it (a word between at most) or after it
     re.compile(r"(?:[=:]|['\u2019]s\b|\b(?:is|are|was|were|be|equals?|equal|equivalent|same|gives?|gets?|got|yields?|"
                r"makes?|made|results?|costs?|needs?|takes?|took|ha[sd]|have|pays?|paid|finds?|found|spen[dt]s?|"
-               r"earn(?:s|ed)?|answer|total|sum)\b(?:\s+\w+)?)\W*$", re.IGNORECASE),
+               r"earn(?:s|ed)?|sav(?:es?|ed)|buys?|bought|sells?|sold|answer|total|sum)\b(?:\s+\w+)?)\W*$", re.I),
     re.compile(r"^\s*(?:is|was)\s+(?:the|my|our)\s+(?:final\s+)?(?:answer|result)\b", re.IGNORECASE))
 
 
