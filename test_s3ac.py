@@ -1039,11 +1039,12 @@ POLICY_ROUND7 = read_jsonl(os.path.join(HERE, "testdata", "policy_round7.jsonl")
 @pytest.mark.parametrize("row", POLICY_ROUND7, ids=[f"{r['source']}:{i}" for i, r in enumerate(POLICY_ROUND7)])
 def test_answer_policy_labelled_rows(row):
     """Each labelled verdict of testdata/policy_round7.jsonl, a class and its near misses per source. Mutants caught:
-    asserted_result, a verb of having, taking, paying or finding cut from _ASSERTS; unit_after_spacing, _SPACE without
-    \\, in _TEXT_UNIT; imaginary_unit, i the unit wherever the gold does not index by it; separated_minus, a sign only
+    asserted_result, a verb of having, taking, paying or finding cut from _ASSERTS; unit_after_spacing, _SPACE as plain
+    whitespace; imaginary_unit, i the unit wherever the gold does not index by it; separated_minus, a sign only
     when it touches its number; negation_and_bound, _NOT_EQUAL's general negation or _APPROXIMATE's bounds cut;
     trailing_text, _TEXT_UNIT's stop-word look-ahead cut or _UNIT only after a digit; hedge_in_a_box, `joined` as the
-    plain split at '='; digit_groups, _LATEX_GROUPS cut; tex_shorthand, _tex_arguments returning its input."""
+    answer itself; digit_groups, _normalise's join of LaTeX-spaced groups cut; tex_shorthand, _tex_arguments returning
+    its input."""
     assert s3ac.grade(row["gold"], row["completion"], row["truncated"]) == row["status"], row["reason"]
 
 
