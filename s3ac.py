@@ -2164,7 +2164,7 @@ def _symbolic_status(gold: str, answer: str) -> str:
         LatexExtractionConfig().normalization_config, units=False))]
     gold, answer = _TEXT_UNIT.sub("", gold), _TEXT_UNIT.sub("", answer)
     if "i" in _letters(gold) <= {"e", "i"} and not re.search(r"i\s*\^", gold) and not any(
-            "i" in _letters(sub) for sub in _SUBSCRIPT.findall(gold)):  # rule 7: 3+4i (no letter but e, i)
+            "i" in _letters(sub) for sub in _SUBSCRIPT.findall(gold)):  # rule 7: complex by its form (3+4i)
         gold, answer = (re.sub(r"(?<![\\A-Za-z])i(?![A-Za-z])", "{I}", x) for x in (gold, answer))
     gold_parsed = parse(gold if "$" in gold or "\\boxed" in gold else f"${gold}$", extraction_config=latex)
     if not gold_parsed or isinstance(gold_parsed[0], str):  # a string: math-verify could not read the whole gold
