@@ -1866,42 +1866,38 @@ def memory(argv=None):
 #    torchrun/FSDP2, checkpoints, logging, evaluation I/O, plots, main. Nothing below changes the algorithm.
 # -----------------------------------------------------------------------------------------------------------------
 # === The math verifier, the default reward (section 3a). Its answer policy, applied before any comparison: ===
-#   1. A response cut at --max-new-tokens (no stop token) is "truncated". Only the text after the last </think> is
-#      graded; a <think> block never closed is no answer.
-#   2. The answer is the content of the LAST \boxed{...} (or \fbox{...}), braces balanced, a closing period dropped;
-#      an unclosed last box is "no_answer", an empty one (the instruction's echo) is ignored.
+#   1. A response cut at --max-new-tokens is "truncated"; only the text after the last </think> counts, none in <think>.
+#   2. The answer is the LAST non-empty \boxed{} (or \fbox{}), less a final period; an unclosed one: "no_answer".
 #   3. Without a box, for a plain-number gold only, --answer-fallback final_number reads the last number of the final
-#      statement, after its last "=", where the sentence asserts it as the result (after a word of _ASSERTS, a word
-#      between at most; before 'is the answer'; alone with its unit), not where it operates on it ('add 81 to it').
-#      "no_answer": a question, a hedge ('41 or 42'; two values asserted, in a box too: 'x_1 = 3, x_2 = 5'), a
-#      negation ('not 42'), a closing sentence without a digit that retracts it or denies this problem's answer.
-#      "not_a_number": a list ('1,2,3'), an operand ('6 * 7'), an approximation ('about 42'), a number in LaTeX.
-#   4. A plain-number gold needs a plain-number answer (integer, decimal or reduced fraction; a sign, digit groups,
-#      LaTeX spacing, a unit), else "not_a_number": an expression, a power (2³), an exponent (1e6), a word that changes
-#      the value ('5 thousand', '5 dozen': _VALUE_WORD). Dozen and quarter are units (rule 6) where plural, before what
-#      they count or after 'per' ('7 dozen eggs' is 7). Digit groups are one number or none (0,500 and 12 500 none). A
-#      mixed number is one value on one line, its fraction proper and reduced; the fallback never reads part of one.
-#   5. Exact values compare exactly (Fraction / sympy, a decimal at its written value), REL_TOL only for a decimal
-#      against a value with no finite decimal expansion, in a list item by item; undefined (\frac{1}{0}) equals nothing.
-#   6. Units: when gold and answer both write a unit after a number, its power must agree (m^2 is not m^3; "square" 2,
-#      "cubic" 3, none 1); else a unit, %, ^\circ or currency is ignored (4 4/9% is 40/9).
+#      statement, after its last "=", where the sentence states it as its result (_ASSERTS: 'is', 'has', 'pays', ...;
+#      'is the answer'; alone), not where it operates on it ('add 81 to it'); a sign survives its space ('= - 42').
+#      "no_answer": a question, a hedge ('41 or 42'; in a box too, two values however joined: 'x = 3; x = 5'), a
+#      negation ("can't be 42"), a closing sentence without a digit that retracts it or denies this problem's answer.
+#      "not_a_number": a list ('1,2,3'), an operand ('6 * 7'), an approximation or a bound ('42 or more'), LaTeX.
+#   4. A plain-number gold needs a plain-number answer (integer, decimal, reduced fraction; a sign, digit groups, a
+#      unit), else "not_a_number": an expression, a power (2³), 1e6, a word that changes the value ('5 thousand'; dozen
+#      and quarter are units where plural, before what they count or after 'per'). Digit groups are one number or none
+#      (0,500, 12 500), any LaTeX space joins them (10,\, 000). A mixed number (3 1/4) is one value on one line.
+#   5. Values compare exactly, REL_TOL only for a decimal against one with no finite decimal expansion; 1/0 equals none.
+#   6. Units: where gold and answer both write a unit after a value, its power must agree (m^2, "square": 2; none: 1);
+#      else a unit after any LaTeX spacing, %, ^\circ or currency drops; a bare letter (2ab) or other text stays.
 #   Golds that are not plain numbers, before math-verify (which drops subscripts, units and case, and reads a part):
-#   7. \mathrm{e} and \mathrm{i} (or \operatorname{}) are the constants e and i, as plain e and i are, in gold and
-#      answer; i is a symbol in both where the gold uses it as an index (a_i, \sum_{i=1}^n i).
+#   7. i is the imaginary unit (or \mathrm{i}) only in a gold complex by its form (3+4i, e^{i\pi}: no other letter, no
+#      i^2, no a_i), else a letter; \mathrm{e} is e, pi is \pi. \frac12, \frac\pi2, \sqrt[3]2 read as TeX reads them.
 #   8. Two bracketed lists must agree on their outer brackets: (a, b], [a, b], (a, b) and \{a, b\} differ.
 #   9. Lists with an ellipsis (\ldots, ...) compare item by item: as many, ellipses alike, an item holding one as text.
 #  10. A base subscript is part of the number: 41_6 must be the gold's digits and base; none: the gold's base.
 #  11. Degrees are not radians: an answer in degrees (^\circ) against a gold without a degree sign is wrong.
 #  12. Letters are case-sensitive: an answer letter that the gold has only in the other case (r for R) is wrong.
-#  13. math-verify must read the whole text, as LaTeX: a gold it cannot (0.\overline{3}) is "bad_gold", an answer
-#      "wrong", never a number inside them. A bare letter is a variable, never a unit (2ab); a unit in \text{} drops.
-#  14. A gold h:mm with two-digit minutes is a time, minutes after midnight, never a ratio (9:30 is not 3:10); the
-#      answer must be the same time, a.m./p.m. counting where written.
+#  13. math-verify must read all of it, as LaTeX: a gold it cannot (0.\overline{3}) is "bad_gold", an answer "wrong".
+#  14. A gold h:mm (two-digit minutes) is a time, never a ratio (9:30 is not 3:10); a.m./p.m. count where written.
 REL_TOL = 1e-4  # relative tolerance for a decimal answer against an exact value with no finite decimal expansion
 ANSWER_FALLBACKS = ("final_number", "none")
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _WHOLE = r"[1-9]\d{0,2}(?:,\d{3})+|\d+"  # 2,500 | 2500; the whole part of a mixed number (3 in 3 1/4); not 0,500
 _NUMBER = rf"(?:{_WHOLE})(?:\.\d+)?|\.\d+"  # 2,500 | 2500 | 2500.5 | .5 (after normalisation)
+_SPACE = r"(?:\s|\\[,;:! ]|\\q?quad(?![A-Za-z])|~)"  # LaTeX's spacing: \, \; \: \! \quad \qquad ~ '\ '
+_TEX_ARGUMENT = re.compile(r"(\\[dtc]?frac\s*(?:\{[^{}]*\})?|\\sqrt\s*(?:\[[^\]]*\])?)\s*(\d|\\[A-Za-z]+|[A-Za-z])")
 _UNIT_STOP = {"is", "not", "or", "and", "minus", "plus", "times", "over", "divided", "multiplied", "pi", "wrong",
               "incorrect", "correct", "equals", "to"}  # words that make a boxed '42 is wrong' no number
 _MULTIPLIER = (r"hundreds?|thousands?|millions?|billions?|trillions?|squared|cubed|factorial|halfs?|halves|thirds?|"
@@ -1918,7 +1914,8 @@ _NUMBER_IN_TEXT = re.compile(  # a mixed number first (one value), then a fracti
     rf"|\\frac\{{\s*-?\d+\s*\}}\{{\s*\d+\s*\}}|(?<![A-Za-z_\d.])(?:\d+/\d+(?!\d|\.\d)|{_NUMBER})")
 _OPERATOR_BEFORE = re.compile(r"(?:[\d)}]\s*[-+*/^x]|#|\\times|\\cdot|\\div|\d\s+and|"
                               r"\b(?:plus|minus|times|by|over|from|add|subtract|multiply|divide))\s*$", re.IGNORECASE)
-_OPERATOR_AFTER = re.compile(r"^\s*(?:[-+*/^]|x\s*\d|\\times|\\cdot|\\div|\b(?:plus|minus|times)\b)")
+_OPERATOR_AFTER = re.compile(r"^\s*(?:[-+*/^]|x\s*\d|\\times|\\cdot|\\div|\b(?:plus|minus|times)\b"
+                             r"|\bor\s+(?:more|less|so|\w+er)\b)")  # or a bound: '42 or more', '42 or greater'
 _LATEX_AROUND = (re.compile(r"(?:[{^_]|\\[A-Za-z]+(?:_\{?\w+\}?)?)\s*$"), re.compile(r"^(?:\s*\\[A-Za-z]|[\^_{}A-Za-z])"))
 _LIST_AROUND = (re.compile(r"\d\s*,?\s*$"), re.compile(r"^\s*,\s*-?\d"))  # '1,2,3'; digit groups '12 500', '3.5 1/4'
 _NOT_AN_ANSWER = re.compile(r"\b(?:or|nor)\s*\(?\s*(?:[-+]\s*)?$", re.IGNORECASE)  # '41 or 42', '13 or (- 2)': none
@@ -1926,8 +1923,8 @@ _HEDGED_EQUATION = re.compile(r"\d[^=]*\b(?:or|nor)\s+\w*\s*$", re.IGNORECASE)  
 # ≈ ≃ ≅ ≊ ≒ ∼ ～ (almost, asymptotically, approximately equal; the tilde operator, the full-width tilde), their LaTeX
 _APPROX_SIGN = r"(?:[\u2248\u2243\u2245\u224a\u2252\u223c\uff5e]|\\(?:approx|simeq|sim|cong)(?![A-Za-z]))"
 _APPROXIMATE = re.compile(  # an approximation just before the number read: '1 + 63 ≈ 64', 'about 42'
-    r"(?:" + _APPROX_SIGN + r"|\b(?:approx(?:imately)?|roughly|about|around|nearly|almost)\b\.?)\s*(?:[-+]\s*)?$",
-    re.IGNORECASE)
+    r"(?:" + _APPROX_SIGN + r"|\b(?:approx(?:imately)?|roughly|about|around|nearly|almost|under|below|above|at\s+"
+    r"(?:least|most)|up\s+to|(?:less|more|\w+er)\s+than)\b\.?)\s*(?:[-+]\s*)?$", re.I)  # or a bound: 'under 42'
 _NOT_A_VALUE = re.compile(r"[<>]|!=|\\(?:[lg]eq?|neq?|[lg]t)\b|" + _APPROX_SIGN)  # a boxed inequality or approximation
 _RETRACTION = re.compile(r"\b(?:wrong|incorrect|not correct|mistake|redo|recalculate)\b", re.IGNORECASE)
 _ASCII_APPROX = re.compile(r"(?<=\s)~(?=\s*[-+]?\s*\d)")  # '42 + 1 ~ 43' (raw text: 'is~43', '}~43' are spacing)
@@ -1937,13 +1934,14 @@ _DENIAL = re.compile(  # a whole closing sentence, its subject the problem or it
     r"(?:real\s+|valid\s+|integer\s+)?(?:solutions?|answers?)(?:\s+exists?)?|(?:is|was)\s+(?:impossible|undefined)"
     r"|(?:does\s*(?:not|n['\u2019]?t)|cannot)\s+exist)\W*$", re.I)  # 'The equation has no solution.'; not 'The other ...'
 _ABBREVIATION = re.compile(r"\b(approx|ca|cf|vs|e\.g|i\.e|eqs?|figs?)\.(?=\s)", re.IGNORECASE)  # no sentence end
-_NOT_EQUAL = re.compile(  # an inequality just before the number read: '1 is not equal to 10', '9 \neq 10'
-    r"(?:(?:\bnot|\bcannot|n['\u2019]?t)\s+(?:equal(?:s|led)?|the\s+same|equivalent|identical)(?:\s+(?:to|as|with))?"
+_NOT_EQUAL = re.compile(  # a negation or an inequality just before the number read: 'can't be 42', '9 \neq 10'
+    r"(?:(?:\b(?:not|cannot|never)|n['\u2019]t)(?:\s+(?!(?:is|are|was|were)\b)[A-Za-z]+){0,3}"  # 'not the same as 10'
     r"|\bunequal\s+to|(?<![\d)}!])!=|=/=|<>|[\u2260\u2249]|\\neq?|\\not\s*=)"  # ≠ ≉; not 5!=120
     r"\s*(?:[-+]\s*)?$", re.IGNORECASE)
 _ASSERTS = (  # rule 3: words that assert a number as the result, before it (a word between at most) or after it
     re.compile(r"(?:[=:]|['\u2019]s\b|\b(?:is|are|was|were|be|equals?|equal|equivalent|same|gives?|gets?|got|yields?|"
-               r"makes?|results?|costs?|needs?|takes|answer|total|sum)\b(?:\s+\w+)?)\W*$", re.IGNORECASE),
+               r"makes?|made|results?|costs?|needs?|takes?|took|ha[sd]|have|pays?|paid|finds?|found|spen[dt]s?|"
+               r"earn(?:s|ed)?|sav(?:es?|ed)|buys?|bought|sells?|sold|answer|total|sum)\b(?:\s+\w+)?)\W*$", re.I),
     re.compile(r"^\s*(?:is|was)\s+(?:the|my|our)\s+(?:final\s+)?(?:answer|result)\b", re.IGNORECASE))
 
 
@@ -1958,18 +1956,23 @@ def last_boxed(text: str):
     return None
 
 
+def _tex_arguments(s: str) -> str:
+    """s with each one-token argument (a digit, a control word, a letter) of \\frac and \\sqrt braced, as TeX reads
+    it: \\frac12, \\frac1{2}, \\frac\\pi2, \\sqrt[3]2. Twice: \\frac12 has two."""
+    return _TEX_ARGUMENT.sub(r"\1{\2}", _TEX_ARGUMENT.sub(r"\1{\2}", s))
+
+
 def _normalise(s: str) -> str:
     """An answer without LaTeX, unicode and markdown noise (delimiters, spacing, \\text{}, signs, a final period)."""
-    s = re.sub(r",\\!\s*(?=\d)", ",", s)  # 11,\! 111 (MATH's digit groups): the thin space joins, as 11,111
-    s = s.replace("{,}", ",").replace("\\!", "").replace("\\,", "").replace("\\;", "").replace("\\:", "")
+    s = re.sub(r"(?<=\d)(,?)\s*(?:(?:\\[!,;: ]|~)\s*)+(?=\d{3}(?!\d))", r"\1", s.replace("{,}", ","))  # 10,\, 000
+    s = re.sub(r"\\[!,;:]", "", s)
     s = re.sub(r"\\q?quad\b", " ", s)
     s = s.replace("\u2212", "-").replace("\u2013", "-").replace("\u2217", "*").replace("\u22c5", "*")
     s = s.replace("\u00b7", "*").replace("\u00d7", "*").replace("\u00f7", "/").replace("\\ast", "*")
     s = s.translate({ord(c): f"^{d}" for d, c in enumerate("⁰¹²³⁴⁵⁶⁷⁸⁹")})  # 2³: 2^3
     s = re.sub(r"\\(?:text|textbf|textnormal|mbox|mathrm|mathbf)\{([^{}]*)\}", r" \1 ", s)
-    s = re.sub(r"\\[dtc]frac", r"\\frac", s)
+    s = _tex_arguments(re.sub(r"\\[dtc]frac", r"\\frac", s))
     s = re.sub(r"\\frac\s*\{\s*([^{}]*?)\s*\}\s*\{", r"\\frac{\1}{", s)  # \frac {1} {2}: spacing, as \frac{1}{2}
-    s = re.sub(r"\\frac\s*(\d)\s*(\d)", r"\\frac{\1}{\2}", s)  # \frac12
     s = re.sub(r"\^\s*\{?\\circ\}?|\\degree|\u00b0|\\%|%|\\\$|\$|\\left|\\right|\\displaystyle|\\\(|\\\)|\\\[|\\\]"
                r"|\*\*|\\ |~|[\u20ac\u00a3\u00a5]", " ", s)  # and € £ ¥
     s = s.strip().rstrip(".,;:").strip()  # not "!": 5! is a factorial
@@ -2022,9 +2025,10 @@ def final_statement_number(text: str):
     if any(p.search(before) for p in (_OPERATOR_BEFORE, _APPROXIMATE, _LATEX_AROUND[0], _LIST_AROUND[0])) or \
             any(p.match(after) for p in (_OPERATOR_AFTER, _LATEX_AROUND[1], _LIST_AROUND[1], _VALUE_WORD)):
         return last.group(), False
-    if not (_ASSERTS[0].search(prefix) or _ASSERTS[1].match(after) or parse_number(statement) is not None):
-        return None, True  # 'you add the number 81 to the original number': no result
-    sign = "-" if re.search(r"(?:^|[\s(:])-$", before) else ""  # 'is -5'; not 'answer - 42' or '3 - 5'
+    if re.match(r"\s*(?:away|off)\b", after) or not (_ASSERTS[0].search(prefix) or _ASSERTS[1].match(after)
+                                                       or parse_number(statement) is not None):
+        return None, True  # 'you add the number 81 to the original number', 'take 81 away': no result
+    sign = "-" if re.search(r"(?:^|[(:]|\b(?:is|be|equals?))\s*-\s*$|\s-$", before) else ""  # '= - 5'; not '3 - 5'
     return sign + last.group(), True
 
 
@@ -2079,16 +2083,19 @@ def _equal_exact_or_verify(gold_parsed, pred_parsed) -> bool:
     return verify(gold_parsed, pred_parsed)
 
 
-_UNIT = re.compile(r"\d\s*(?:\\(?:text|mbox|mathrm)\s*\{([A-Za-z .]*[A-Za-z][A-Za-z .]*)\}"  # a unit after a number,
-                   r"|([A-Za-z]{2,}(?:\s+[A-Za-z]{2,})?))\s*(?:\^\s*\{?\s*(\d)\s*\}?)?")  # and its exponent
+_UNIT = re.compile(rf"(?:[\w}}]{_SPACE}*\\(?:text|mbox|mathrm)\s*\{{([A-Za-z .]*[A-Za-z][A-Za-z .]*)\}}"  # a unit
+                   r"|\d\s*([A-Za-z]{2,}(?:\s+[A-Za-z]{2,})?))\s*(?:\^\s*\{?\s*(\d)\s*\}?)?")  # after a value, power
 _TIME = re.compile(r"(\d{1,2})\s*:\s*([0-5]\d)\s*(?:([ap])\.?\s*m\.?)?", re.I)  # 9:30, 09:30 a.m., 12:00 PM
 _SUBSCRIPT = re.compile(r"_\s*(\{[^{}]*\}|\\[A-Za-z]+|.)")  # a_i, \sum_{i=1}: a subscript
 _CONSTANT = re.compile(r"\\(?:mathrm|operatorname|mathit|text)\s*\{\s*([ei])\s*\}")  # \mathrm{e}: Euler's e
+_PLAIN_PI = re.compile(r"(?<![\\A-Za-z])pi(?![A-Za-z])")  # pi/2: plain notation for \pi, never p*i
 _ELLIPSIS = re.compile(r"\\(?:[lcv]dots|dots[cbmio]?)(?![A-Za-z])|\.\.\.|\u2026")
 _BASE_NUMBER = re.compile(r"(?<![\\A-Za-z0-9])([0-9A-Z]*[0-9][0-9A-Z]*)_\{?\s*(\d+)\s*\}?")  # 41_6, 41_{6}
 _E_NOTATION = re.compile(r"(?<![\\A-Za-z\d.])(\d+(?:\.\d+)?)[eE]([-+]?\d+)(?![\d.])")  # 1e6: 1 \times 10^{6}
 _DEGREES = re.compile(r"\^\s*\{?\s*\\circ|\\degree|\u00b0|\bdeg(?:ree)?s?\b")
-_TEXT_UNIT = re.compile(r"(?<=[\w})])\s*\\(?:text\w*|mbox|mathrm)\s*\{[^{}]*\}(?:\s*\^\s*\{?\d\}?)?(?=[\s$]*$)")
+_TEXT_UNIT = re.compile(  # a unit at the end, after LaTeX spacing too; no words of _UNIT_STOP ('\text{ is wrong}')
+    rf"(?<=[\w}})]){_SPACE}*\\(?:text\w*|mbox|mathrm)\s*\{{(?![^{{}}]*\b(?:{'|'.join(_UNIT_STOP)})\b)[A-Za-z ./-]*\}}"
+    r"(?:\s*\^\s*\{?\d\}?)?(?=[\s$]*$)")
 _TEXT_OR_COMMAND = re.compile(r"\\(?:text\w*|mbox|mathrm|operatorname|begin|end)\s*\{[^{}]*\}|\\[A-Za-z]+")
 
 
@@ -2108,15 +2115,6 @@ def _minutes(s: str):
         return None
     hours = int(m[1]) % 12 + 12 * (m[3] in "pP") if m[3] else int(m[1])
     return hours * 60 + int(m[2])
-
-
-def _imaginary_unit(parsed: list) -> list:
-    """math-verify's parse with its symbol i as the imaginary unit (rule 7), as it was where sympy cannot: (1, i)."""
-    import sympy
-    try:
-        return [parsed[0].subs({s: sympy.I for s in parsed[0].free_symbols if s.name == "i"}), *parsed[1:]]
-    except (AttributeError, ValueError):  # a string (a text not read whole); an interval, which sympy has only real
-        return parsed
 
 
 def _as_list(s: str):
@@ -2145,8 +2143,8 @@ def _symbolic_status(gold: str, answer: str) -> str:
     from math_verify import LatexExtractionConfig, parse
     if _minutes(gold) is not None:  # a time, never a ratio: 9:30 is not 3:10, 3:00 not 3/0
         return "correct" if _minutes(answer) == _minutes(gold) else "wrong"
-    gold, answer = (_E_NOTATION.sub(r"\1\\times 10^{\2}", _ELLIPSIS.sub(r"\\ldots", _CONSTANT.sub(r"\1", x)))
-                    for x in (gold, answer))
+    gold, answer = (_E_NOTATION.sub(r"\1\\times 10^{\2}", _ELLIPSIS.sub(r"\\ldots", _CONSTANT.sub(r"\1", _PLAIN_PI.sub(
+        r"\\pi", _tex_arguments(x))))) for x in (gold, answer))
     (gold_brackets, gold_items), (brackets, items) = _as_list(gold), _as_list(answer)
     if len(gold_items) > 1 and len(items) > 1 and gold_brackets and brackets and gold_brackets != brackets:
         return "wrong"  # (1, 2] is not [1, 2], (1, 2) or {1, 2}
@@ -2165,14 +2163,15 @@ def _symbolic_status(gold: str, answer: str) -> str:
     latex = [LatexExtractionConfig(normalization_config=dataclasses.replace(  # LaTeX only, no unit list (rule 13)
         LatexExtractionConfig().normalization_config, units=False))]
     gold, answer = _TEXT_UNIT.sub("", gold), _TEXT_UNIT.sub("", answer)
+    if "i" in _letters(gold) <= {"e", "i"} and not re.search(r"i\s*\^", gold) and not any(
+            "i" in _letters(sub) for sub in _SUBSCRIPT.findall(gold)):  # rule 7: complex by its form (3+4i)
+        gold, answer = (re.sub(r"(?<![\\A-Za-z])i(?![A-Za-z])", "{I}", x) for x in (gold, answer))
     gold_parsed = parse(gold if "$" in gold or "\\boxed" in gold else f"${gold}$", extraction_config=latex)
     if not gold_parsed or isinstance(gold_parsed[0], str):  # a string: math-verify could not read the whole gold
         return "bad_gold"
     pred_parsed = parse(f"${' '.join(answer.split())}$", extraction_config=latex)
     if not pred_parsed:  # a string (not read whole) is wrong: it matches no gold, which has a value
         return "no_answer"
-    if not any("i" in _letters(sub) for sub in _SUBSCRIPT.findall(gold)):  # rule 7: i is the unit, unless an index
-        gold_parsed, pred_parsed = _imaginary_unit(gold_parsed), _imaginary_unit(pred_parsed)
     return "correct" if _equal_exact_or_verify(gold_parsed, pred_parsed) else "wrong"
 
 
@@ -2193,9 +2192,10 @@ def grade(gold: str, completion: str, truncated: bool = False, fallback: str = "
             if _NOT_A_VALUE.search(answer):
                 return "not_a_number"
             sides = answer.split("=")  # '\\boxed{6 \\times 7 = 42}': the value after the last '='
-            if any(re.search(r"\b(?:or|nor)\b", _normalise(side), re.I) for side in sides[1:]) or any(
-                    re.search(r",\s*[A-Za-z](?:_\{?\w+\}?)?\s*$", side) for side in sides[1:-1]):
-                return "no_answer"  # a hedge, two values asserted: 'x = 3 or x = 5', 'x_1 = 3, x_2 = 5' (rule 3)
+            joined = re.sub(r"\\(?:q?quad|lor|vee|land|wedge)(?![A-Za-z])|\\[,;:! \\]|(?<!\\)[;&~]", ",", answer)
+            if any(re.search(r"\b(?:or|nor|and)\b", _normalise(side), re.I) for side in joined.split("=")[1:]) or any(
+                    re.search(r",\s*[A-Za-z](?:_\{?\w+\}?)?\s*$", side) for side in joined.split("=")[1:-1]):
+                return "no_answer"  # two values asserted: 'x = 3 or x = 5', 'x = 3; x = 5', 'x_1 = 3, x_2 = 5'
             value = parse_number(sides[-1])
             if value is None:
                 return "not_a_number"
