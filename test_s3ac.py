@@ -815,8 +815,8 @@ def test_verifier_on_hand_labelled_rollouts(verifier):
 
 def test_reward_regression_gate():
     """Every verdict the project has decided, graded by s3ac.grade in-process: testdata/verdicts.jsonl (the answer
-    policy's cases, math-verify's suite, every MATH-500 gold in the forms a model writes), the hand-labelled rollouts
-    and policy_round7.jsonl where it exists. A row whose status moves from its label fails, but a row marked as a
+    policy's cases, math-verify's suite, every MATH-500 gold in the forms a model writes), the hand-labelled rollouts.
+    A row whose status moves from its label fails, but a row marked as a
     known move (expected_fail_on: a commit whose rules miss it; known_miss), which is listed; a known_miss row that
     agrees now fails too, so its mark goes. Prints the confusion matrix and every moved row, as python .ci/gate.py
     does for any checkout. Mutant: extract_answer keeping a box's closing period (rule 2) fails it on \\boxed{E.}."""
@@ -833,7 +833,7 @@ def test_gate_lists_each_move(tmp_path):
     """The gate's comparison on hand-made rows: an unmarked move fails, a marked one is listed, a rollout labelled -1
     agrees with any status but correct, a known_miss row that agrees fails (its mark must go), an expected_fail_on
     row that agrees is listed for the mark's removal; a corpus row without a field is an error that names its file,
-    line and field, and a row of policy_round7.jsonl is named by its line. Mutants: agrees() taking 'reward -1' as a
+    line and field. Mutants: agrees() taking 'reward -1' as a
     status of its own; compare() keeping a known_miss mark that no longer moves."""
     gate = load_ci("gate")
     row = lambda i, status, **mark: {"id": i, "source": "s", "gold": "1", "completion": "c", "truncated": False,
@@ -850,11 +850,9 @@ def test_gate_lists_each_move(tmp_path):
     write_lines(tmp_path / "verifier_labels.jsonl", [json.dumps(
         {"id": 7, "source": "arith", "gold": "2", "completion": "1 + 1 = 2", "truncated": False, "label": 1,
          "reason": "r"})])
-    round7 = {k: v for k, v in rows[1].items() if k != "id"}
-    write_lines(tmp_path / "policy_round7.jsonl", ["", json.dumps(round7)])
-    assert [r["id"] for r in gate.read_corpus(str(tmp_path))] == ["same", "rollout:7", "policy_round7.jsonl:2"]
-    write_lines(tmp_path / "policy_round7.jsonl", [json.dumps({k: v for k, v in round7.items() if k != "reason"})])
-    with pytest.raises(ValueError, match=r"^policy_round7\.jsonl, line 1: field 'reason' is missing$"):
+    assert [r["id"] for r in gate.read_corpus(str(tmp_path))] == ["same", "rollout:7"]
+    write_lines(tmp_path / "verdicts.jsonl", ["", json.dumps({k: v for k, v in rows[1].items() if k != "reason"})])
+    with pytest.raises(ValueError, match=r"^verdicts\.jsonl, line 2: field 'reason' is missing$"):
         gate.read_corpus(str(tmp_path))
 
 

@@ -16,7 +16,6 @@ The corpus, read from testdata/ alone (testdata/README.md describes each file):
                            known_miss (true: a known miss of today's rules, with the reason; the gate fails when the
                            row stops moving, so the mark is removed), and provenance fields.
     verifier_labels.jsonl  hand-labelled rollouts: label +1 is the status correct, -1 any other status ("reward -1").
-    policy_round7.jsonl    optional, the schema of verdicts.jsonl without id: its id is "policy_round7.jsonl:<line>".
 """
 
 import argparse
@@ -37,7 +36,7 @@ ANY_BUT_CORRECT = "reward -1"  # the decided status of a rollout labelled -1: ev
 FIELDS = ("source", "gold", "completion", "truncated", "status", "reason")
 
 
-def _read_jsonl(path: str, with_id: bool) -> list:
+def _read_jsonl(path: str) -> list:
     """The rows of one corpus file, each checked for its fields. ValueError naming the file, line and field."""
     rows = []
     with open(path) as f:
@@ -49,8 +48,6 @@ def _read_jsonl(path: str, with_id: bool) -> list:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{where}: not JSON ({e})") from None
-            if not with_id:
-                row["id"] = f"{os.path.basename(path)}:{line_no}"
             for field in ("id",) + FIELDS:
                 if field not in row:
                     raise ValueError(f"{where}: field {field!r} is missing")
@@ -79,12 +76,10 @@ def _rollouts(path: str) -> list:
 
 
 def read_corpus(testdata: str = TESTDATA) -> list:
-    """Every decided verdict: verdicts.jsonl, verifier_labels.jsonl and policy_round7.jsonl where it exists.
+    """Every decided verdict: verdicts.jsonl and verifier_labels.jsonl.
     ValueError: a missing file or field, or an id used twice."""
-    rows = _read_jsonl(os.path.join(testdata, "verdicts.jsonl"), with_id=True)
+    rows = _read_jsonl(os.path.join(testdata, "verdicts.jsonl"))
     rows += _rollouts(os.path.join(testdata, "verifier_labels.jsonl"))
-    if os.path.exists(os.path.join(testdata, "policy_round7.jsonl")):
-        rows += _read_jsonl(os.path.join(testdata, "policy_round7.jsonl"), with_id=False)
     twice = [i for i, n in collections.Counter(r["id"] for r in rows).items() if n > 1]
     if twice:
         raise ValueError(f"testdata: ids used twice: {twice[:10]}")
