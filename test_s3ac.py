@@ -2340,7 +2340,7 @@ class _SameTwoTokens:
                  policy=None, progress=None):
         n = len(prompts)
         return s3ac.Batch(torch.ones(n, 1, dtype=torch.long), torch.ones(n, 1), torch.full((n, 2), 5), torch.ones(n, 2),
-                          torch.ones(n, dtype=torch.bool), torch.tensor(index))
+                          torch.ones(n, dtype=torch.bool), torch.tensor(index), torch.full((n, 2), -0.5))
 
 
 def test_collect_rollouts_checks_the_reward_contract():
@@ -5893,11 +5893,14 @@ def test_a_sampled_evaluation_leaves_trainings_draws_alone(tiny, tmp_path):
     assert len(runs["plain"]) == 16 and runs["aime"] == runs["plain"]
 
 
-def test_an_aborted_vllm_request_is_unfinished_with_its_own_tokens_masked(monkeypatch):
+def test_an_aborted_vllm_request_is_unfinished_with_its_own_tokens_masked(tiny, tmp_path, monkeypatch):
     """finish_reason abort or error (vLLM's, besides stop and length): truncated, so graded -1, and masked to its own
     tokens: a 2-token aborted row beside a 4-token one is [1, 1, 0, 0], not the full width its missing stop token
-    would give; an empty aborted row masks nothing. Mutants caught: truncated as finish_reason == "length" (an
-    aborted row holding an answer would be graded), the mask from the ids alone (padding slots would train)."""
+    would give; an empty aborted row masks nothing. collect_rollouts counts both in rollout/aborted, none in
+    rollout/dropped (no log mu is non-finite), and takes the empty one out before the reward; the step that meets
+    them counts in the --max-skipped-steps streak under its own name. Mutants caught: truncated as finish_reason ==
+    "length" (an aborted row holding an answer would be graded), the mask from the ids alone (padding slots would
+    train), an empty abort counted as dropped (the old count of rows without a token), the streak blind to aborts."""
     lp = lambda t, x: {t: types.SimpleNamespace(logprob=x)}
     good = types.SimpleNamespace(token_ids=[5, 6, 7, 2], logprobs=[lp(t, -0.5) for t in (5, 6, 7, 2)],
                                  finish_reason="stop")
@@ -5907,6 +5910,31 @@ def test_an_aborted_vllm_request_is_unfinished_with_its_own_tokens_masked(monkey
     assert batch.response_mask.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0]]
     assert batch.truncated.tolist() == [False, True, True]
     assert batch.sampler_logprobs.tolist() == [[-0.5] * 4, [-0.5, -0.5, 0.0, 0.0], [0.0] * 4]
+    args = s3ac.resolve_args(s3ac.Args(k=1, max_new_tokens=8))
+    kept, rewards, _, _, m = s3ac.collect_rollouts(args, scripted_state(batch, 3), [0, 1, 2], lambda golds, texts,
+                                                   truncated: ([1.0, -1.0], ["correct", "truncated"]))
+    assert kept.prompt_index.tolist() == [0, 1] and kept.response_mask.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+    assert (m["rollout/aborted"], m["rollout/dropped"]) == (2, 0)
+    cut = s3ac.Batch(torch.ones(1, 1, dtype=torch.long), torch.ones(1, 1), torch.full((1, 8), 5), torch.ones(1, 8),
+                     torch.tensor([True]), torch.tensor([0]), torch.full((1, 8), -0.5))  # cut at the length limit
+    _, _, _, _, m = s3ac.collect_rollouts(args, scripted_state(cut, 3), [0], lambda golds, texts, truncated: (
+        [-1.0], ["truncated"]))
+    assert (m["rollout/aborted"], m["rollout/dropped"]) == (0, 0)  # no abort
+    generate = s3ac.generate_hf
+
+    def aborting(*a, **k):  # every training batch's first row: one token, then the engine ended it
+        out = generate(*a, **k)
+        if out.sampler_logprobs is not None:
+            out.response_mask[0, 1:], out.truncated[0] = 0.0, True
+        return out
+    monkeypatch.setattr(s3ac, "generate_hf", aborting)
+    out = tmp_path / "run"
+    with pytest.raises(FloatingPointError, match=r"^--max-skipped-steps 2: steps 1 to 2 each skipped an optimizer "
+                                                 r"step or met an engine fault \(step 2: rollout/aborted 1; all in "):
+        s3ac.train(s3ac.parse_args(smoke_flags(tiny[0], str(out), "--steps", "3", "--eval-size", "2",
+                                               "--max-skipped-steps", "2")))
+    records = read_jsonl(out / "metrics.jsonl")
+    assert [(r["rollout/aborted"], r["rollout/dropped"]) for r in records[1:]] == [(1, 0), (1, 0)]
 
 
 def test_vllm_sampling_one_seed_a_call_from_torchs_rng_and_no_request_seeds(monkeypatch):
@@ -5982,39 +6010,64 @@ def test_every_vllm_wake_frees_the_allocator_cache_first(monkeypatch):
     assert calls == ["free", "wake ['weights']", "sync", "free", "wake ['kv_cache']", "sleep"]
 
 
+class _ScriptedEngine:
+    """A rollout engine that returns `batch` (prompts and indices as asked), for collect_rollouts alone."""
+    def __init__(self, batch):
+        self.batch = batch
+
+    def generate(self, prompts, index, *args, **kwargs):
+        return dataclasses.replace(self.batch, prompt_index=torch.tensor(index))
+
+
+def scripted_state(batch, n_problems):
+    """The parts of a TrainState that collect_rollouts reads, its engine answering with `batch`."""
+    return types.SimpleNamespace(engine=_ScriptedEngine(batch), prompts=[[1]] * n_problems, policy=None,
+                                 eos_ids={2}, pad_id=0, problems=[s3ac.Problem(f"q{i}", "1") for i in range(n_problems)],
+                                 successes=torch.zeros(n_problems, dtype=torch.float64),
+                                 attempts=torch.zeros(n_problems, dtype=torch.float64),
+                                 tokenizer=types.SimpleNamespace(batch_decode=lambda ids, **kw: [
+                                     " ".join(map(str, row.tolist())) for row in ids]))
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("-inf"), float("inf")])
 def test_a_non_finite_engine_logprob_drops_its_response_and_a_streak_stops_the_run(tiny, tmp_path, monkeypatch, bad):
     """A NaN (or infinite) log mu from the engine would make the TIS weight NaN and skip the optimizer step of the
-    good rows beside it: generate masks that response whole (no token trains; its log mu 0), the row beside it
-    untouched. In a run, a step with a dropped response counts in rollout/dropped and in the --max-skipped-steps
-    streak, so a fault that persists (a resume replays the same draws) stops the run in one line. Mutants caught:
-    the row kept (NaN in sampler_logprobs), the streak blind to dropped rows."""
+    good rows beside it: generate passes it on as given, and collect_rollouts takes that response out of the batch
+    before the reward (rollout/dropped 1, rollout/aborted 0), the row beside it untouched. In a run, a step with a
+    dropped response counts in the --max-skipped-steps streak, so a fault that persists (a resume replays the same
+    draws) stops the run in one line that names it. Mutants caught: the row kept (NaN in sampler_logprobs), the
+    streak blind to dropped rows."""
     lp = lambda t, x: {t: types.SimpleNamespace(logprob=x)}
     good = types.SimpleNamespace(token_ids=[5, 6, 2], logprobs=[lp(5, -0.5), lp(6, -1.25), lp(2, -0.125)],
                                  finish_reason="stop")
     broken = types.SimpleNamespace(token_ids=[7, 8, 9], logprobs=[lp(7, -2.0), lp(8, -0.25), lp(9, bad)],
                                    finish_reason="length")
     batch = fake_vllm_engine(monkeypatch, [good, broken]).generate([[3, 4], [3]], [7, 9], {2}, 2, 3, 1.0)
-    assert batch.response_mask.tolist() == [[1, 1, 1], [0, 0, 0]]
-    assert batch.sampler_logprobs.tolist() == [[-0.5, -1.25, -0.125], [0.0, 0.0, 0.0]]
+    assert batch.response_mask.tolist() == [[1, 1, 1], [1, 1, 1]]
+    args = s3ac.resolve_args(s3ac.Args(k=1, max_new_tokens=3))
+    graded = []
+    kept, rewards, _, texts, m = s3ac.collect_rollouts(args, scripted_state(batch, 10), [7, 9], lambda golds, texts,
+                                                       truncated: graded.append(texts) or ([1.0], ["correct"]))
+    assert kept.prompt_index.tolist() == [7] and kept.sampler_logprobs.tolist() == [[-0.5, -1.25, -0.125]]
+    assert graded == [["5 6 2"]] and (m["rollout/dropped"], m["rollout/aborted"]) == (1, 0)
     if not math.isnan(bad):
         return  # the run once
     generate = s3ac.generate_hf
 
-    def faulty(*a, **k):  # every training batch's first row: as the engine's non-finite log mu leaves it
+    def faulty(*a, **k):  # every training batch's first row: a non-finite log mu, as the engine may give it
         out = generate(*a, **k)
         if out.sampler_logprobs is not None:
-            out.response_mask[0] = 0.0
+            out.sampler_logprobs[0, 0] = float("nan")
         return out
     monkeypatch.setattr(s3ac, "generate_hf", faulty)
     out = tmp_path / "run"
     with pytest.raises(FloatingPointError, match=r"^--max-skipped-steps 2: steps 1 to 2 each skipped an optimizer "
-                                                 r"step or dropped a response"):
+                                                 r"step or met an engine fault \(step 2: rollout/dropped 1; all in "):
         s3ac.train(s3ac.parse_args(smoke_flags(tiny[0], str(out), "--steps", "4", "--eval-size", "2",
                                                "--max-skipped-steps", "2")))
     records = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2] and all(r["rollout/dropped"] == 1 for r in records[1:])
-    assert all(r["actor/skipped_steps"] == 0 for r in records[1:])  # the other rows trained
+    assert all(r["actor/skipped_steps"] == 0 and r["rollout/aborted"] == 0 for r in records[1:])  # the others trained
 
 
 def test_a_non_finite_gradient_skips_the_step_and_the_next_batch_trains(tiny):
