@@ -6070,6 +6070,49 @@ def test_a_non_finite_engine_logprob_drops_its_response_and_a_streak_stops_the_r
     assert all(r["actor/skipped_steps"] == 0 and r["rollout/aborted"] == 0 for r in records[1:])  # the others trained
 
 
+@pytest.mark.parametrize("algo", ["s3ac", "flash_reinforce", "grpo"])
+def test_a_dropped_response_leaves_every_metric_and_baseline(tiny, tmp_path, monkeypatch, algo):
+    """The reference is the step that never had the row: one training step whose sampled batch gains a copy of its
+    first response with a non-finite log mu (in that response's group) logs the same metrics, timings (c, efficiency),
+    throughput and rollout/dropped aside, and hands the actor the same advantages as the same step without it. The rewards are set
+    by position (+1 at every third), so the extra row would move a baseline: for s3ac critic/adv_explained_var,
+    credit_sparsity and v0_mean, for flash_reinforce the batch mean, for grpo its group's mean and std. Mutant
+    caught: the dropped row masked whole but left in the batch (its reward and V(s_0) would count)."""
+    generate, seen = s3ac.generate_hf, {}
+
+    def reward_fn(golds, completions, truncated):  # by position: the extra row, last, would get its own
+        rewards = [1.0 if i % 3 == 0 else -1.0 for i in range(len(completions))]
+        return rewards, ["correct" if r > 0 else "wrong" for r in rewards]
+
+    def with_extra(*a, **k):  # a sampled batch gains a copy of its first row with a NaN log mu
+        out = generate(*a, **k)
+        if out.sampler_logprobs is None or not seen["extra"]:
+            return out
+        out = s3ac.cat_batches([out, out.rows([0])], a[4])  # a[4]: pad_id
+        out.sampler_logprobs[-1, 0] = float("nan")
+        return out
+
+    def actor(args, state, batch, advantages, *rest):
+        seen[seen["extra"]] = advantages.clone()
+        return train_actor(args, state, batch, advantages, *rest)
+
+    train_actor = s3ac.train_actor
+    monkeypatch.setattr(s3ac, "generate_hf", with_extra)
+    monkeypatch.setattr(s3ac, "train_actor", actor)
+    records = {}
+    for extra in (False, True):
+        seen["extra"], out = extra, str(tmp_path / f"extra_{extra}")
+        s3ac.train(s3ac.parse_args(smoke_flags(tiny[0], out, "--steps", "1", "--eval-size", "1", "--algo", algo,
+                                               "--k", "3" if algo == "grpo" else "2")), reward_fn=reward_fn)
+        records[extra] = read_jsonl(os.path.join(out, "metrics.jsonl"))[1]
+    assert records[True]["rollout/dropped"] == 1 and records[False]["rollout/dropped"] == 0
+    skip = ("time/", "perf/", "critic/compute_ratio", "critic/efficiency", "rollout/dropped", "rollout/generated_tokens")
+    clean = {k: v for k, v in records[False].items() if not k.startswith(skip)}
+    assert {k: v for k, v in records[True].items() if not k.startswith(skip)} == clean
+    assert (algo != "s3ac") or {"critic/adv_explained_var", "critic/credit_sparsity", "critic/v0_mean"} <= clean.keys()
+    assert torch.equal(seen[True], seen[False]) and seen[False].abs().sum() > 0
+
+
 def test_a_non_finite_gradient_skips_the_step_and_the_next_batch_trains(tiny):
     """A NaN in the loss: the actor's weights and AdamW state stay bit for bit as they were, the step is counted in
     actor/skipped_steps; the next finite batch trains. The critic's update counts its own skipped steps."""
