@@ -1879,6 +1879,8 @@ def test_flash_reinforce_loss_and_tis_weights_carry_no_gradient_to_mu_or_the_adv
 def test_masked_whiten_centre_only_and_the_advantage_metrics_by_hand():
     """scale=False (--adv-norm center): x less its token mean over the mask, spread kept; advantage_metrics' mean and
     share of tokens with A > 0 over the loss mask, padding garbage never read; critic/offset = mean V(s_0) - mean R.
+    Mutants caught: a per-row centring, a mean over padding (the subtracted amount is checked, not adv/mean = 0,
+    which any centring gives).
     By hand: valid x = 1, 3, 5 (mean 3) -> -2, 0, 2; A = 0.5, -0.1, 0, 0.2, 0.3 valid -> 3 of 5 positive, mean 0.18;
     V(s_0) = 0.5, -0.2, 0.1 (mean 0.1333), R = 1, -1, -1 (mean -0.3333): offset 0.4667."""
     mask = torch.tensor([[1.0, 1, 1], [1, 1, 0]])
@@ -1889,7 +1891,10 @@ def test_masked_whiten_centre_only_and_the_advantage_metrics_by_hand():
     m = s3ac.advantage_metrics(adv, mask)
     assert m["adv/pos_share"] == pytest.approx(0.6) and m["adv/mean"] == pytest.approx(0.18)
     centred = s3ac.masked_whiten(adv, mask, scale=False)
-    assert s3ac.advantage_metrics(centred, mask)["adv/mean"] == pytest.approx(0.0, abs=1e-7)
+    # what centring subtracts is the token mean over the mask, 0.18 by hand (a per-row centring: 0.1333 and 0.25; an
+    # unmasked mean, the padding's 9 included: 1.4833), and the padding stays 0
+    assert (adv - centred)[mask.bool()].tolist() == pytest.approx([0.18] * 5, abs=1e-6)
+    assert centred[~mask.bool()].tolist() == [0.0]
     assert centred[mask.bool()].tolist() == pytest.approx([0.32, -0.28, -0.18, 0.02, 0.12], abs=1e-6)
     values = torch.tensor([[0.5, 0.4, 0.0], [-0.2, 0.0, 0.0], [0.1, 0.0, 0.0]])
     rewards = torch.tensor([1.0, -1.0, -1.0])
@@ -1922,36 +1927,73 @@ def test_adv_norm_auto_centres_with_a_critic_and_leaves_the_baselines_raw():
     assert s3ac.resolve_args(s3ac.Args(algo="flash_reinforce", adv_norm="center")).adv_norm == "center"
 
 
+def centred_loop(adv, mask, scale: bool):
+    """fp64 loop reference of --adv-norm center (scale False) or whiten: adv [B, T] less the mean of its values on
+    mask [B, T], divided by their population std when scale, 0 off the mask."""
+    B, T = adv.shape
+    vals = [float(adv[b, t]) for b in range(B) for t in range(T) if mask[b, t]]
+    mean = sum(vals) / len(vals)
+    std = math.sqrt(sum((v - mean) ** 2 for v in vals) / len(vals)) if scale else 1.0
+    return torch.tensor([[(float(adv[b, t]) - mean) / std if mask[b, t] else 0.0 for t in range(T)] for b in range(B)],
+                        dtype=torch.float64)
+
+
 def test_adv_norm_centres_the_actors_advantages_and_leaves_the_critics_targets(tiny, tmp_path, monkeypatch):
-    """One step of s3ac.train with --adv-norm none, center and whiten from the same seed (the same rollouts): the
-    critic gets the same returns and old values every time; the actor gets the raw advantages less their token mean
-    over the loss mask (center), or that divided by their population std (whiten): fp64 references from the raw ones.
-    Mutants caught: centring the returns too, centring per row, a mean over padding."""
+    """One step of s3ac.train with --adv-norm none, center and whiten from the same seed (the same rollouts), under
+    --overlong-filter with every other response marked cut (so the loss mask is not the response mask) and a log mu
+    lowered by 0.4 (t mod 3) (so TIS's weights w = min(pi_old / mu, 2) are not 1): the critic gets the same returns
+    and old values every time; the actor gets w (A - mean) (center) or w (A - mean) / std (whiten), the mean and
+    population std those of the raw advantages A on the loss mask, from an fp64 loop. Mutants caught: centring over
+    the response mask, centring the TIS-weighted w A (after the weights), centring the returns too, centring per
+    row, a mean over padding."""
     seen = {}
-    train_actor, train_critic = s3ac.train_actor, s3ac.train_critic
+    generate, train_actor, train_critic = s3ac.generate_hf, s3ac.train_actor, s3ac.train_critic
+    compute_advantages, importance_weights = s3ac.compute_advantages, s3ac.importance_weights
+
+    def cut_and_shifted(*a, **k):  # the sampled batch: even rows end unstopped, odd ones cut; log mu lowered
+        out = generate(*a, **k)
+        if out.sampler_logprobs is not None:
+            out.truncated = torch.arange(len(out.truncated)) % 2 == 1  # [B]
+            shift = 0.4 * (torch.arange(out.sampler_logprobs.shape[1]) % 3)  # [T]
+            out.sampler_logprobs = out.sampler_logprobs - shift * out.response_mask  # [B, T]
+        return out
+
+    def raw(*a, **k):
+        advantages, returns, m = compute_advantages(*a, **k)
+        seen[norm]["raw"] = advantages.clone()
+        return advantages, returns, m
+
+    def weights(*a, **k):
+        w, m = importance_weights(*a, **k)
+        seen[norm]["w"] = w.clone()
+        return w, m
 
     def actor(args, state, batch, advantages, old_logprobs, sampler_logprobs, loss_mask):
-        seen[args.adv_norm] = {"adv": advantages.clone(), "mask": loss_mask.clone()}
+        seen[norm].update(adv=advantages.clone(), mask=loss_mask.clone(), response_mask=batch.response_mask.clone())
         return train_actor(args, state, batch, advantages, old_logprobs, sampler_logprobs, loss_mask)
 
     def critic(args, state, batch, values, returns, sampler_logprobs):
-        seen[args.adv_norm].update(values=values.clone(), returns=returns.clone())
+        seen[norm].update(values=values.clone(), returns=returns.clone())
         return train_critic(args, state, batch, values, returns, sampler_logprobs)
 
-    monkeypatch.setattr(s3ac, "train_actor", actor)
-    monkeypatch.setattr(s3ac, "train_critic", critic)
+    for name, fn in (("generate_hf", cut_and_shifted), ("compute_advantages", raw),
+                     ("importance_weights", weights), ("train_actor", actor), ("train_critic", critic)):
+        monkeypatch.setattr(s3ac, name, fn)
     for norm in ("none", "center", "whiten"):
+        seen[norm] = {}
         s3ac.train(s3ac.parse_args(smoke_flags(tiny[0], str(tmp_path / norm), "--steps", "1", "--adv-norm", norm,
-                                               "--is-correction", "none", "--eval-size", "1")))
-    raw, mask = seen["none"]["adv"].double(), seen["none"]["mask"].bool()
-    assert raw[mask].std() > 0  # the check below has something to centre
+                                               "--overlong-filter", "--eval-size", "1")))
+    mask, w = seen["none"]["mask"].bool(), seen["none"]["w"].double()
+    raw_adv = seen["none"]["raw"].double()
+    assert (seen["none"]["mask"] != seen["none"]["response_mask"]).any() and 0 < mask.sum() < mask.numel()
+    assert (w[mask] - 1).abs().max() > 0.3 and raw_adv[mask].std() > 0  # the checks below have teeth
     for norm in ("center", "whiten"):
         assert torch.equal(seen[norm]["returns"], seen["none"]["returns"])
         assert torch.equal(seen[norm]["values"], seen["none"]["values"])
-        assert torch.equal(seen[norm]["mask"], seen["none"]["mask"])
-    ref = torch.where(mask, raw - raw[mask].mean(), 0.0)  # [B, T]
-    assert torch.allclose(seen["center"]["adv"].double(), ref, atol=1e-6)
-    assert torch.allclose(seen["whiten"]["adv"].double(), ref / raw[mask].std(unbiased=False), atol=1e-5)
+        assert torch.equal(seen[norm]["mask"], seen["none"]["mask"]) and torch.equal(seen[norm]["w"], seen["none"]["w"])
+        assert torch.equal(seen[norm]["raw"], seen["none"]["raw"])
+        ref = w * centred_loop(raw_adv, mask, scale=norm == "whiten")  # [B, T]
+        assert torch.allclose(seen[norm]["adv"].double(), ref, atol=1e-5), norm
 
 
 def test_masked_whiten_and_reinforce_pp():
