@@ -412,7 +412,8 @@ def test_padding_counts_against_a_hand_count():
 def test_token_budget_updates_equal_one_padded_pass(tiny):
     """Actor (CISPO, r = 1) and critic (clipped value loss) updates in token-budget micro-batches, each trimmed to
     its own rows, move the weights exactly as one SGD step on the written objective over the whole padded batch,
-    computed here from Hugging Face's own forward (fp32; the sums differ only in order)."""
+    computed here from Hugging Face's own forward (fp32; the sums differ only in order), the value loss as a loop over
+    the tokens. Mutants caught: a micro-batch normalised by its own tokens, min for max in the value loss."""
     import copy
     _, model, tok = tiny
     batch = ragged_batch(tok.pad_token_id)
@@ -436,8 +437,13 @@ def test_token_budget_updates_equal_one_padded_pass(tiny):
     (-(advantages * logp * mask).sum() / mask.sum()).backward()  # CISPO at r = 1: -(sum of A log pi) / N
     hidden = ref_critic.backbone(input_ids=ids, attention_mask=attn, position_ids=pos).last_hidden_state
     v = (hidden @ ref_critic.value_head.weight[0])[:, -T - 1:-1]  # [B, T]
-    clipped = old_values + (v - old_values).clamp(-0.2, 0.2)
-    (0.5 * (torch.maximum((v - returns) ** 2, (clipped - returns) ** 2) * mask).sum() / mask.sum()).backward()
+    terms = []  # the clipped value loss token by token: V clipped into V_old +- 0.2, the larger squared error
+    for b, t in mask.nonzero().tolist():
+        V, V_old, R = v[b, t], float(old_values[b, t]), float(returns[b, t])
+        bound = min(max(float(V), V_old - 0.2), V_old + 0.2)  # V_clip, a constant where it is a bound
+        terms.append((V - R) ** 2 if abs(float(V) - V_old) <= 0.2 or (float(V) - R) ** 2 >= (bound - R) ** 2
+                     else torch.tensor((bound - R) ** 2))
+    (0.5 * sum(terms) / mask.sum()).backward()
     for new, ref in [(actor, ref_actor), (critic, ref_critic)]:
         for (name, p), (_, q) in zip(new.named_parameters(), ref.named_parameters()):
             want = q.detach() - (q.grad if q.grad is not None else 0)  # one SGD step of lr 1
@@ -4931,31 +4937,47 @@ def test_kernels_value_loss_hand_cases(kops):
         assert metrics["v_clipfrac"].item() == want_clip
 
 
+def value_loss_loop(v, old, ret, mask, eps_v: float, n: float):
+    """fp64 loop reference of the clipped value loss, written from its definition, token by token: V clipped into
+    [V_old - eps_v, V_old + eps_v], L_t the larger of (V - R)^2 and (V_clip - R)^2, loss = 0.5 sum L_t / n. Its
+    gradient by hand: (V - R) / n where the unclipped error is the larger one or V lies inside the range (there
+    V_clip = V, so both branches are one), 0 where the clipped error wins from outside the range (V_clip is a constant
+    there). Returns (loss, gradient [B, T] fp64, clipfrac: the share of n with the clipped error strictly larger)."""
+    B, T = v.shape
+    loss, grad, clipped_larger = 0.0, torch.zeros(B, T, dtype=torch.float64), 0
+    for b in range(B):
+        for t in range(T):
+            if not mask[b, t]:
+                continue  # padding: whatever it holds, never read
+            V, V_old, R = float(v[b, t]), float(old[b, t]), float(ret[b, t])
+            inside = V_old - eps_v <= V <= V_old + eps_v
+            V_clip = V if inside else (V_old + eps_v if V > V_old else V_old - eps_v)
+            err, err_clip = (V - R) ** 2, (V_clip - R) ** 2
+            loss += 0.5 * max(err, err_clip) / n
+            grad[b, t] = (V - R) / n if inside or err >= err_clip else 0.0
+            clipped_larger += err_clip > err
+    return loss, grad, clipped_larger / n
+
+
 @pytest.mark.parametrize("B,T", [(3, 1), (4, 63), (2, 1000), (2, 8192)])
 def test_kernels_value_loss_matches_fp64_gold(kops, B, T):
+    """value_loss (each backend) against value_loss_loop: loss, gradient (times an upstream -1.7) and v_clipfrac, with
+    garbage in the padding, at the token count n and at a given num_tokens. Mutants caught: a clip around R, min for
+    max, a straight-through gradient of the clipped branch outside the range, the padding counted in n."""
     g, mask, field = _k_loss_batch(B, T, seed=T + 1)
     old_v = torch.randn(B, T, generator=g)
     v = old_v + 0.3 * torch.randn(B, T, generator=g)  # about half the tokens move more than eps_v
     ret = torch.randn(B, T, generator=g)
     eps_v, upstream = 0.2, -1.7
-    values = field(v).requires_grad_()
-    loss, metrics = kops.value_loss(values, field(old_v), field(ret), mask, eps_v)
-    (loss * upstream).backward()
-
-    valid = mask.bool()
-    n = max(int(valid.sum()), 1)
-    vd = v.double()[valid].requires_grad_()
-    od, rd = old_v.double()[valid], ret.double()[valid]
-    unclipped = (vd - rd) ** 2
-    clipped = (od + torch.clamp(vd - od, -eps_v, eps_v) - rd) ** 2  # the formula as written in the papers
-    gold = 0.5 * torch.max(unclipped, clipped).sum() / n
-    (gold * upstream).backward()
-    gold_grad = torch.zeros(B, T, dtype=torch.float64)
-    gold_grad[valid] = vd.grad
-    assert torch.allclose(loss.double(), gold, atol=1e-6, rtol=1e-5)
-    assert torch.allclose(values.grad.double(), gold_grad, atol=1e-6, rtol=1e-5)
-    gold_clipfrac = (clipped > unclipped + 1e-9).sum().item() / n
-    assert math.isclose(metrics["v_clipfrac"].item(), gold_clipfrac, rel_tol=1e-6, abs_tol=1e-9)
+    for num_tokens in (None, 97.0):
+        values = field(v).requires_grad_()
+        loss, metrics = kops.value_loss(values, field(old_v), field(ret), mask, eps_v, num_tokens=num_tokens)
+        (loss * upstream).backward()
+        n = max(int(mask.sum()), 1) if num_tokens is None else num_tokens
+        gold, gold_grad, gold_clipfrac = value_loss_loop(v, old_v, ret, mask, eps_v, n)
+        assert math.isclose(loss.item(), gold, rel_tol=1e-5, abs_tol=1e-6)
+        assert torch.allclose(values.grad.double(), upstream * gold_grad, atol=1e-6, rtol=1e-5)
+        assert math.isclose(metrics["v_clipfrac"].item(), gold_clipfrac, rel_tol=1e-6, abs_tol=1e-9)
 
 
 @pytest.mark.parametrize("B,T", [(3, 1), (4, 63), (2, 1000), (2, 8192)])
