@@ -6134,6 +6134,27 @@ def test_a_non_finite_engine_logprob_drops_its_response_and_a_streak_stops_the_r
     assert all(r["actor/skipped_steps"] == 0 and r["rollout/aborted"] == 0 for r in records[1:])  # the others trained
 
 
+def test_grpo_drops_a_response_left_alone_in_its_group_and_a_batch_with_nothing_left_stays_masked():
+    """collect_rollouts at K = 2: a dropped response takes with it, under grpo or rloo, the other response to its
+    prompt (a group of one has no baseline: grpo_advantages would stop the run), and under s3ac leaves it; when no
+    response is left, every row stays, masked whole (a rank cannot train on no rows). Mutants caught: the lone
+    response kept under grpo, the empty batch."""
+    mu = torch.full((4, 2), -0.5)
+    mu[1, 1] = float("nan")  # prompt 0's second response
+    batch = s3ac.Batch(torch.ones(4, 1, dtype=torch.long), torch.ones(4, 1), torch.full((4, 2), 5), torch.ones(4, 2),
+                       torch.zeros(4, dtype=torch.bool), torch.tensor([0, 0, 1, 1]), mu)
+    graded = lambda golds, texts, truncated: ([1.0] * len(texts), ["correct"] * len(texts))
+    for algo, left in (("grpo", [1, 1]), ("rloo", [1, 1]), ("s3ac", [0, 1, 1])):
+        args = s3ac.resolve_args(s3ac.Args(algo=algo, k=2, max_new_tokens=2))
+        kept, rewards, _, _, m = s3ac.collect_rollouts(args, scripted_state(batch, 2), [0, 1], graded)
+        assert kept.prompt_index.tolist() == left and len(rewards) == len(left) and m["rollout/dropped"] == 1, algo
+    nan = s3ac.Batch(*(getattr(batch, f.name) for f in dataclasses.fields(batch)))
+    nan.sampler_logprobs = torch.full((4, 2), float("nan"))
+    args = s3ac.resolve_args(s3ac.Args(k=2, max_new_tokens=2))
+    kept, rewards, _, _, m = s3ac.collect_rollouts(args, scripted_state(nan, 2), [0, 1], graded)
+    assert kept.response_mask.tolist() == [[0.0, 0.0]] * 4 and len(rewards) == 4 and m["rollout/dropped"] == 4
+
+
 @pytest.mark.parametrize("algo", ["s3ac", "flash_reinforce", "grpo"])
 def test_a_dropped_response_leaves_every_metric_and_baseline(tiny, tmp_path, monkeypatch, algo):
     """The reference is the step that never had the row: one training step whose sampled batch gains a copy of its
