@@ -595,9 +595,8 @@ def impact_score(signal, h):
 #    Qwen2.5-Math recipe: 512 prompts per step, lr 1e-6, 200 steps, evaluation every 10, responses cut at 3072 tokens.
 # 13. Readiness, our readings (the value-gradient paper's summary gives no exact equation 29): H_alpha, S and the impact
 #    as headroom, usable_signal and impact_score say; the costates are those of the SUMMED loss for GRPO's advantages
-#    (population std) at the output of one block, by default the middle one, L // 2 (credit there has crossed the
-#    attention of the blocks above it, the paper's path around the sampling step; the last block's output would hold
-#    little more than the output layer's gradient).
+#    (population std) at the output of one block, by default the middle one, L // 2, where credit has crossed the
+#    attention of the blocks above it (the last block's output holds little more than the output layer's gradient).
 # 14. With a critic the actor's advantages are centred per batch (--adv-norm auto: center, less their token mean over
 #    the loss tokens, the centring of verl's and OpenRLHF's whitening; measured for s3ac, not ppo); the paper is
 #    silent. The critic's returns stay raw. --adv-norm none keeps the critic's level in every advantage.
@@ -613,12 +612,10 @@ class Batch:
     prompt_mask: torch.Tensor  # [B, P] 1 on prompt tokens
     response_ids: torch.Tensor  # [B, T] right-padded
     response_mask: torch.Tensor  # [B, T] float, 1 on generated tokens (stop token included), 0 on padding
-    truncated: torch.Tensor  # [B] bool, True when no stop token was generated (length limit hit)
+    truncated: torch.Tensor  # [B] bool, True when no stop token was generated (length limit, engine abort)
     prompt_index: torch.Tensor  # [B] index of the problem each sequence answers (groups for K > 1)
-    sampler_logprobs: torch.Tensor = None  # [B, T] the sampler's own log mu of each token, 0 on padding; None
-    #                                        for greedy batches and stored trajectories
-    features: torch.Tensor = None  # [B, P + T, H] fp32, what a partial-trunk critic reads (store_critic_features); None
-    #                                until recorded (generate_hf) or first used
+    sampler_logprobs: torch.Tensor = None  # [B, T] the sampler's log mu of each token, 0 on padding; None: greedy
+    features: torch.Tensor = None  # [B, P + T, H] fp32, a partial-trunk critic's input (store_critic_features) or None
 
     def rows(self, idx, features: bool = False):
         """The sub-batch of the sequences `idx` (a list or [b] index tensor), trimmed to its own longest prompt and
@@ -654,7 +651,7 @@ class TrainState:
     world: int
     step: int = 0  # training steps done
     train_s: float = 0.0  # seconds of training so far, evaluations left out (--max-minutes)
-    skip_streak: int = 0  # training steps in a row that skipped an optimizer step (--max-skipped-steps; not saved)
+    skip_streak: int = 0  # steps in a row with a skipped update or an engine fault (--max-skipped-steps; not saved)
 
 
 def train_step(args: Args, state: TrainState, reward_fn):
@@ -712,10 +709,10 @@ def sample_rollouts(args: Args, state: TrainState, reward_fn):
         last = (batch, rewards)
         if args.dynamic_sampling:
             keep = mixed_groups(succeeded(rewards).double(), batch.prompt_index)  # [b]
-            dropped += int((~keep).sum()) // args.k
+            dropped += len(batch.prompt_index[~keep].unique())
             batch, rewards = batch.rows(keep, features=True), rewards[keep]
         parts.append((batch, rewards))
-        kept += len(rewards) // args.k
+        kept += len(batch.prompt_index.unique())  # groups (collect_rollouts may have dropped a row of one)
         if kept == args.batch_prompts:
             break
     parts = parts if kept else [last]  # every group dropped: train on the last round as it is
@@ -731,25 +728,32 @@ def sample_rollouts(args: Args, state: TrainState, reward_fn):
 
 
 def collect_rollouts(args: Args, state: TrainState, prompt_list: list, reward_fn):
-    """K responses to each index in prompt_list, rewarded by reward_fn and added to every rank's DAPS counts. Returns
-    (batch, rewards [B], statuses, texts, metrics); ValueError when reward_fn breaks its contract."""
+    """K responses to each index in prompt_list, rewarded and counted for DAPS on every rank, less one with a non-finite
+    log mu (rollout/dropped) or no token (an empty aborted request; rollout/aborted counts all), and with grpo or rloo
+    one alone in its group. Returns (batch, rewards [B], statuses, texts, metrics); ValueError: call_reward."""
     t0 = time.time()
     index = [i for i in prompt_list for _ in range(args.k)]
     batch = generate_responses(args, state, [state.prompts[i] for i in index], index, args.max_new_tokens,
                                record=True)  # a partial-trunk critic's features come with HF rollouts
     t1 = time.time()
+    lengths, finite = batch.response_mask.sum(1), torch.isfinite(batch.sampler_logprobs).all(1)  # [B] each
+    keep = finite & (lengths > 0)  # [B] the rows that train
+    if args.algo in ("grpo", "rloo"):  # a group baseline compares two responses to a prompt at least
+        keep &= ((batch.prompt_index[:, None] == batch.prompt_index) & keep).sum(1) >= 2  # [B] kept in its group
+    metrics = {"time/rollout": t1 - t0, "rollout/generated_tokens": int(lengths.sum()),  # all generated
+               "rollout/samples": len(index), "rollout/dropped": int((~finite).sum()),
+               "rollout/aborted": int((batch.truncated & (lengths < args.max_new_tokens)).sum())}  # ended short
+    batch.response_mask = batch.response_mask * keep[:, None]  # [B, T] no token of a dropped row trains
+    batch = batch.rows(keep.nonzero()[:, 0], features=True) if keep.any() else batch  # a rank needs rows
     texts = state.tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
-    rewards, statuses = call_reward(reward_fn, [state.problems[i].answer for i in index], texts,
+    rewards, statuses = call_reward(reward_fn, [state.problems[i].answer for i in batch.prompt_index.tolist()], texts,
                                     batch.truncated.tolist())  # [B]
     counts = torch.zeros(2, len(state.problems), dtype=torch.float64)  # [2, n_prompts] successes, attempts
     counts[0].index_add_(0, batch.prompt_index, succeeded(rewards).double())
-    counts[1].index_add_(0, batch.prompt_index, torch.ones(len(index), dtype=torch.float64))
+    counts[1].index_add_(0, batch.prompt_index, torch.ones(len(rewards), dtype=torch.float64))
     counts = all_reduce(counts)  # every rank's rollouts
     state.successes, state.attempts = state.successes + counts[0], state.attempts + counts[1]
-    metrics = {"time/rollout": t1 - t0, "rollout/generated_tokens": int(batch.response_mask.sum()),  # all generated
-               "rollout/samples": len(index), "time/verify": time.time() - t1,
-               "rollout/dropped": int((batch.response_mask.sum(1) == 0).sum())}  # rows with no token to train
-    return batch, rewards, statuses, texts, metrics
+    return batch, rewards, statuses, texts, {**metrics, "time/verify": time.time() - t1}
 
 
 def critic_pass(args: Args, state: TrainState, batch: Batch):
@@ -1187,14 +1191,13 @@ def train(args: Args, reward_fn=None, eval_reward_fn=None):
             state.train_s += metrics["perf/step_s"] - metrics.get("time/eval", 0.0)
             run.log(metrics)
             say(step_line(metrics, state.critic is not None))
-            skipped = metrics["actor/skipped_steps"] + metrics.get("critic/skipped_steps", 0)  # the same on every rank
-            state.skip_streak = state.skip_streak + 1 if skipped or metrics["rollout/dropped"] else 0
+            faults = ("actor/skipped_steps", "critic/skipped_steps", "rollout/dropped", "rollout/aborted")
+            state.skip_streak = state.skip_streak + 1 if any(metrics.get(k) for k in faults) else 0
             if args.max_skipped_steps and state.skip_streak >= args.max_skipped_steps:
-                first = step - state.skip_streak + 1
-                raise FloatingPointError(f"--max-skipped-steps {args.max_skipped_steps}: steps {first} to {step} each "
-                                         f"skipped an optimizer step or dropped a response (a non-finite gradient norm "
-                                         f"or log mu; actor/ and critic/skipped_steps, rollout/dropped in "
-                                         f"{run.metrics_path})")
+                seen = ", ".join(f"{k} {metrics[k]:g}" for k in faults if metrics.get(k))  # e.g. rollout/aborted 1
+                raise FloatingPointError(f"--max-skipped-steps {args.max_skipped_steps}: steps "
+                                         f"{step + 1 - state.skip_streak} to {step} each skipped an optimizer step or "
+                                         f"met an engine fault (step {step}: {seen}; all in {run.metrics_path})")
             if last or (args.save_every and step % args.save_every == 0):
                 save_checkpoint(args.out_dir, step, state.policy, state.tokenizer, state.critic, state.actor_opt,
                                 state.critic_opt, state.sampler, state.update_gen, args.keep_checkpoints,
@@ -2409,7 +2412,7 @@ class Args:
                                                       "response), longest rows first; gradients accumulate over a "
                                                       "mini-batch | auto: the memory plan's")
     max_skipped_steps: int = flag(3, "stop after this many steps in a row that skipped an optimizer step (a non-finite "
-                                  "grad norm) or dropped a response (a non-finite log mu); 0 = never stop")
+                                  "grad norm) or met an engine fault (rollout/dropped, rollout/aborted); 0: never")
     # run
     steps: int = flag(200, "training steps (one rollout batch each)")
     seed: int = flag(0, "seed of sampling, data order and rollouts")
@@ -3094,9 +3097,8 @@ class VLLMRollout:
     def generate(self, prompts: list, prompt_index: list, eos_ids, pad_id: int, max_new_tokens: int,
                  temperature: float, greedy: bool = False, top_p: float = 1.0, top_k: int = 0,
                  policy: nn.Module = None, progress: str = None) -> Batch:
-        """As generate_hf, plus Batch.sampler_logprobs [B, T]; policy: synced in first when stale. A request that ended
-        without a stop token or the length limit (abort, error) is truncated (reward -1), masked to its own tokens; one
-        with a non-finite log mu is masked whole (rollout/dropped counts it). ValueError: engine_logprobs."""
+        """As generate_hf, plus Batch.sampler_logprobs [B, T]; policy: synced in first when stale. A request ended by an
+        abort or error is truncated (reward -1), masked to its own tokens. ValueError: engine_logprobs."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         if self.stale and policy is not None:
@@ -3121,9 +3123,6 @@ class VLLMRollout:
         response_mask = response_mask * (torch.arange(response_ids.shape[1])[None, :] < lengths[:, None])  # [B, T]
         logprobs = None if greedy else _pad(engine_logprobs(samples, prompt_index), 0.0, left=False,
                                             dtype=torch.float32)  # [B, T]
-        if logprobs is not None:  # a non-finite log mu (an engine fault) drops its response: no token trains
-            response_mask = response_mask * torch.isfinite(logprobs).all(1, keepdim=True)  # [B, T]
-            logprobs = torch.where(response_mask.bool(), logprobs, 0.0)
         truncated = torch.tensor([c.finish_reason != "stop" for c in samples])  # [B] length, abort, error
         return Batch(*_pad_prompts(prompts, pad_id), response_ids, response_mask, truncated,
                      torch.as_tensor(prompt_index), logprobs)
@@ -3246,7 +3245,8 @@ def optimizer_state(module: nn.Module, optimizer, state: dict = None):
     return dcp.get_optimizer_state_dict(module, optimizer, options=options)
 
 
-SUMMED_METRICS = ("verify/", "rollout/generated_tokens", "rollout/samples", "perf/tokens_per_s")  # of all ranks
+SUMMED_METRICS = ("verify/", "rollout/generated_tokens", "rollout/samples", "rollout/dropped", "rollout/aborted",
+                  "perf/tokens_per_s")  # of all ranks
 
 
 def mean_over_ranks(metrics: dict) -> dict:

@@ -412,7 +412,8 @@ def test_padding_counts_against_a_hand_count():
 def test_token_budget_updates_equal_one_padded_pass(tiny):
     """Actor (CISPO, r = 1) and critic (clipped value loss) updates in token-budget micro-batches, each trimmed to
     its own rows, move the weights exactly as one SGD step on the written objective over the whole padded batch,
-    computed here from Hugging Face's own forward (fp32; the sums differ only in order)."""
+    computed here from Hugging Face's own forward (fp32; the sums differ only in order), the value loss as a loop over
+    the tokens. Mutants caught: a micro-batch normalised by its own tokens, min for max in the value loss."""
     import copy
     _, model, tok = tiny
     batch = ragged_batch(tok.pad_token_id)
@@ -436,8 +437,13 @@ def test_token_budget_updates_equal_one_padded_pass(tiny):
     (-(advantages * logp * mask).sum() / mask.sum()).backward()  # CISPO at r = 1: -(sum of A log pi) / N
     hidden = ref_critic.backbone(input_ids=ids, attention_mask=attn, position_ids=pos).last_hidden_state
     v = (hidden @ ref_critic.value_head.weight[0])[:, -T - 1:-1]  # [B, T]
-    clipped = old_values + (v - old_values).clamp(-0.2, 0.2)
-    (0.5 * (torch.maximum((v - returns) ** 2, (clipped - returns) ** 2) * mask).sum() / mask.sum()).backward()
+    terms = []  # the clipped value loss token by token: V clipped into V_old +- 0.2, the larger squared error
+    for b, t in mask.nonzero().tolist():
+        V, V_old, R = v[b, t], float(old_values[b, t]), float(returns[b, t])
+        bound = min(max(float(V), V_old - 0.2), V_old + 0.2)  # V_clip, a constant where it is a bound
+        terms.append((V - R) ** 2 if abs(float(V) - V_old) <= 0.2 or (float(V) - R) ** 2 >= (bound - R) ** 2
+                     else torch.tensor((bound - R) ** 2))
+    (0.5 * sum(terms) / mask.sum()).backward()
     for new, ref in [(actor, ref_actor), (critic, ref_critic)]:
         for (name, p), (_, q) in zip(new.named_parameters(), ref.named_parameters()):
             want = q.detach() - (q.grad if q.grad is not None else 0)  # one SGD step of lr 1
@@ -1640,6 +1646,8 @@ def test_flash_reinforce_loss_and_tis_weights_carry_no_gradient_to_mu_or_the_adv
 def test_masked_whiten_centre_only_and_the_advantage_metrics_by_hand():
     """scale=False (--adv-norm center): x less its token mean over the mask, spread kept; advantage_metrics' mean and
     share of tokens with A > 0 over the loss mask, padding garbage never read; critic/offset = mean V(s_0) - mean R.
+    Mutants caught: a per-row centring, a mean over padding (the subtracted amount is checked, not adv/mean = 0,
+    which any centring gives).
     By hand: valid x = 1, 3, 5 (mean 3) -> -2, 0, 2; A = 0.5, -0.1, 0, 0.2, 0.3 valid -> 3 of 5 positive, mean 0.18;
     V(s_0) = 0.5, -0.2, 0.1 (mean 0.1333), R = 1, -1, -1 (mean -0.3333): offset 0.4667."""
     mask = torch.tensor([[1.0, 1, 1], [1, 1, 0]])
@@ -1650,7 +1658,10 @@ def test_masked_whiten_centre_only_and_the_advantage_metrics_by_hand():
     m = s3ac.advantage_metrics(adv, mask)
     assert m["adv/pos_share"] == pytest.approx(0.6) and m["adv/mean"] == pytest.approx(0.18)
     centred = s3ac.masked_whiten(adv, mask, scale=False)
-    assert s3ac.advantage_metrics(centred, mask)["adv/mean"] == pytest.approx(0.0, abs=1e-7)
+    # what centring subtracts is the token mean over the mask, 0.18 by hand (a per-row centring: 0.1333 and 0.25; an
+    # unmasked mean, the padding's 9 included: 1.4833), and the padding stays 0
+    assert (adv - centred)[mask.bool()].tolist() == pytest.approx([0.18] * 5, abs=1e-6)
+    assert centred[~mask.bool()].tolist() == [0.0]
     assert centred[mask.bool()].tolist() == pytest.approx([0.32, -0.28, -0.18, 0.02, 0.12], abs=1e-6)
     values = torch.tensor([[0.5, 0.4, 0.0], [-0.2, 0.0, 0.0], [0.1, 0.0, 0.0]])
     rewards = torch.tensor([1.0, -1.0, -1.0])
@@ -1683,36 +1694,73 @@ def test_adv_norm_auto_centres_with_a_critic_and_leaves_the_baselines_raw():
     assert s3ac.resolve_args(s3ac.Args(algo="flash_reinforce", adv_norm="center")).adv_norm == "center"
 
 
+def centred_loop(adv, mask, scale: bool):
+    """fp64 loop reference of --adv-norm center (scale False) or whiten: adv [B, T] less the mean of its values on
+    mask [B, T], divided by their population std when scale, 0 off the mask."""
+    B, T = adv.shape
+    vals = [float(adv[b, t]) for b in range(B) for t in range(T) if mask[b, t]]
+    mean = sum(vals) / len(vals)
+    std = math.sqrt(sum((v - mean) ** 2 for v in vals) / len(vals)) if scale else 1.0
+    return torch.tensor([[(float(adv[b, t]) - mean) / std if mask[b, t] else 0.0 for t in range(T)] for b in range(B)],
+                        dtype=torch.float64)
+
+
 def test_adv_norm_centres_the_actors_advantages_and_leaves_the_critics_targets(tiny, tmp_path, monkeypatch):
-    """One step of s3ac.train with --adv-norm none, center and whiten from the same seed (the same rollouts): the
-    critic gets the same returns and old values every time; the actor gets the raw advantages less their token mean
-    over the loss mask (center), or that divided by their population std (whiten): fp64 references from the raw ones.
-    Mutants caught: centring the returns too, centring per row, a mean over padding."""
+    """One step of s3ac.train with --adv-norm none, center and whiten from the same seed (the same rollouts), under
+    --overlong-filter with every other response marked cut (so the loss mask is not the response mask) and a log mu
+    lowered by 0.4 (t mod 3) (so TIS's weights w = min(pi_old / mu, 2) are not 1): the critic gets the same returns
+    and old values every time; the actor gets w (A - mean) (center) or w (A - mean) / std (whiten), the mean and
+    population std those of the raw advantages A on the loss mask, from an fp64 loop. Mutants caught: centring over
+    the response mask, centring the TIS-weighted w A (after the weights), centring the returns too, centring per
+    row, a mean over padding."""
     seen = {}
-    train_actor, train_critic = s3ac.train_actor, s3ac.train_critic
+    generate, train_actor, train_critic = s3ac.generate_hf, s3ac.train_actor, s3ac.train_critic
+    compute_advantages, importance_weights = s3ac.compute_advantages, s3ac.importance_weights
+
+    def cut_and_shifted(*a, **k):  # the sampled batch: even rows end unstopped, odd ones cut; log mu lowered
+        out = generate(*a, **k)
+        if out.sampler_logprobs is not None:
+            out.truncated = torch.arange(len(out.truncated)) % 2 == 1  # [B]
+            shift = 0.4 * (torch.arange(out.sampler_logprobs.shape[1]) % 3)  # [T]
+            out.sampler_logprobs = out.sampler_logprobs - shift * out.response_mask  # [B, T]
+        return out
+
+    def raw(*a, **k):
+        advantages, returns, m = compute_advantages(*a, **k)
+        seen[norm]["raw"] = advantages.clone()
+        return advantages, returns, m
+
+    def weights(*a, **k):
+        w, m = importance_weights(*a, **k)
+        seen[norm]["w"] = w.clone()
+        return w, m
 
     def actor(args, state, batch, advantages, old_logprobs, sampler_logprobs, loss_mask):
-        seen[args.adv_norm] = {"adv": advantages.clone(), "mask": loss_mask.clone()}
+        seen[norm].update(adv=advantages.clone(), mask=loss_mask.clone(), response_mask=batch.response_mask.clone())
         return train_actor(args, state, batch, advantages, old_logprobs, sampler_logprobs, loss_mask)
 
     def critic(args, state, batch, values, returns, sampler_logprobs):
-        seen[args.adv_norm].update(values=values.clone(), returns=returns.clone())
+        seen[norm].update(values=values.clone(), returns=returns.clone())
         return train_critic(args, state, batch, values, returns, sampler_logprobs)
 
-    monkeypatch.setattr(s3ac, "train_actor", actor)
-    monkeypatch.setattr(s3ac, "train_critic", critic)
+    for name, fn in (("generate_hf", cut_and_shifted), ("compute_advantages", raw),
+                     ("importance_weights", weights), ("train_actor", actor), ("train_critic", critic)):
+        monkeypatch.setattr(s3ac, name, fn)
     for norm in ("none", "center", "whiten"):
+        seen[norm] = {}
         s3ac.train(s3ac.parse_args(smoke_flags(tiny[0], str(tmp_path / norm), "--steps", "1", "--adv-norm", norm,
-                                               "--is-correction", "none", "--eval-size", "1")))
-    raw, mask = seen["none"]["adv"].double(), seen["none"]["mask"].bool()
-    assert raw[mask].std() > 0  # the check below has something to centre
+                                               "--overlong-filter", "--eval-size", "1")))
+    mask, w = seen["none"]["mask"].bool(), seen["none"]["w"].double()
+    raw_adv = seen["none"]["raw"].double()
+    assert (seen["none"]["mask"] != seen["none"]["response_mask"]).any() and 0 < mask.sum() < mask.numel()
+    assert (w[mask] - 1).abs().max() > 0.3 and raw_adv[mask].std() > 0  # the checks below have teeth
     for norm in ("center", "whiten"):
         assert torch.equal(seen[norm]["returns"], seen["none"]["returns"])
         assert torch.equal(seen[norm]["values"], seen["none"]["values"])
-        assert torch.equal(seen[norm]["mask"], seen["none"]["mask"])
-    ref = torch.where(mask, raw - raw[mask].mean(), 0.0)  # [B, T]
-    assert torch.allclose(seen["center"]["adv"].double(), ref, atol=1e-6)
-    assert torch.allclose(seen["whiten"]["adv"].double(), ref / raw[mask].std(unbiased=False), atol=1e-5)
+        assert torch.equal(seen[norm]["mask"], seen["none"]["mask"]) and torch.equal(seen[norm]["w"], seen["none"]["w"])
+        assert torch.equal(seen[norm]["raw"], seen["none"]["raw"])
+        ref = w * centred_loop(raw_adv, mask, scale=norm == "whiten")  # [B, T]
+        assert torch.allclose(seen[norm]["adv"].double(), ref, atol=1e-5), norm
 
 
 def test_masked_whiten_and_reinforce_pp():
@@ -2101,7 +2149,7 @@ class _SameTwoTokens:
                  policy=None, progress=None):
         n = len(prompts)
         return s3ac.Batch(torch.ones(n, 1, dtype=torch.long), torch.ones(n, 1), torch.full((n, 2), 5), torch.ones(n, 2),
-                          torch.ones(n, dtype=torch.bool), torch.tensor(index))
+                          torch.ones(n, dtype=torch.bool), torch.tensor(index), torch.full((n, 2), -0.5))
 
 
 def test_collect_rollouts_checks_the_reward_contract():
@@ -4713,31 +4761,47 @@ def test_kernels_value_loss_hand_cases(kops):
         assert metrics["v_clipfrac"].item() == want_clip
 
 
+def value_loss_loop(v, old, ret, mask, eps_v: float, n: float):
+    """fp64 loop reference of the clipped value loss, written from its definition, token by token: V clipped into
+    [V_old - eps_v, V_old + eps_v], L_t the larger of (V - R)^2 and (V_clip - R)^2, loss = 0.5 sum L_t / n. Its
+    gradient by hand: (V - R) / n where the unclipped error is the larger one or V lies inside the range (there
+    V_clip = V, so both branches are one), 0 where the clipped error wins from outside the range (V_clip is a constant
+    there). Returns (loss, gradient [B, T] fp64, clipfrac: the share of n with the clipped error strictly larger)."""
+    B, T = v.shape
+    loss, grad, clipped_larger = 0.0, torch.zeros(B, T, dtype=torch.float64), 0
+    for b in range(B):
+        for t in range(T):
+            if not mask[b, t]:
+                continue  # padding: whatever it holds, never read
+            V, V_old, R = float(v[b, t]), float(old[b, t]), float(ret[b, t])
+            inside = V_old - eps_v <= V <= V_old + eps_v
+            V_clip = V if inside else (V_old + eps_v if V > V_old else V_old - eps_v)
+            err, err_clip = (V - R) ** 2, (V_clip - R) ** 2
+            loss += 0.5 * max(err, err_clip) / n
+            grad[b, t] = (V - R) / n if inside or err >= err_clip else 0.0
+            clipped_larger += err_clip > err
+    return loss, grad, clipped_larger / n
+
+
 @pytest.mark.parametrize("B,T", [(3, 1), (4, 63), (2, 1000), (2, 8192)])
 def test_kernels_value_loss_matches_fp64_gold(kops, B, T):
+    """value_loss (each backend) against value_loss_loop: loss, gradient (times an upstream -1.7) and v_clipfrac, with
+    garbage in the padding, at the token count n and at a given num_tokens. Mutants caught: a clip around R, min for
+    max, a straight-through gradient of the clipped branch outside the range, the padding counted in n."""
     g, mask, field = _k_loss_batch(B, T, seed=T + 1)
     old_v = torch.randn(B, T, generator=g)
     v = old_v + 0.3 * torch.randn(B, T, generator=g)  # about half the tokens move more than eps_v
     ret = torch.randn(B, T, generator=g)
     eps_v, upstream = 0.2, -1.7
-    values = field(v).requires_grad_()
-    loss, metrics = kops.value_loss(values, field(old_v), field(ret), mask, eps_v)
-    (loss * upstream).backward()
-
-    valid = mask.bool()
-    n = max(int(valid.sum()), 1)
-    vd = v.double()[valid].requires_grad_()
-    od, rd = old_v.double()[valid], ret.double()[valid]
-    unclipped = (vd - rd) ** 2
-    clipped = (od + torch.clamp(vd - od, -eps_v, eps_v) - rd) ** 2  # the formula as written in the papers
-    gold = 0.5 * torch.max(unclipped, clipped).sum() / n
-    (gold * upstream).backward()
-    gold_grad = torch.zeros(B, T, dtype=torch.float64)
-    gold_grad[valid] = vd.grad
-    assert torch.allclose(loss.double(), gold, atol=1e-6, rtol=1e-5)
-    assert torch.allclose(values.grad.double(), gold_grad, atol=1e-6, rtol=1e-5)
-    gold_clipfrac = (clipped > unclipped + 1e-9).sum().item() / n
-    assert math.isclose(metrics["v_clipfrac"].item(), gold_clipfrac, rel_tol=1e-6, abs_tol=1e-9)
+    for num_tokens in (None, 97.0):
+        values = field(v).requires_grad_()
+        loss, metrics = kops.value_loss(values, field(old_v), field(ret), mask, eps_v, num_tokens=num_tokens)
+        (loss * upstream).backward()
+        n = max(int(mask.sum()), 1) if num_tokens is None else num_tokens
+        gold, gold_grad, gold_clipfrac = value_loss_loop(v, old_v, ret, mask, eps_v, n)
+        assert math.isclose(loss.item(), gold, rel_tol=1e-5, abs_tol=1e-6)
+        assert torch.allclose(values.grad.double(), upstream * gold_grad, atol=1e-6, rtol=1e-5)
+        assert math.isclose(metrics["v_clipfrac"].item(), gold_clipfrac, rel_tol=1e-6, abs_tol=1e-9)
 
 
 @pytest.mark.parametrize("B,T", [(3, 1), (4, 63), (2, 1000), (2, 8192)])
@@ -5670,11 +5734,14 @@ def test_a_sampled_evaluation_leaves_trainings_draws_alone(tiny, tmp_path):
     assert len(runs["plain"]) == 16 and runs["aime"] == runs["plain"]
 
 
-def test_an_aborted_vllm_request_is_unfinished_with_its_own_tokens_masked(monkeypatch):
+def test_an_aborted_vllm_request_is_unfinished_with_its_own_tokens_masked(tiny, tmp_path, monkeypatch):
     """finish_reason abort or error (vLLM's, besides stop and length): truncated, so graded -1, and masked to its own
     tokens: a 2-token aborted row beside a 4-token one is [1, 1, 0, 0], not the full width its missing stop token
-    would give; an empty aborted row masks nothing. Mutants caught: truncated as finish_reason == "length" (an
-    aborted row holding an answer would be graded), the mask from the ids alone (padding slots would train)."""
+    would give; an empty aborted row masks nothing. collect_rollouts counts both in rollout/aborted, none in
+    rollout/dropped (no log mu is non-finite), and takes the empty one out before the reward; the step that meets
+    them counts in the --max-skipped-steps streak under its own name. Mutants caught: truncated as finish_reason ==
+    "length" (an aborted row holding an answer would be graded), the mask from the ids alone (padding slots would
+    train), an empty abort counted as dropped (the old count of rows without a token), the streak blind to aborts."""
     lp = lambda t, x: {t: types.SimpleNamespace(logprob=x)}
     good = types.SimpleNamespace(token_ids=[5, 6, 7, 2], logprobs=[lp(t, -0.5) for t in (5, 6, 7, 2)],
                                  finish_reason="stop")
@@ -5684,6 +5751,31 @@ def test_an_aborted_vllm_request_is_unfinished_with_its_own_tokens_masked(monkey
     assert batch.response_mask.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0]]
     assert batch.truncated.tolist() == [False, True, True]
     assert batch.sampler_logprobs.tolist() == [[-0.5] * 4, [-0.5, -0.5, 0.0, 0.0], [0.0] * 4]
+    args = s3ac.resolve_args(s3ac.Args(k=1, max_new_tokens=8))
+    kept, rewards, _, _, m = s3ac.collect_rollouts(args, scripted_state(batch, 3), [0, 1, 2], lambda golds, texts,
+                                                   truncated: ([1.0, -1.0], ["correct", "truncated"]))
+    assert kept.prompt_index.tolist() == [0, 1] and kept.response_mask.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+    assert (m["rollout/aborted"], m["rollout/dropped"]) == (2, 0)
+    cut = s3ac.Batch(torch.ones(1, 1, dtype=torch.long), torch.ones(1, 1), torch.full((1, 8), 5), torch.ones(1, 8),
+                     torch.tensor([True]), torch.tensor([0]), torch.full((1, 8), -0.5))  # cut at the length limit
+    _, _, _, _, m = s3ac.collect_rollouts(args, scripted_state(cut, 3), [0], lambda golds, texts, truncated: (
+        [-1.0], ["truncated"]))
+    assert (m["rollout/aborted"], m["rollout/dropped"]) == (0, 0)  # no abort
+    generate = s3ac.generate_hf
+
+    def aborting(*a, **k):  # every training batch's first row: one token, then the engine ended it
+        out = generate(*a, **k)
+        if out.sampler_logprobs is not None:
+            out.response_mask[0, 1:], out.truncated[0] = 0.0, True
+        return out
+    monkeypatch.setattr(s3ac, "generate_hf", aborting)
+    out = tmp_path / "run"
+    with pytest.raises(FloatingPointError, match=r"^--max-skipped-steps 2: steps 1 to 2 each skipped an optimizer "
+                                                 r"step or met an engine fault \(step 2: rollout/aborted 1; all in "):
+        s3ac.train(s3ac.parse_args(smoke_flags(tiny[0], str(out), "--steps", "3", "--eval-size", "2",
+                                               "--max-skipped-steps", "2")))
+    records = read_jsonl(out / "metrics.jsonl")
+    assert [(r["rollout/aborted"], r["rollout/dropped"]) for r in records[1:]] == [(1, 0), (1, 0)]
 
 
 def test_vllm_sampling_one_seed_a_call_from_torchs_rng_and_no_request_seeds(monkeypatch):
@@ -5759,39 +5851,128 @@ def test_every_vllm_wake_frees_the_allocator_cache_first(monkeypatch):
     assert calls == ["free", "wake ['weights']", "sync", "free", "wake ['kv_cache']", "sleep"]
 
 
+class _ScriptedEngine:
+    """A rollout engine that returns `batch` (prompts and indices as asked), for collect_rollouts alone."""
+    def __init__(self, batch):
+        self.batch = batch
+
+    def generate(self, prompts, index, *args, **kwargs):
+        return dataclasses.replace(self.batch, prompt_index=torch.tensor(index))
+
+
+def scripted_state(batch, n_problems):
+    """The parts of a TrainState that collect_rollouts reads, its engine answering with `batch`."""
+    return types.SimpleNamespace(engine=_ScriptedEngine(batch), prompts=[[1]] * n_problems, policy=None,
+                                 eos_ids={2}, pad_id=0, problems=[s3ac.Problem(f"q{i}", "1") for i in range(n_problems)],
+                                 successes=torch.zeros(n_problems, dtype=torch.float64),
+                                 attempts=torch.zeros(n_problems, dtype=torch.float64),
+                                 tokenizer=types.SimpleNamespace(batch_decode=lambda ids, **kw: [
+                                     " ".join(map(str, row.tolist())) for row in ids]))
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("-inf"), float("inf")])
 def test_a_non_finite_engine_logprob_drops_its_response_and_a_streak_stops_the_run(tiny, tmp_path, monkeypatch, bad):
     """A NaN (or infinite) log mu from the engine would make the TIS weight NaN and skip the optimizer step of the
-    good rows beside it: generate masks that response whole (no token trains; its log mu 0), the row beside it
-    untouched. In a run, a step with a dropped response counts in rollout/dropped and in the --max-skipped-steps
-    streak, so a fault that persists (a resume replays the same draws) stops the run in one line. Mutants caught:
-    the row kept (NaN in sampler_logprobs), the streak blind to dropped rows."""
+    good rows beside it: generate passes it on as given, and collect_rollouts takes that response out of the batch
+    before the reward (rollout/dropped 1, rollout/aborted 0), the row beside it untouched. In a run, a step with a
+    dropped response counts in the --max-skipped-steps streak, so a fault that persists (a resume replays the same
+    draws) stops the run in one line that names it. Mutants caught: the row kept (NaN in sampler_logprobs), the
+    streak blind to dropped rows."""
     lp = lambda t, x: {t: types.SimpleNamespace(logprob=x)}
     good = types.SimpleNamespace(token_ids=[5, 6, 2], logprobs=[lp(5, -0.5), lp(6, -1.25), lp(2, -0.125)],
                                  finish_reason="stop")
     broken = types.SimpleNamespace(token_ids=[7, 8, 9], logprobs=[lp(7, -2.0), lp(8, -0.25), lp(9, bad)],
                                    finish_reason="length")
     batch = fake_vllm_engine(monkeypatch, [good, broken]).generate([[3, 4], [3]], [7, 9], {2}, 2, 3, 1.0)
-    assert batch.response_mask.tolist() == [[1, 1, 1], [0, 0, 0]]
-    assert batch.sampler_logprobs.tolist() == [[-0.5, -1.25, -0.125], [0.0, 0.0, 0.0]]
+    assert batch.response_mask.tolist() == [[1, 1, 1], [1, 1, 1]]
+    args = s3ac.resolve_args(s3ac.Args(k=1, max_new_tokens=3))
+    graded = []
+    kept, rewards, _, texts, m = s3ac.collect_rollouts(args, scripted_state(batch, 10), [7, 9], lambda golds, texts,
+                                                       truncated: graded.append(texts) or ([1.0], ["correct"]))
+    assert kept.prompt_index.tolist() == [7] and kept.sampler_logprobs.tolist() == [[-0.5, -1.25, -0.125]]
+    assert graded == [["5 6 2"]] and (m["rollout/dropped"], m["rollout/aborted"]) == (1, 0)
     if not math.isnan(bad):
         return  # the run once
     generate = s3ac.generate_hf
 
-    def faulty(*a, **k):  # every training batch's first row: as the engine's non-finite log mu leaves it
+    def faulty(*a, **k):  # every training batch's first row: a non-finite log mu, as the engine may give it
         out = generate(*a, **k)
         if out.sampler_logprobs is not None:
-            out.response_mask[0] = 0.0
+            out.sampler_logprobs[0, 0] = float("nan")
         return out
     monkeypatch.setattr(s3ac, "generate_hf", faulty)
     out = tmp_path / "run"
     with pytest.raises(FloatingPointError, match=r"^--max-skipped-steps 2: steps 1 to 2 each skipped an optimizer "
-                                                 r"step or dropped a response"):
+                                                 r"step or met an engine fault \(step 2: rollout/dropped 1; all in "):
         s3ac.train(s3ac.parse_args(smoke_flags(tiny[0], str(out), "--steps", "4", "--eval-size", "2",
                                                "--max-skipped-steps", "2")))
     records = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2] and all(r["rollout/dropped"] == 1 for r in records[1:])
-    assert all(r["actor/skipped_steps"] == 0 for r in records[1:])  # the other rows trained
+    assert all(r["actor/skipped_steps"] == 0 and r["rollout/aborted"] == 0 for r in records[1:])  # the others trained
+
+
+def test_grpo_drops_a_response_left_alone_in_its_group_and_a_batch_with_nothing_left_stays_masked():
+    """collect_rollouts at K = 2: a dropped response takes with it, under grpo or rloo, the other response to its
+    prompt (a group of one has no baseline: grpo_advantages would stop the run), and under s3ac leaves it; when no
+    response is left, every row stays, masked whole (a rank cannot train on no rows). Mutants caught: the lone
+    response kept under grpo, the empty batch."""
+    mu = torch.full((4, 2), -0.5)
+    mu[1, 1] = float("nan")  # prompt 0's second response
+    batch = s3ac.Batch(torch.ones(4, 1, dtype=torch.long), torch.ones(4, 1), torch.full((4, 2), 5), torch.ones(4, 2),
+                       torch.zeros(4, dtype=torch.bool), torch.tensor([0, 0, 1, 1]), mu)
+    graded = lambda golds, texts, truncated: ([1.0] * len(texts), ["correct"] * len(texts))
+    for algo, left in (("grpo", [1, 1]), ("rloo", [1, 1]), ("s3ac", [0, 1, 1])):
+        args = s3ac.resolve_args(s3ac.Args(algo=algo, k=2, max_new_tokens=2))
+        kept, rewards, _, _, m = s3ac.collect_rollouts(args, scripted_state(batch, 2), [0, 1], graded)
+        assert kept.prompt_index.tolist() == left and len(rewards) == len(left) and m["rollout/dropped"] == 1, algo
+    nan = s3ac.Batch(*(getattr(batch, f.name) for f in dataclasses.fields(batch)))
+    nan.sampler_logprobs = torch.full((4, 2), float("nan"))
+    args = s3ac.resolve_args(s3ac.Args(k=2, max_new_tokens=2))
+    kept, rewards, _, _, m = s3ac.collect_rollouts(args, scripted_state(nan, 2), [0, 1], graded)
+    assert kept.response_mask.tolist() == [[0.0, 0.0]] * 4 and len(rewards) == 4 and m["rollout/dropped"] == 4
+
+
+@pytest.mark.parametrize("algo", ["s3ac", "flash_reinforce", "grpo"])
+def test_a_dropped_response_leaves_every_metric_and_baseline(tiny, tmp_path, monkeypatch, algo):
+    """The reference is the step that never had the row: one training step whose sampled batch gains a copy of its
+    first response with a non-finite log mu (in that response's group) logs the same metrics, timings (c, efficiency),
+    throughput and rollout/dropped aside, and hands the actor the same advantages as the same step without it. The rewards are set
+    by position (+1 at every third), so the extra row would move a baseline: for s3ac critic/adv_explained_var,
+    credit_sparsity and v0_mean, for flash_reinforce the batch mean, for grpo its group's mean and std. Mutant
+    caught: the dropped row masked whole but left in the batch (its reward and V(s_0) would count)."""
+    generate, seen = s3ac.generate_hf, {}
+
+    def reward_fn(golds, completions, truncated):  # by position: the extra row, last, would get its own
+        rewards = [1.0 if i % 3 == 0 else -1.0 for i in range(len(completions))]
+        return rewards, ["correct" if r > 0 else "wrong" for r in rewards]
+
+    def with_extra(*a, **k):  # a sampled batch gains a copy of its first row with a NaN log mu
+        out = generate(*a, **k)
+        if out.sampler_logprobs is None or not seen["extra"]:
+            return out
+        out = s3ac.cat_batches([out, out.rows([0])], a[4])  # a[4]: pad_id
+        out.sampler_logprobs[-1, 0] = float("nan")
+        return out
+
+    def actor(args, state, batch, advantages, *rest):
+        seen[seen["extra"]] = advantages.clone()
+        return train_actor(args, state, batch, advantages, *rest)
+
+    train_actor = s3ac.train_actor
+    monkeypatch.setattr(s3ac, "generate_hf", with_extra)
+    monkeypatch.setattr(s3ac, "train_actor", actor)
+    records = {}
+    for extra in (False, True):
+        seen["extra"], out = extra, str(tmp_path / f"extra_{extra}")
+        s3ac.train(s3ac.parse_args(smoke_flags(tiny[0], out, "--steps", "1", "--eval-size", "1", "--algo", algo,
+                                               "--k", "3" if algo == "grpo" else "2")), reward_fn=reward_fn)
+        records[extra] = read_jsonl(os.path.join(out, "metrics.jsonl"))[1]
+    assert records[True]["rollout/dropped"] == 1 and records[False]["rollout/dropped"] == 0
+    skip = ("time/", "perf/", "critic/compute_ratio", "critic/efficiency", "rollout/dropped", "rollout/generated_tokens")
+    clean = {k: v for k, v in records[False].items() if not k.startswith(skip)}
+    assert {k: v for k, v in records[True].items() if not k.startswith(skip)} == clean
+    assert (algo != "s3ac") or {"critic/adv_explained_var", "critic/credit_sparsity", "critic/v0_mean"} <= clean.keys()
+    assert torch.equal(seen[True], seen[False]) and seen[False].abs().sum() > 0
 
 
 def test_a_non_finite_gradient_skips_the_step_and_the_next_batch_trains(tiny):
