@@ -3113,7 +3113,7 @@ class VLLMRollout:
         if self.asleep:
             self.wake()
             self.asleep = False
-        seeds = [None] * len(prompts) if greedy else torch.randint(2 ** 31 - 1, (len(prompts),)).tolist()  # replayed on resume
+        seeds = [None] * len(prompts) if greedy else torch.randint(2 ** 31 - 1, (len(prompts),)).tolist()
         params = [SamplingParams(n=1, temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
                                  top_k=0 if greedy else top_k, max_tokens=max_new_tokens, seed=seed,
                                  stop_token_ids=sorted(eos_ids), logprobs=None if greedy else 0, detokenize=False)
@@ -3460,7 +3460,7 @@ def restore_checkpoint(state: TrainState, ckpt: str, args: Args) -> bool:
 # --- Evaluation, logging, tracking ---
 def evaluate(generate, decode, problems, prompts, reward_fn, rank: int = 0, world: int = 1, greedy: bool = True):
     """(metrics: pass@1 (share of R = +1), mean reward; records: sample_records) by generate(prompts, index, greedy)
-    -> Batch, decode(response_ids) -> texts. Under torchrun rank r answers problems r, r + world, ... (padded)."""
+    -> Batch, decode(response_ids) -> texts. Under torchrun rank r answers problems r, r + world, ...; counts summed."""
     mine = list(range(rank, len(prompts), world))
     share = -(-len(prompts) // world)  # ceil: every rank generates the same number of sequences
     index = mine + [mine[0] if mine else 0] * (share - len(mine))

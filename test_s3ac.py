@@ -1729,7 +1729,8 @@ def test_eval_sources_pass_at_1_and_avg_at_k_by_hand():
     assert calls == [(2, True), (3, True), (6, False)]  # greedy per source; one sampled pass of 3 x k prompts
     assert [(r["source"], r["gold"], r["reward"]) for r in samples] == [  # the greedy answers only
         ("gsm", "5", 1.0), ("gsm", "6", -1.0), ("aime_x", "1", 1.0), ("aime_x", "2", -1.0), ("aime_x", "3", -1.0)]
-    assert "eval/aime_x/avg@1" not in s3ac.evaluate_sources(generate, FakeTokenizer().batch_decode, [aime], fake_verifier, 1)[0]
+    decode = FakeTokenizer().batch_decode
+    assert "eval/aime_x/avg@1" not in s3ac.evaluate_sources(generate, decode, [aime], fake_verifier, 1)[0]
 
 
 def test_think_tags_a_tokenizer_marks_special_survive_decoding_of_rollouts_and_evaluations(monkeypatch, tmp_path):
@@ -1744,8 +1745,8 @@ def test_think_tags_a_tokenizer_marks_special_survive_decoding_of_rollouts_and_e
     assert tok.convert_tokens_to_ids("<think>") in ids and stop == tok.pad_token_id
     rows = torch.tensor([ids + [stop, stop], ids[:-1] + [tok.convert_tokens_to_ids("<|im_start|>")] + [stop] * 2])
     assert s3ac.decode_responses(tok, rows, {stop}) == [text, text[:-1] + "<|im_start|>"]  # other specials kept
-    assert s3ac.grade("3", text) == "correct" and s3ac.grade("2", text.replace("<think>", "").replace("</think>", ""))\
-        == "correct"  # what the mutant grades
+    plain = text.replace("<think>", "").replace("</think>", "")  # what skip_special_tokens leaves
+    assert s3ac.grade("3", text) == "correct" and s3ac.grade("2", plain) == "correct"
 
     class Engine:
         def generate(self, prompts, index, *_, **__):
