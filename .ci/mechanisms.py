@@ -189,7 +189,7 @@ class Lab:
 
     def reward(self, batch, index: list):
         """Rewards [B] of a generated batch answering pool prompts `index`."""
-        texts = self.tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
+        texts = s3ac.decode_responses(self.tokenizer, batch.response_ids, self.eos_ids | {self.pad_id})
         return s3ac.call_reward(self.reward_fn, [self.problems[i].answer for i in index], texts,
                                 batch.truncated.tolist())[0]
 

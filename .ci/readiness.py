@@ -44,9 +44,10 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the reposi
 sys.path.insert(0, HERE)  # s3ac.py
 
 from s3ac import (DATA_SEED, Args, Batch, Policy, Verifier, _write_atomic, actor_logprobs,  # noqa: E402
-                  apply_memory_plan, autocast, call_reward, compute_dtype, costate_norms, distinct, generate_hf,
-                  grpo_advantages, headroom, impact_score, init_distributed, load_models, load_problems, make_rewards,
-                  micro_batches, parse_args, pass_at_k, prepare_prompts, resolve_model, succeeded, usable_signal)
+                  apply_memory_plan, autocast, call_reward, compute_dtype, costate_norms, decode_responses, distinct,
+                  generate_hf, grpo_advantages, headroom, impact_score, init_distributed, load_models, load_problems,
+                  make_rewards, micro_batches, parse_args, pass_at_k, prepare_prompts, resolve_model, succeeded,
+                  usable_signal)
 
 PAPER = {"impact": 0.60, "combined": 0.73}  # the value-gradient paper's Spearman figures (OLMo-2 1B checkpoints)
 DEMO_TASK = "builtin:arithmetic:op=+*:digits=1x1,1x2,2x1"  # the CPU demo's --data (run.sh)
@@ -210,7 +211,7 @@ def checkpoint_readiness(args: Args, name: str, problems: list, opts, reward_fn,
         with autocast(device, amp):
             batch = generate_hf(policy.lm, [prompts[i] for i in index], index, eos_ids, pad_id, args.max_new_tokens,
                                 args.temperature, args.gen_batch_size, greedy, args.top_p, args.top_k)
-        texts = tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
+        texts = decode_responses(tokenizer, batch.response_ids, eos_ids | {pad_id})
         return batch, call_reward(reward_fn, [problems[i].answer for i in index], texts, batch.truncated.tolist())[0]
 
     t0 = time.time()
