@@ -3177,15 +3177,28 @@ def init_distributed(device_name: str):
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(device)
         if not dist.is_initialized():  # a long timeout: rank 0 writes whole checkpoints while the others wait
-            import atexit, datetime
+            import datetime
             dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=60))
-            atexit.register(dist.destroy_process_group)  # gloo's threads stopped before exit, where they can abort
     return rank, world, device
 
 
 def distributed() -> bool:
     """True under torchrun with more than one process."""
     return torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+
+
+def exit_process(error: str = None):
+    """Ends the process: `error` on stderr and exit status 1, else 0. Under torchrun by os._exit after a flush, skipping
+    the interpreter's teardown, which would stop a gloo worker thread still letting go of a finished collective's
+    tensors (that takes the GIL; FSDP2 keeps the group's threads alive past destroy_process_group) and so abort the
+    rank with "terminate called without an active exception"."""
+    if not distributed():
+        sys.exit(error)
+    if error:
+        print(error, file=sys.stderr)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(1 if error else 0)
 
 
 def all_reduce(x, op: str = "sum"):
@@ -3553,7 +3566,9 @@ def main(argv=None):
     except (ValueError, OSError, ImportError, FloatingPointError) as e:
         if args.debug:
             raise
-        sys.exit(f"s3ac.py: error: {' '.join(str(e).split()) or type(e).__name__}")
+        exit_process(f"s3ac.py: error: {' '.join(str(e).split()) or type(e).__name__}")
+    if distributed():
+        exit_process()
 
 
 if __name__ == "__main__":

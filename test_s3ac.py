@@ -654,6 +654,7 @@ for name in sys.argv[3:]:
     counts[name] = {"peak": counter.peak, "parts": counter.parts}
 with open(os.path.join(sys.argv[2], f"rank{rank}.json"), "w") as f:
     json.dump(counts, f)
+s3ac.exit_process()  # the end of a torchrun script (see exit_process)
 '''
 
 
@@ -2952,6 +2953,7 @@ whole = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone
 actor, crit = s3ac.full_state_dict(policy), s3ac.full_state_dict(critic)
 torch.save({"whole": whole, "actor": actor, "critic": crit, "metrics": m},
            os.path.join(sys.argv[4], f"rank{rank}_of{world}.pt"))
+s3ac.exit_process()  # the end of a torchrun script (see exit_process)
 '''
 
 
@@ -3021,6 +3023,7 @@ after_nan = whole()
 m_clean = s3ac.update_actor(policy, opt, batch, advantages, None, args, torch.Generator().manual_seed(0))
 torch.save({"start": start, "after_nan": after_nan, "end": whole(), "m_nan": m_nan, "m_clean": m_clean},
            os.path.join(sys.argv[4], f"rank{rank}.pt"))
+s3ac.exit_process()  # the end of a torchrun script (see exit_process)
 '''
 
 
@@ -3043,6 +3046,7 @@ m = s3ac.update_actor(policy, torch.optim.SGD(policy.parameters(), lr=1e-3), bat
                       torch.Generator().manual_seed(0))
 with open(os.path.join(sys.argv[3], f"rank{rank}.json"), "w") as f:
     json.dump({"micro_batches": counts, "grad_norm": m["actor/grad_norm"]}, f)
+s3ac.exit_process()  # the end of a torchrun script (see exit_process)
 '''
 
 
