@@ -42,6 +42,7 @@ import copy
 import dataclasses
 import functools
 import hashlib
+import importlib.util
 import json
 import math
 import multiprocessing
@@ -65,7 +66,6 @@ import torch.nn as nn
 # (this folder is first on sys.path), so that package is imported first, where installed, with kernels.py out of sight.
 def _load_kernels_py():
     """kernels.py as module s3ac_kernels. ImportError if it was imported as `kernels` before s3ac."""
-    import importlib.util
     path = os.path.join(os.path.dirname(os.path.realpath(__file__)), "kernels.py")
     if os.path.realpath(getattr(sys.modules.get("kernels"), "__file__", None) or "") == path:
         raise ImportError(f"{path} was imported as module `kernels` before s3ac, a name that belongs to Hugging Face's "
@@ -3011,7 +3011,7 @@ def load_models(args: Args, actor_src: str, critic_src: str, ckpt, tokenizer, de
     """(policy, critic or None, vLLM engine or None, eos_ids, pad_id), from ckpt if given, FSDP2 under torchrun;
     ValueError for --rollout vllm without vllm."""
     model = load_actor(actor_src, device)
-    if args.rollout == "vllm" and not vllm_available():
+    if args.rollout == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ValueError("--rollout vllm: the vllm package is not installed here (on a CUDA machine: pip install "
                          "vllm; on CPU: run with .venv-vllm/bin/python, which ./run.sh test makes)")
     engine = VLLMRollout(actor_src, args, device, rank, world) if uses_vllm(args, device) else None  # it seeds
@@ -3156,13 +3156,8 @@ def sync_vllm_weights(llm, policy: nn.Module, dtype):
 
 def uses_vllm(args: Args, device) -> bool:
     """Whether vLLM samples the rollouts: --rollout vllm, or auto on CUDA with vllm installed."""
-    return args.rollout == "vllm" or (args.rollout == "auto" and device.type == "cuda" and vllm_available())
-
-
-def vllm_available() -> bool:
-    """Whether the vllm package is importable (without importing it)."""
-    import importlib.util
-    return importlib.util.find_spec("vllm") is not None
+    return args.rollout == "vllm" or (args.rollout == "auto" and device.type == "cuda"
+                                      and importlib.util.find_spec("vllm") is not None)  # installed, not imported
 
 
 # --- torchrun: data parallel over prompts, actor and critic sharded with FSDP2 ---
@@ -3188,16 +3183,13 @@ def distributed() -> bool:
 
 
 def exit_process(error: str = None):
-    """Ends the process: `error` on stderr and exit status 1, else 0. Under torchrun by os._exit after a flush, skipping
-    the interpreter's teardown, which would stop a gloo worker thread still letting go of a finished collective's
-    tensors (that takes the GIL; FSDP2 keeps the group's threads alive past destroy_process_group) and so abort the
-    rank with "terminate called without an active exception"."""
+    """Ends the process: `error` on stderr and exit status 1, else 0. A torchrun rank leaves by os._exit, stdout
+    flushed, skipping the interpreter's teardown, where a gloo worker thread still releasing a collective's tensors
+    asks for the GIL and aborts the rank (std::terminate); FSDP2 keeps the group, and that thread, alive until then."""
     if not distributed():
         sys.exit(error)
-    if error:
-        print(error, file=sys.stderr)
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
+    sys.stderr.write(f"{error}\n" if error else "")  # stderr is line-buffered
+    sys.stdout.flush()
     os._exit(1 if error else 0)
 
 
@@ -3213,8 +3205,7 @@ def all_reduce(x, op: str = "sum"):
 
 
 def shard(module: nn.Module, lm: nn.Module):
-    """module, FSDP2-sharded (fully_shard) per transformer block of the HF model lm (_no_split_modules), then whole.
-    Gradients are summed over ranks, not averaged: each loss is already over the global token count. ValueError."""
+    """module, FSDP2-sharded (fully_shard) per transformer block of lm (_no_split_modules), then whole. ValueError."""
     from torch.distributed.fsdp import fully_shard
     blocks = [m for m in lm.modules() if type(m).__name__ in (lm._no_split_modules or [])]
     if not blocks:
@@ -3223,7 +3214,7 @@ def shard(module: nn.Module, lm: nn.Module):
         fully_shard(block)
     fully_shard(module, reshard_after_forward=True)  # the root too: nothing else holds whole parameters
     for m in [*blocks, module]:
-        m.set_gradient_divide_factor(1.0)
+        m.set_gradient_divide_factor(1.0)  # summed over ranks: each loss is already over the global token count
         m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
     return module
 
@@ -3231,14 +3222,11 @@ def shard(module: nn.Module, lm: nn.Module):
 @contextlib.contextmanager
 def gathered(module: nn.Module):
     """Context: an FSDP2 module's own parameters whole (generate() never calls the root's forward); else a no-op."""
-    sharded = hasattr(module, "unshard")
-    if sharded:
-        module.unshard()
-    try:
+    with contextlib.ExitStack() as stack:
+        if hasattr(module, "unshard"):
+            module.unshard()
+            stack.callback(module.reshard)  # on the way out, whatever happened
         yield
-    finally:
-        if sharded:
-            module.reshard()
 
 
 def full_state_dict(module: nn.Module) -> dict:

@@ -3062,6 +3062,39 @@ def test_torchrun_ranks_run_as_many_micro_batches(tiny, tmp_path):
     assert ranks[0]["grad_norm"] == pytest.approx(ranks[1]["grad_norm"])  # one global norm
 
 
+RANK_END = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+import s3ac
+rank, world, device = s3ac.init_distributed("cpu")
+print(f"rank {rank} of {world} done")  # stdout is a pipe: block-buffered, still in the buffer here
+s3ac.exit_process(f"s3ac.py: error: rank {rank} failed" if sys.argv[2] == "error" else None)
+"""
+
+
+def test_torchrun_exit_process_flushes_and_sets_the_exit_status(tmp_path):
+    """exit_process ends a torchrun rank by os._exit, past the interpreter's teardown (where a gloo worker thread
+    still releasing a collective's tensors can abort the rank). 2 ranks (gloo, python without -u) print a line left
+    in stdout's buffer and exit 0 with it written; with an error, the error is on stderr and the exit status 1
+    (torchrun names it). In one process it is sys.exit. The mutant that skips the flush before os._exit loses the
+    lines; one that exits 0 on an error lets the failing run pass; one that calls os._exit in one process ends pytest."""
+    (tmp_path / "end.py").write_text(RANK_END)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    run = lambda mode: subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--no-python",
+                                       "--nproc_per_node=2", sys.executable, str(tmp_path / "end.py"), HERE, mode],
+                                      capture_output=True, text=True, env=dict(env, OMP_NUM_THREADS="1"), timeout=240,
+                                      cwd=HERE)  # --no-python: no -u, so the ranks' stdout is buffered
+    ok, failed = run("ok"), run("error")
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    assert "rank 0 of 2 done" in ok.stdout and "rank 1 of 2 done" in ok.stdout
+    assert failed.returncode != 0 and "exitcode  : 1 " in failed.stderr, failed.stderr[-3000:]
+    assert re.search(r"s3ac.py: error: rank \d failed", failed.stderr)
+    for error in ("s3ac.py: error: x", None):
+        with pytest.raises(SystemExit) as stop:
+            s3ac.exit_process(error)
+        assert stop.value.code == error
+
+
 def test_torchrun_a_nan_gradient_on_one_rank_skips_the_step_on_both(tiny, tmp_path):
     """2 ranks (FSDP2, gloo), a NaN in one element of rank 1's own gradient shard (after the reduce-scatter, so rank
     0's shards stay finite): the gradient norm is global, so both ranks skip the same optimizer step (weights bit for
