@@ -3045,8 +3045,7 @@ class VLLMRollout:
     top-p, top-k) are the mu of the TIS weight. On CUDA it sleeps (level 1) while the trainer runs."""
 
     def __init__(self, path: str, args: Args, device, rank: int, world: int, **engine_kwargs):
-        """The engine on `path` in the compute dtype, seeded args.seed + rank; engine_kwargs to vllm.LLM. ValueError
-        when PYTORCH_CUDA_ALLOC_CONF sets expandable_segments, which vLLM's sleep mode does not work with."""
+        """The engine on `path` in the compute dtype, seeded args.seed + rank; engine_kwargs to vllm.LLM. ValueError."""
         cuda = device.type == "cuda"
         allocator = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
         if cuda and "expandable_segments:true" in allocator:
@@ -3157,7 +3156,7 @@ def sync_vllm_weights(llm, policy: nn.Module, dtype):
 def uses_vllm(args: Args, device) -> bool:
     """Whether vLLM samples the rollouts: --rollout vllm, or auto on CUDA with vllm installed."""
     return args.rollout == "vllm" or (args.rollout == "auto" and device.type == "cuda"
-                                      and importlib.util.find_spec("vllm") is not None)  # installed, not imported
+                                      and importlib.util.find_spec("vllm") is not None)
 
 
 # --- torchrun: data parallel over prompts, actor and critic sharded with FSDP2 ---
@@ -3555,8 +3554,6 @@ def main(argv=None):
         if args.debug:
             raise
         exit_process(f"s3ac.py: error: {' '.join(str(e).split()) or type(e).__name__}")
-    if distributed():
-        exit_process()
 
 
 if __name__ == "__main__":
@@ -3566,4 +3563,4 @@ if __name__ == "__main__":
              ".ci/curves.py RUN_DIR ... -o FILE.png"}  # the tools in .ci/
     if command in tools:
         sys.exit(f"s3ac.py: {command} is {tools[command]}")
-    (memory if command == "memory" else lambda _: main())(sys.argv[2:])
+    (memory if command == "memory" else lambda _: exit_process(main()))(sys.argv[2:])
