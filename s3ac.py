@@ -42,6 +42,7 @@ import copy
 import dataclasses
 import functools
 import hashlib
+import importlib.util
 import json
 import math
 import multiprocessing
@@ -65,7 +66,6 @@ import torch.nn as nn
 # (this folder is first on sys.path), so that package is imported first, where installed, with kernels.py out of sight.
 def _load_kernels_py():
     """kernels.py as module s3ac_kernels. ImportError if it was imported as `kernels` before s3ac."""
-    import importlib.util
     path = os.path.join(os.path.dirname(os.path.realpath(__file__)), "kernels.py")
     if os.path.realpath(getattr(sys.modules.get("kernels"), "__file__", None) or "") == path:
         raise ImportError(f"{path} was imported as module `kernels` before s3ac, a name that belongs to Hugging Face's "
@@ -3022,7 +3022,7 @@ def load_models(args: Args, actor_src: str, critic_src: str, ckpt, tokenizer, de
     """(policy, critic or None, vLLM engine or None, eos_ids, pad_id), from ckpt if given, FSDP2 under torchrun;
     ValueError for --rollout vllm without vllm."""
     model = load_actor(actor_src, device)
-    if args.rollout == "vllm" and not vllm_available():
+    if args.rollout == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ValueError("--rollout vllm: the vllm package is not installed here (on a CUDA machine: pip install "
                          "vllm; on CPU: run with .venv-vllm/bin/python, which ./run.sh test makes)")
     engine = VLLMRollout(actor_src, args, device, rank, world) if uses_vllm(args, device) else None  # it seeds
@@ -3056,9 +3056,8 @@ class VLLMRollout:
     top-p, top-k) are the mu of the TIS weight. On CUDA it sleeps (level 1) while the trainer runs."""
 
     def __init__(self, path: str, args: Args, device, rank: int, world: int, **engine_kwargs):
-        """The engine on `path` in the compute dtype, seeded args.seed + rank; engine_kwargs to vllm.LLM. ValueError
-        when PYTORCH_ALLOC_CONF or its older name PYTORCH_CUDA_ALLOC_CONF sets expandable_segments, which vLLM's sleep
-        mode does not work with."""
+        """The engine on `path` in the compute dtype, seeded args.seed + rank; engine_kwargs to vllm.LLM. ValueError:
+        expandable_segments set in PYTORCH_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF (vLLM's sleep mode breaks with it)."""
         cuda = device.type == "cuda"
         for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF") if cuda else ():
             if "expandable_segments:true" in os.environ.get(name, "").replace(" ", "").lower():
@@ -3163,13 +3162,8 @@ def sync_vllm_weights(llm, policy: nn.Module, dtype):
 
 def uses_vllm(args: Args, device) -> bool:
     """Whether vLLM samples the rollouts: --rollout vllm, or auto on CUDA with vllm installed."""
-    return args.rollout == "vllm" or (args.rollout == "auto" and device.type == "cuda" and vllm_available())
-
-
-def vllm_available() -> bool:
-    """Whether the vllm package is importable (without importing it)."""
-    import importlib.util
-    return importlib.util.find_spec("vllm") is not None
+    return args.rollout == "vllm" or (args.rollout == "auto" and device.type == "cuda"
+                                      and importlib.util.find_spec("vllm") is not None)
 
 
 # --- torchrun: data parallel over prompts, actor and critic sharded with FSDP2 ---
@@ -3184,15 +3178,25 @@ def init_distributed(device_name: str):
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(device)
         if not dist.is_initialized():  # a long timeout: rank 0 writes whole checkpoints while the others wait
-            import atexit, datetime
+            import datetime
             dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=60))
-            atexit.register(dist.destroy_process_group)  # gloo's threads stopped before exit, where they can abort
     return rank, world, device
 
 
 def distributed() -> bool:
     """True under torchrun with more than one process."""
     return torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+
+
+def exit_process(error: str = None):
+    """Ends the process: `error` on stderr and exit status 1, else 0. A torchrun rank leaves by os._exit, stdout
+    flushed, skipping the interpreter's teardown, where a gloo worker thread still releasing a collective's tensors
+    asks for the GIL and aborts the rank (std::terminate); FSDP2 keeps the group, and that thread, alive until then."""
+    if not distributed():
+        sys.exit(error)
+    sys.stderr.write(f"{error}\n" if error else "")  # stderr is line-buffered
+    sys.stdout.flush()
+    os._exit(1 if error else 0)
 
 
 def all_reduce(x, op: str = "sum"):
@@ -3207,8 +3211,7 @@ def all_reduce(x, op: str = "sum"):
 
 
 def shard(module: nn.Module, lm: nn.Module):
-    """module, FSDP2-sharded (fully_shard) per transformer block of the HF model lm (_no_split_modules), then whole.
-    Gradients are summed over ranks, not averaged: each loss is already over the global token count. ValueError."""
+    """module, FSDP2-sharded (fully_shard) per transformer block of lm (_no_split_modules), then whole. ValueError."""
     from torch.distributed.fsdp import fully_shard
     blocks = [m for m in lm.modules() if type(m).__name__ in (lm._no_split_modules or [])]
     if not blocks:
@@ -3217,7 +3220,7 @@ def shard(module: nn.Module, lm: nn.Module):
         fully_shard(block)
     fully_shard(module, reshard_after_forward=True)  # the root too: nothing else holds whole parameters
     for m in [*blocks, module]:
-        m.set_gradient_divide_factor(1.0)
+        m.set_gradient_divide_factor(1.0)  # summed over ranks: each loss is already over the global token count
         m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
     return module
 
@@ -3225,14 +3228,11 @@ def shard(module: nn.Module, lm: nn.Module):
 @contextlib.contextmanager
 def gathered(module: nn.Module):
     """Context: an FSDP2 module's own parameters whole (generate() never calls the root's forward); else a no-op."""
-    sharded = hasattr(module, "unshard")
-    if sharded:
-        module.unshard()
-    try:
+    with contextlib.ExitStack() as stack:
+        if hasattr(module, "unshard"):
+            module.unshard()
+            stack.callback(module.reshard)  # on the way out, whatever happened
         yield
-    finally:
-        if sharded:
-            module.reshard()
 
 
 def full_state_dict(module: nn.Module) -> dict:
@@ -3576,7 +3576,7 @@ def main(argv=None):
     except (ValueError, OSError, ImportError, FloatingPointError) as e:
         if args.debug:
             raise
-        sys.exit(f"s3ac.py: error: {' '.join(str(e).split()) or type(e).__name__}")
+        exit_process(f"s3ac.py: error: {' '.join(str(e).split()) or type(e).__name__}")
 
 
 if __name__ == "__main__":
@@ -3586,4 +3586,4 @@ if __name__ == "__main__":
              ".ci/curves.py RUN_DIR ... -o FILE.png"}  # the tools in .ci/
     if command in tools:
         sys.exit(f"s3ac.py: {command} is {tools[command]}")
-    (memory if command == "memory" else lambda _: main())(sys.argv[2:])
+    (memory if command == "memory" else lambda _: exit_process(main()))(sys.argv[2:])

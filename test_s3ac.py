@@ -660,6 +660,7 @@ for name in sys.argv[3:]:
     counts[name] = {"peak": counter.peak, "parts": counter.parts}
 with open(os.path.join(sys.argv[2], f"rank{rank}.json"), "w") as f:
     json.dump(counts, f)
+s3ac.exit_process()  # the end of a torchrun script (see exit_process)
 '''
 
 
@@ -2888,6 +2889,7 @@ whole = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone
 actor, crit = s3ac.full_state_dict(policy), s3ac.full_state_dict(critic)
 torch.save({"whole": whole, "actor": actor, "critic": crit, "metrics": m},
            os.path.join(sys.argv[4], f"rank{rank}_of{world}.pt"))
+s3ac.exit_process()  # the end of a torchrun script (see exit_process)
 '''
 
 
@@ -2957,6 +2959,7 @@ after_nan = whole()
 m_clean = s3ac.update_actor(policy, opt, batch, advantages, None, args, torch.Generator().manual_seed(0))
 torch.save({"start": start, "after_nan": after_nan, "end": whole(), "m_nan": m_nan, "m_clean": m_clean},
            os.path.join(sys.argv[4], f"rank{rank}.pt"))
+s3ac.exit_process()  # the end of a torchrun script (see exit_process)
 '''
 
 
@@ -2979,6 +2982,7 @@ m = s3ac.update_actor(policy, torch.optim.SGD(policy.parameters(), lr=1e-3), bat
                       torch.Generator().manual_seed(0))
 with open(os.path.join(sys.argv[3], f"rank{rank}.json"), "w") as f:
     json.dump({"micro_batches": counts, "grad_norm": m["actor/grad_norm"]}, f)
+s3ac.exit_process()  # the end of a torchrun script (see exit_process)
 '''
 
 
@@ -2992,6 +2996,39 @@ def test_torchrun_ranks_run_as_many_micro_batches(tiny, tmp_path):
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["micro_batches"] for r in ranks] == [2, 2]
     assert ranks[0]["grad_norm"] == pytest.approx(ranks[1]["grad_norm"])  # one global norm
+
+
+RANK_END = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+import s3ac
+rank, world, device = s3ac.init_distributed("cpu")
+print(f"rank {rank} of {world} done")  # stdout is a pipe: block-buffered, still in the buffer here
+s3ac.exit_process(f"s3ac.py: error: rank {rank} failed" if sys.argv[2] == "error" else None)
+"""
+
+
+def test_torchrun_exit_process_flushes_and_sets_the_exit_status(tmp_path):
+    """exit_process ends a torchrun rank by os._exit, past the interpreter's teardown (where a gloo worker thread
+    still releasing a collective's tensors can abort the rank). 2 ranks (gloo, python without -u) print a line left
+    in stdout's buffer and exit 0 with it written; with an error, the error is on stderr and the exit status 1
+    (torchrun names it). In one process it is sys.exit. The mutant that skips the flush before os._exit loses the
+    lines; one that exits 0 on an error lets the failing run pass; one that calls os._exit in one process ends pytest."""
+    (tmp_path / "end.py").write_text(RANK_END)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    run = lambda mode: subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--no-python",
+                                       "--nproc_per_node=2", sys.executable, str(tmp_path / "end.py"), HERE, mode],
+                                      capture_output=True, text=True, env=dict(env, OMP_NUM_THREADS="1"), timeout=240,
+                                      cwd=HERE)  # --no-python: no -u, so the ranks' stdout is buffered
+    ok, failed = run("ok"), run("error")
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    assert "rank 0 of 2 done" in ok.stdout and "rank 1 of 2 done" in ok.stdout
+    assert failed.returncode != 0 and "exitcode  : 1 " in failed.stderr, failed.stderr[-3000:]
+    assert re.search(r"s3ac.py: error: rank \d failed", failed.stderr)
+    for error in ("s3ac.py: error: x", None):
+        with pytest.raises(SystemExit) as stop:
+            s3ac.exit_process(error)
+        assert stop.value.code == error
 
 
 def test_torchrun_a_nan_gradient_on_one_rank_skips_the_step_on_both(tiny, tmp_path):

@@ -265,7 +265,7 @@ def step_check(argv) -> int:
     from s3ac import (Args, Critic, Policy, VLLMRollout, adaptive_lambda, autocast, compute_dtype, decoupled_gae,
                       generate_hf, grpo_advantages, load_critic, policy_logprobs, resolve_args,
                       store_critic_features, synced_time, tis_weights, trunk_features, update_actor, update_critic,
-                      value_pass, vllm_available)
+                      uses_vllm, value_pass)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     def report(row: dict):
@@ -278,7 +278,7 @@ def step_check(argv) -> int:
     args = resolve_args(Args(model="random", micro_batch_tokens=opts.micro_batch_tokens, max_new_tokens=opts.tokens,
                              k=4, lr=1e-6, minibatches=1))  # one optimizer step per update, as measured before
     amp = compute_dtype(args.dtype, device)
-    use_vllm = opts.rollout == "vllm" or (opts.rollout == "auto" and device.type == "cuda" and vllm_available())
+    use_vllm = uses_vllm(opts, device)
     eos_ids, pad_id = {config.vocab_size - 1}, 0  # random weights: a stop is rare, responses run to --tokens
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(1, config.vocab_size - 1, (opts.prompts, opts.prompt_len), generator=g).tolist()
