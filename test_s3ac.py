@@ -2144,6 +2144,10 @@ def test_one_step_update_takes_pi_old_from_its_own_pass_as_a_separate_pass_would
     moved = max((a - b).abs().max().item() for a, b in zip(separate, base.parameters()))
     assert moved > 1e-3
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(model.parameters(), separate))
+    unweighted = copy.deepcopy(base).train()  # --is-correction none: the weights above must have changed the step
+    s3ac.update_actor(unweighted, torch.optim.SGD(unweighted.parameters(), lr=1.0), batch, advantages, None,
+                      dataclasses.replace(args, is_correction="none"), torch.Generator().manual_seed(0))
+    assert not all(torch.allclose(a, b, atol=1e-6) for a, b in zip(model.parameters(), unweighted.parameters()))
 
 
 def test_update_actor_flash_reinforce_micro_batches_take_the_whole_batch_sample_mean(tiny):
