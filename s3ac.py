@@ -782,8 +782,7 @@ def critic_pass(args: Args, state: TrainState, batch: Batch):
 
 def compute_advantages(args: Args, batch: Batch, rewards, values, mask):
     """(advantages [B, T], not whitened; returns [B, T], the critic's targets, or None; metrics): decoupled GAE from
-    values [B, T], or the outcome baseline of a critic-free --algo (ALGOS) when values is None. rewards [B], mask
-    [B, T]."""
+    values [B, T], or the critic-free --algo's baseline (ALGOS) when values is None. rewards [B], mask [B, T]."""
     if values is None:
         baseline = ALGOS[args.algo].baseline
         options = {"use_std": args.grpo_std} if baseline is grpo_advantages else {}  # --grpo-std
@@ -882,8 +881,7 @@ def update_actor(model, optimizer, batch: Batch, advantages, old_logprobs, args:
 
 def train_critic(args: Args, state: TrainState, batch: Batch, values, returns, sampler_logprobs):
     """update_critic from values [B, T] toward returns [B, T], or PACT's targets (--critic-sync pact): the returns
-    weighted by rho_t = pi_new / mu, pi_new from one more pass of the UPDATED actor, sampler_logprobs [B, T] log mu.
-    Metrics: the update's, PACT's, and their seconds (perf/critic_s, perf/pact_s)."""
+    weighted by rho_t = pi_new / mu, pi_new from one more pass of the UPDATED actor, sampler_logprobs [B, T] log mu."""
     mask = batch.response_mask.to(state.device)  # [B, T]
     targets, critic_mask, metrics = returns, mask, {}  # [B, T] each
     if args.critic_sync == "pact":
