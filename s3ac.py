@@ -15,12 +15,11 @@ size, V vocabulary; response_mask [B, T] is 1.0 on the generated tokens, the sto
 
 Before step 1, train() pretrains the critic with the actor frozen (critic_pretraining: coverage trajectories when
 asked for, then warm-up batches of fresh rollouts until the held-out fit stops improving). Then each step is
-train_step (section 2), one call per phase: sample_rollouts (choose_prompts: uniform or DAPS; generate_responses;
-call_reward, R in [-1, 1]) -> critic_pass (V(s_t) [B, T]) -> compute_advantages (decoupled_gae: raw advantages, the
-critic's returns; --adv-norm centres the actor's alone) -> actor_loss_mask -> old_policy_logprobs (log pi_old) ->
-importance_weights (TIS: min(pi_old / mu, C)) -> logprobs_of_mu (log mu) -> train_actor (update_actor -> optimize,
-the one loss normaliser -> cispo_loss) -> train_critic (update_critic toward the returns, or PACT's pact_targets) ->
-critic_metrics (explained variance EV, V(s_0) EV, c: the critic's compute over the actor's, ...).
+train_step (section 2), one call per phase, each timed (perf/<phase>_s): sample_rollouts (choose_prompts: uniform
+or DAPS; generate_responses; call_reward, R in [-1, 1]) -> critic_pass (V(s_t) [B, T]) -> compute_advantages
+(decoupled_gae: raw advantages, the critic's returns; --adv-norm centres the actor's alone) -> old_policy_logprobs
+(log pi_old; no pass at one optimizer step) -> logprobs_of_mu (log mu) -> train_actor (update_actor: TIS's min(pi_old
+/ mu, C), optimize's one normaliser, cispo_loss) -> train_critic (toward the returns, or PACT's) -> critic_metrics.
 
 Run:
     python s3ac.py --model Qwen/Qwen2.5-Math-1.5B          # paper setting, GPU: DAPO-Math, evaluated on MATH-500
@@ -178,7 +177,7 @@ def mc_returns(rewards, response_mask, gamma: float):
 # --- Actor losses: CISPO (S3AC's), the PPO clipped surrogate, truncated importance weights ---
 # Every loss here is a sum over the mask's tokens / num_tokens, the normaliser optimize counts (its definition is
 # beside that line); called alone, the mask's tokens of the call. FlashREINFORCE's is a mean per response, / its
-# num_sequences. Truncated IS (tis_weights) is not inside a loss: train_step scales the advantages by it.
+# num_sequences. Truncated IS (tis_weights) is not inside a loss: update_actor scales the advantages by it.
 @triton_on_cuda
 def cispo_loss(logprobs, old_logprobs, advantages, response_mask, eps_low: float, eps_high: float,
                num_tokens=None):
@@ -567,9 +566,9 @@ def impact_score(signal, h):
 #    C), mu the engine's own log-prob, against the sampler/trainer gap (bf16 vLLM, fp32 trainer). Under --top-p /
 #    --top-k mu is mu / Z on the kept tokens (Z their mass): the weight is about Z, the update their policy gradient
 #    times Z. --is-correction none: mu only feeds rollout/logprob_gap. PACT's rho = pi_new / mu too.
-# 2. log pi_old comes from a separate no-grad pass (old_policy_logprobs; verl, OpenRLHF; none for FlashREINFORCE on the
-#    engine's mu): at --minibatches 1 (the CPU demo's) the ratio is exactly 1 and CISPO's clip never acts; at auto
-#    (the paper's: DAPO's 16 of 32) it does.
+# 2. log pi_old comes from a separate no-grad pass (old_policy_logprobs; verl, OpenRLHF) where the update takes more
+#    than one optimizer step (auto: DAPO's 16 of 32); at one (the CPU demo's) the ratio is 1, and it is the update's
+#    own forward pass, detached (needs_pi_old).
 # 3. Constant lr, AdamW without weight decay (DAPO: 10 warm-up steps, 0.1); fp32 weights/states, bf16 autocast on CUDA.
 # 4. The critic is a separate model (default: the actor's checkpoint; same tokenizer); --critic-layers k trains a copy
 #    of the actor's last k blocks on its hidden states after block L - k (Baseten's partial trunk; see Critic).
@@ -582,14 +581,13 @@ def impact_score(signal, h):
 # 7. PACT's ratio I_t, the product of per-token ratios from t to the end, is here the detached current-token ratio
 #    (PACT's practical choice; exact for the last token). It weights the [0, 1] return (R + 1) / 2 for both critics, as
 #    PACT does (on +-1, BCE's targets (1 - rho) / 2 < 0 have no minimum); BCE's soft targets are clamped at 1 (rho > 1).
-# 8. REINFORCE++ has no per-token KL penalty (no reference model). FlashREINFORCE runs synchronously (its trust region
-#    screens only the sampler/trainer gap), mu from logprobs_of_mu (--is-correction none: pi_old, rho = 1); a cut
-#    response under --overlong-filter leaves its B; AdamW as in 3; --k > 1 (its recipes: 1) averages every rollout.
+# 8. REINFORCE++ has no per-token KL penalty (no reference model). FlashREINFORCE (ALGOS) runs synchronously (its
+#    trust region screens only the sampler/trainer gap); a cut response under --overlong-filter leaves its B.
 # 9. The DAPS constants (--daps-n-c 4, --daps-a-min 0.1, --daps-decay 0.99, --daps-start 10) are ours, not the paper's.
 # 10. Coverage pretraining is the online critic update (critic_epochs per batch) toward Monte-Carlo returns, 10% of the
 #    prompts held out for its fit; the warm-up's stop rule (warmup_plateaued) is ours, scored on unseen rollouts.
-# 11. Under torchrun metrics are rank means, counts and throughput sums (critic/explained_var and adv_explained_var from
-#    global sums); --dynamic-sampling and coverage pretraining run in a single process only.
+# 11. Under torchrun metrics are rank means (the perf/<phase>_s times too), counts and throughput sums (critic EVs
+#    from global sums); --dynamic-sampling and coverage pretraining run in a single process only.
 # 12. Data: DAPO-Math-17k, deduplicated, English (open-r1/DAPO-Math-17k-Processed, config en), not the paper's 7.5k
 #    subset; Qwen2.5-Math's \boxed{} instruction replaces its answer-format lines. Without an S3AC figure, DAPO's
 #    Qwen2.5-Math recipe: 512 prompts per step, lr 1e-6, 200 steps, evaluation every 10, responses cut at 3072 tokens.
@@ -597,14 +595,37 @@ def impact_score(signal, h):
 #    as headroom, usable_signal and impact_score say; the costates are those of the SUMMED loss for GRPO's advantages
 #    (population std) at the output of one block, by default the middle one, L // 2, where credit has crossed the
 #    attention of the blocks above it (the last block's output holds little more than the output layer's gradient).
-# 14. With a critic the actor's advantages are centred per batch (--adv-norm auto: center, less their token mean over
-#    the loss tokens, the centring of verl's and OpenRLHF's whitening; measured for s3ac, not ppo); the paper is
-#    silent. The critic's returns stay raw. --adv-norm none keeps the critic's level in every advantage.
+# 14. S3AC's advantages are centred per batch (--adv-norm auto: center, less their token mean over the loss tokens,
+#    as verl's and OpenRLHF's whitening centres them); the paper is silent. The critic's returns stay raw.
 
 
 # -----------------------------------------------------------------------------------------------------------------
 # 2. The algorithm box: one training step and its phases, then train()
 # -----------------------------------------------------------------------------------------------------------------
+# --- What each --algo chooses, in one place: the phases and resolve_args' "auto" rules read it, never a name ---
+@dataclass(frozen=True)
+class Algo:
+    """One --algo's choices (its actor loss's own: ACTOR_LOSS_CHOICES, so a hand-set --actor-loss brings them)."""
+    baseline: typing.Callable = None  # a critic-free baseline of section 1; None: decoupled GAE on a trained critic
+    actor_loss: str = "cispo"  # --actor-loss auto
+    lams: tuple = ("adaptive", 1.0)  # --actor-lam and --critic-lam auto (PACT's Monte-Carlo credit, 1, overrides them)
+    adv_norm: str = "none"  # --adv-norm auto; center where a critic's level enters the advantages (measured: s3ac)
+    zero_sum: bool = False  # its advantages sum to zero per group already: an explicit --adv-norm center is refused
+    minibatch_prompts: float = 32  # --minibatches auto: --batch-prompts // this, at least 1 (DAPO's 32; inf: one)
+    groups: bool = False  # it compares the K rollouts of a prompt: --k >= 2
+
+
+ALGOS = {"s3ac": Algo(adv_norm="center"), "ppo": Algo(actor_loss="ppo", lams=(0.95, 0.95)),
+         "grpo": Algo(grpo_advantages, zero_sum=True, groups=True), "reinforce_pp": Algo(reinforce_pp_advantages),
+         "rloo": Algo(rloo_advantages, zero_sum=True, groups=True),
+         "flash_reinforce": Algo(flash_reinforce_advantages, actor_loss="flash_reinforce", zero_sum=True,
+                                 minibatch_prompts=math.inf)}  # FlashREINFORCE: one optimizer step per batch
+CRITIC_ALGOS = tuple(name for name, algo in ALGOS.items() if algo.baseline is None)  # s3ac and ppo train a critic
+# each --actor-loss's (ratio_to_mu: its ratio is pi / mu, so no log pi_old pass with the engine's mu and no TIS weight;
+# optimize's normaliser: "tokens", the mini-batch's token mean, or "sequences", the mean of its response means)
+ACTOR_LOSS_CHOICES = {"cispo": (False, "tokens"), "ppo": (False, "tokens"), "flash_reinforce": (True, "sequences")}
+
+
 @dataclass
 class Batch:
     """A rollout batch of B sequences: left-padded prompts, right-padded responses, masks, problem indices."""
@@ -659,30 +680,29 @@ def train_step(args: Args, state: TrainState, reward_fn):
     Moves state on: state.step, the DAPS counts (sample_rollouts), the data order, the models and their optimizers."""
     state.step += 1
     batch, rewards, statuses, records, m = sample_rollouts(args, state, reward_fn)  # choose prompts, rollout, reward
-    metrics = {"step": state.step, **m}
+    metrics = {"step": state.step, **m}  # perf/generate_s, perf/reward_s among them; each phase below adds its own
+    clock = lambda phase: phase_timer(metrics, phase, state.device)  # perf/<phase>_s
     rewards, mask = rewards.to(state.device), batch.response_mask.to(state.device)  # [B], [B, T]
     values = None
     if state.critic is not None:  # V(s_t) on the +-1 scale, 0 on padding
-        t0 = synced_time(state.device)
-        values, _ = critic_pass(args, state, batch)  # [B, T]
-        metrics["time/values"] = synced_time(state.device) - t0
-    advantages, returns, m = compute_advantages(args, batch, rewards, values, mask)  # [B, T] raw, no whitening
+        with clock("values"):
+            values, _ = critic_pass(args, state, batch)  # [B, T]
+    with clock("advantages"):
+        advantages, returns, m = compute_advantages(args, batch, rewards, values, mask)  # [B, T] raw, no whitening
+        loss_mask = actor_loss_mask(args, batch, mask)  # [B, T] the tokens the actor loss averages over
+        if args.adv_norm != "none":  # the actor's alone, before the IS weights multiply them; returns stay raw
+            advantages = masked_whiten(advantages, loss_mask, scale=args.adv_norm == "whiten")  # [B, T] A - mean(A)
     metrics.update(m)
-    loss_mask = actor_loss_mask(args, batch, mask)  # [B, T] the tokens the actor loss averages over
-    if args.adv_norm != "none":  # the actor's alone, before the IS weights multiply them; returns (targets) stay raw
-        advantages = masked_whiten(advantages, loss_mask, scale=args.adv_norm == "whiten")  # [B, T] A - mean(A)
-    t0 = synced_time(state.device)
-    old_logprobs = old_policy_logprobs(args, state, batch) if needs_pi_old(args, batch) else None  # [B, T] log pi_old
-    is_weights, m = importance_weights(args, batch, old_logprobs, loss_mask)  # [B, T] TIS: min(pi_old / mu, C)
-    metrics.update(m)
+    with clock("old_logprobs"):
+        old_logprobs = old_policy_logprobs(args, state, batch) if needs_pi_old(args, batch) else None  # [B, T] pi_old
     sampler_logprobs = logprobs_of_mu(args, batch, old_logprobs, state.device)  # [B, T] log mu (PACT's rho too)
-    metrics.update(train_actor(args, state, batch, is_weights * advantages, old_logprobs, sampler_logprobs,
-                               loss_mask))  # w_t A_t
-    metrics["time/actor"] = synced_time(state.device) - t0
+    with clock("actor"):  # TIS's w = min(pi_old / mu, C) weights each token's A in update_actor
+        metrics.update(train_actor(args, state, batch, advantages, old_logprobs, sampler_logprobs, loss_mask))
     if state.critic is not None:
         metrics.update(train_critic(args, state, batch, values, returns, sampler_logprobs))
-        metrics.update(critic_metrics(values, returns, rewards, mask, metrics["time/values"] + metrics["time/critic"],
-                                      metrics["time/actor"], args.credit_eps))
+        metrics.update(critic_metrics(values, returns, rewards, mask, metrics["perf/values_s"]
+                                      + metrics["perf/critic_s"] + metrics.get("perf/pact_s", 0.0),
+                                      metrics["perf/old_logprobs_s"] + metrics["perf/actor_s"], args.credit_eps))
     metrics.update(step_metrics(args, state, batch, rewards, statuses, metrics))
     metrics.update(advantage_metrics(advantages, loss_mask))  # the actor's: mean, share of tokens pushed up
     return metrics, records
@@ -717,7 +737,7 @@ def sample_rollouts(args: Args, state: TrainState, reward_fn):
             break
     parts = parts if kept else [last]  # every group dropped: train on the last round as it is
     metrics = dict(metrics)
-    metrics["perf/tokens_per_s"] = metrics["rollout/generated_tokens"] / metrics["time/rollout"]  # every round
+    metrics["perf/tokens_per_s"] = metrics["rollout/generated_tokens"] / metrics["perf/generate_s"]  # every round
     if args.dynamic_sampling:
         metrics.update({"rollout/dropped_groups": dropped, "rollout/kept_groups": kept})
     if selection:
@@ -740,7 +760,7 @@ def collect_rollouts(args: Args, state: TrainState, prompt_list: list, reward_fn
     keep = finite & (lengths > 0)  # [B] the rows that train
     if args.algo in ("grpo", "rloo"):  # a group baseline compares two responses to a prompt at least
         keep &= ((batch.prompt_index[:, None] == batch.prompt_index) & keep).sum(1) >= 2  # [B] kept in its group
-    metrics = {"time/rollout": t1 - t0, "rollout/generated_tokens": int(lengths.sum()),  # all generated
+    metrics = {"perf/generate_s": t1 - t0, "rollout/generated_tokens": int(lengths.sum()),  # all generated
                "rollout/samples": len(index), "rollout/dropped": int((~finite).sum()),
                "rollout/aborted": int((batch.truncated & (lengths < args.max_new_tokens)).sum())}  # ended short
     batch.response_mask = batch.response_mask * keep[:, None]  # [B, T] no token of a dropped row trains
@@ -753,7 +773,7 @@ def collect_rollouts(args: Args, state: TrainState, prompt_list: list, reward_fn
     counts[1].index_add_(0, batch.prompt_index, torch.ones(len(rewards), dtype=torch.float64))
     counts = all_reduce(counts)  # every rank's rollouts
     state.successes, state.attempts = state.successes + counts[0], state.attempts + counts[1]
-    return batch, rewards, statuses, texts, {**metrics, "time/verify": time.time() - t1}
+    return batch, rewards, statuses, texts, {**metrics, "perf/reward_s": time.time() - t1}
 
 
 def critic_pass(args: Args, state: TrainState, batch: Batch):
@@ -766,11 +786,11 @@ def critic_pass(args: Args, state: TrainState, batch: Batch):
 
 def compute_advantages(args: Args, batch: Batch, rewards, values, mask):
     """(advantages [B, T], not whitened; returns [B, T], the critic's targets, or None; metrics): decoupled GAE from
-    values [B, T], or the outcome baseline of a critic-free --algo when values is None. rewards [B], mask [B, T]."""
+    values [B, T], or the critic-free --algo's baseline (ALGOS) when values is None. rewards [B], mask [B, T]."""
     if values is None:
-        baseline = {"grpo": functools.partial(grpo_advantages, use_std=args.grpo_std), "rloo": rloo_advantages,
-                    "reinforce_pp": reinforce_pp_advantages, "flash_reinforce": flash_reinforce_advantages}[args.algo]
-        advantages, metrics = baseline(rewards, batch.prompt_index.to(mask.device), mask)  # [B, T]
+        baseline = ALGOS[args.algo].baseline
+        options = {"use_std": args.grpo_std} if baseline is grpo_advantages else {}  # --grpo-std
+        advantages, metrics = baseline(rewards, batch.prompt_index.to(mask.device), mask, **options)  # [B, T]
         return advantages, None, metrics
     lam = adaptive_lambda(mask, args.alpha) if args.actor_lam == "adaptive" else args.actor_lam  # [B] or float
     return decoupled_gae(rewards, values, mask, args.gamma, args.critic_lam, lam)  # [B, T], [B, T], metrics
@@ -784,10 +804,12 @@ def old_policy_logprobs(args: Args, state: TrainState, batch: Batch):
 
 
 def needs_pi_old(args: Args, batch: Batch) -> bool:
-    """Whether the step makes the log pi_old pass: every actor loss but FlashREINFORCE's on the engine's log mu (its
-    ratio is pi / mu)."""
-    return not (args.actor_loss == "flash_reinforce" and args.is_correction == "tis"
-                and batch.sampler_logprobs is not None)
+    """Whether the step makes the log pi_old pass: not for a loss whose ratio is pi / mu on the engine's mu, nor for
+    one optimizer step (update_actor reads log pi_old from its own pass) unless PACT reads it as mu afterwards."""
+    mu_is_pi_old = args.is_correction != "tis" or batch.sampler_logprobs is None  # logprobs_of_mu's rule
+    if ACTOR_LOSS_CHOICES[args.actor_loss][0] and not mu_is_pi_old:  # its ratio_to_mu
+        return False
+    return args.minibatches * args.actor_epochs > 1 or (args.critic_sync == "pact" and mu_is_pi_old)
 
 
 def actor_loss_mask(args: Args, batch: Batch, mask):
@@ -796,23 +818,6 @@ def actor_loss_mask(args: Args, batch: Batch, mask):
     if not args.overlong_filter:
         return mask
     return mask * (~batch.truncated).to(mask.device)[:, None].float()  # [B, T]
-
-
-def importance_weights(args: Args, batch: Batch, old_logprobs, loss_mask):
-    """(w [B, T], metrics): TIS's min(pi_old / mu, C) (tis_weights) with --is-correction tis and the engine's
-    log-probs, else 1 (and for flash_reinforce, whose loss holds pi / mu; 1.0 where old_logprobs is None). Metrics,
-    with the engine's log-probs and log pi_old: the gap |log pi_old - log mu| and the weights' statistics over
-    loss_mask [B, T]."""
-    if batch.sampler_logprobs is None or old_logprobs is None:  # no engine log-probs, or no pi_old pass
-        return 1.0, {}
-    ones = torch.ones_like(old_logprobs)  # [B, T]
-    sampler = batch.sampler_logprobs.to(old_logprobs.device)  # [B, T] log mu
-    gap = (old_logprobs - sampler).abs()[loss_mask.bool()]  # [N]
-    w, m = tis_weights(old_logprobs, sampler, loss_mask, args.is_cap)  # [B, T]
-    metrics = {"rollout/logprob_gap_mean": gap.mean().item() if gap.numel() else 0.0,
-               "rollout/logprob_gap_max": gap.max().item() if gap.numel() else 0.0,
-               **{key: float(value) for key, value in m.items()}}
-    return (w if args.is_correction == "tis" and args.actor_loss != "flash_reinforce" else ones), metrics
 
 
 def logprobs_of_mu(args: Args, batch: Batch, old_logprobs, device):
@@ -838,20 +843,27 @@ def train_actor(args: Args, state: TrainState, batch: Batch, advantages, old_log
 def update_actor(model, optimizer, batch: Batch, advantages, old_logprobs, args: Args, generator, loss_mask=None,
                  sampler_logprobs=None):
     """ACTOR_LOSSES[args.actor_loss] (token mean over loss_mask [B, T], default: response_mask) or flash_reinforce_loss
-    (sample mean): actor_epochs passes of minibatches steps. advantages [B, T] with TIS's w > 0 (for PPO too: min(r wA,
-    clip(r) wA) = w min(rA, clip(r) A)). Ratio denominator: old_logprobs [B, T] log pi_old, or for flash_reinforce
-    sampler_logprobs [B, T] log mu; None: the detached current policy (r = 1). Returns metrics."""
+    (sample mean): actor_epochs passes of minibatches steps. Ratio denominator: old_logprobs [B, T] log pi_old, or
+    sampler_logprobs [B, T] log mu (ACTOR_LOSS_CHOICES); None: each forward pass's own log pi, detached (r = 1,
+    log pi_old for one optimizer step alone). With the engine's log mu (batch.sampler_logprobs), --is-correction tis
+    weights the advantages [B, T] by w = min(pi_old / mu, C) (tis_weights). Returns metrics, TIS's among them."""
     device = advantages.device
     loss_mask = batch.response_mask.to(device) if loss_mask is None else loss_mask  # [B, T]
-    flash = args.actor_loss == "flash_reinforce"  # its ratio is pi / mu, and num_tokens counts responses
-    denominator = sampler_logprobs if flash else old_logprobs  # [B, T] log pi_old, or log mu, or None
+    ratio_to_mu, normaliser = ACTOR_LOSS_CHOICES[args.actor_loss]
+    denominator = sampler_logprobs if ratio_to_mu else old_logprobs  # [B, T] log pi_old, or log mu, or None
+    mu = None if ratio_to_mu or batch.sampler_logprobs is None else batch.sampler_logprobs.to(device)  # [B, T]
+    read = torch.zeros_like(loss_mask)  # [B, T] log pi_old as the update read it (TIS's metrics)
 
     def loss_fn(rows, mbatch, num_tokens):
         logprobs, entropy = actor_logprobs(model, mbatch, args.temperature)  # [b, t]
         t = logprobs.shape[1]  # the micro-batch's longest response
         mask, adv = loss_mask[rows, :t], advantages[rows, :t]  # [b, t] each
         den = logprobs.detach() if denominator is None else denominator[rows, :t]  # [b, t] log pi_old, or log mu
-        if flash:  # FlashREINFORCE: J = (1/B) sum_i (m_i / T_i) sum_t sg(pi / mu) A log pi; loss = -J
+        if mu is not None:  # den is log pi_old: TIS's w A in either loss (PPO: min(r wA, clip(r) wA) = w min(rA, ..))
+            read[rows, :t] = den
+            if args.is_correction == "tis":
+                adv = adv * tis_weights(den, mu[rows, :t], mask, args.is_cap)[0]  # [b, t]
+        if ratio_to_mu:  # FlashREINFORCE: J = (1/B) sum_i (m_i / T_i) sum_t sg(pi / mu) A log pi; loss = -J
             pg_loss, m = flash_reinforce_loss(logprobs, den, adv, mask, args.trust_delta, num_tokens)
             entropy = entropy * mask / mask.sum(1, keepdim=True).clamp(min=1)  # [b, t] a response's mean, summed
         else:  # CISPO: J = sg(clip(r)) * A * log pi, or PPO: J = min(r A, clip(r) A); loss = -(sum of J) / num_tokens
@@ -861,25 +873,32 @@ def update_actor(model, optimizer, batch: Batch, advantages, old_logprobs, args:
 
     metrics = optimize(model, optimizer, batch, loss_fn, loss_mask, args.actor_epochs, args.minibatches,
                        args.micro_batch_tokens, args.actor_grad_clip, generator, compute_dtype(args.dtype, device),
-                       "sequences" if flash else "tokens")
-    return {f"actor/{k}": v for k, v in metrics.items()}
+                       normaliser)
+    metrics = {f"actor/{k}": v for k, v in metrics.items()}
+    if mu is not None:  # the gap |log pi_old - log mu| and the weights, over the loss tokens
+        gap = (read - mu).abs()[loss_mask.bool()]  # [N]
+        metrics.update({"rollout/logprob_gap_mean": gap.mean().item() if gap.numel() else 0.0,
+                        "rollout/logprob_gap_max": gap.max().item() if gap.numel() else 0.0,
+                        **{k: float(v) for k, v in tis_weights(read, mu, loss_mask, args.is_cap)[1].items()}})
+    return metrics
 
 
 def train_critic(args: Args, state: TrainState, batch: Batch, values, returns, sampler_logprobs):
     """update_critic from values [B, T] toward returns [B, T], or PACT's targets (--critic-sync pact): the returns
     weighted by rho_t = pi_new / mu, pi_new from one more pass of the UPDATED actor, sampler_logprobs [B, T] log mu."""
-    t0 = synced_time(state.device)
     mask = batch.response_mask.to(state.device)  # [B, T]
     targets, critic_mask, metrics = returns, mask, {}  # [B, T] each
     if args.critic_sync == "pact":
-        with autocast(state.device, compute_dtype(args.dtype, state.device)):
+        amp = autocast(state.device, compute_dtype(args.dtype, state.device))
+        with phase_timer(metrics, "pact", state.device), amp:  # PACT's extra pass
             new_logprobs = policy_logprobs(state.policy, batch, args.temperature, args.micro_batch_tokens)  # [B, T]
-        targets, critic_mask, metrics = pact_targets(returns, new_logprobs, sampler_logprobs, mask, args.rho_min,
-                                                     args.rho_max)  # [B, T] each
-    state.critic.train()
-    metrics.update(update_critic(state.critic, state.critic_opt, batch, values, targets, critic_mask, args,
-                                 state.update_gen))
-    metrics["time/critic"] = synced_time(state.device) - t0
+        targets, critic_mask, m = pact_targets(returns, new_logprobs, sampler_logprobs, mask, args.rho_min,
+                                               args.rho_max)  # [B, T] each
+        metrics.update(m)
+    with phase_timer(metrics, "critic", state.device):
+        state.critic.train()
+        metrics.update(update_critic(state.critic, state.critic_opt, batch, values, targets, critic_mask, args,
+                                     state.update_gen))
     return metrics
 
 
@@ -1172,8 +1191,10 @@ def train(args: Args, reward_fn=None, eval_reward_fn=None):
 
         if state.step == 0:  # step 0: evaluation, then critic pretraining (actor frozen)
             run.log({"step": 0, **evaluate_now()})
-            if state.critic is not None:
-                critic_pretraining(args, state, run.reward_fn, run.log, say)
+            if state.critic is not None and (uses_coverage(args) or args.critic_warmup_steps):
+                with phase_timer(warmup := {"step": 0}, "warmup", state.device):
+                    critic_pretraining(args, state, run.reward_fn, run.log, say)
+                run.log(mean_over_ranks(warmup))  # its time apart: no step's perf/step_s holds it
 
         # the loop: a step, evaluation every eval_every steps, one log record, a checkpoint every save_every steps
         for step in run.steps():
@@ -1187,6 +1208,8 @@ def train(args: Args, reward_fn=None, eval_reward_fn=None):
             if last or (args.eval_every and step % args.eval_every == 0):
                 metrics.update(evaluate_now())
             metrics["perf/step_s"] = time.time() - timer
+            metrics["perf/other_s"] = metrics["perf/step_s"] - metrics.get("time/eval", 0.0) - sum(
+                v for k, v in metrics.items() if k in PHASE_METRICS)  # logging, DAPS's critic reads, ...
             metrics = mean_over_ranks(metrics)
             state.train_s += metrics["perf/step_s"] - metrics.get("time/eval", 0.0)
             run.log(metrics)
@@ -2455,9 +2478,6 @@ def parse_args(argv=None) -> Args:
     return args
 
 
-CRITIC_ALGOS = ("s3ac", "ppo")  # the algorithms that train a critic; grpo, rloo, reinforce_pp, flash_reinforce do not
-
-
 def resolve_args(args: Args, say=None) -> Args:
     """A checked copy of args, each "auto" replaced by the rule of the block at its end (but --critic-model,
     --prompt-key, --answer-key, --micro-batch-tokens and --gradient-checkpointing, resolved where used), each said
@@ -2507,32 +2527,33 @@ def resolve_args(args: Args, say=None) -> Args:
     for flag, used in needs_critic.items():
         if used and args.algo not in CRITIC_ALGOS:
             raise ValueError(f"{flag} needs a critic, but --algo {args.algo} trains none (use s3ac or ppo)")
-    if args.k < 2 and (args.algo in ("grpo", "rloo") or args.dynamic_sampling):
+    algo = ALGOS[args.algo]  # its choices: every rule below reads them, never its name
+    if args.k < 2 and (algo.groups or args.dynamic_sampling):
         raise ValueError(f"--algo {args.algo} / --dynamic-sampling compare rollouts of one prompt: need --k >= 2")
     if args.critic_layers and args.critic_model != "auto":
         raise ValueError(f"--critic-layers {args.critic_layers}: with k >= 1 the critic reads the actor's trunk, so "
                          f"--critic-model must stay auto")
-    ppo, pact = args.algo == "ppo", args.critic_sync == "pact"
+    if algo.zero_sum and args.adv_norm == "center":
+        raise ValueError(f"--adv-norm center: --algo {args.algo}'s advantages sum to zero in each group already (a "
+                         f"centring would only move their token mean); use none or whiten")
+    pact = args.critic_sync == "pact"
     if pact and args.critic_lam not in ("auto", 1.0):
         raise ValueError(f"--critic-lam {args.critic_lam}: --critic-sync pact weights Monte-Carlo returns, so the "
                          f"critic's lambda must be 1 (or auto)")
     # Every "auto" rule, in one block: the value it becomes and the rule, said (say) beside the value at start
-    own_loss = {"ppo": "ppo", "flash_reinforce": "flash_reinforce"}.get(args.algo, "cispo")
-    actor_loss = own_loss if args.actor_loss == "auto" else args.actor_loss
-    rules = {"actor_loss": (own_loss, "the --algo's own: ppo for ppo, flash_reinforce for flash_reinforce, else cispo"),
-             "actor_lam": (0.95 if ppo else 1.0 if pact else "adaptive", "0.95 for ppo (GAE), 1 under --critic-sync "
-                           "pact (PACT's Monte-Carlo credit), else adaptive: 1 - 1/(alpha T_i) (VAPO)"),
-             "critic_lam": (0.95 if ppo and not pact else 1.0, "0.95 for ppo (not under pact), else 1: Monte-Carlo "
-                            "returns"),
+    actor_loss = algo.actor_loss if args.actor_loss == "auto" else args.actor_loss
+    rules = {"actor_loss": (algo.actor_loss, "the --algo's own (ALGOS): ppo's, flash_reinforce's, else cispo"),
+             "actor_lam": (1.0 if pact else algo.lams[0], "1 under --critic-sync pact (PACT's Monte-Carlo credit), "
+                           "else the --algo's: 0.95 for ppo (GAE), adaptive 1 - 1/(alpha T_i) (VAPO) for s3ac"),
+             "critic_lam": (1.0 if pact else algo.lams[1], "1 under pact, else the --algo's: 0.95 for ppo, 1 "
+                            "(Monte-Carlo returns) for s3ac"),
              "eps_low": (0.2 if actor_loss == "ppo" else 1.0, "0.2 for the ppo loss, else 1: no lower clip (CISPO)"),
-             "minibatches": (1 if args.algo == "flash_reinforce" else max(1, args.batch_prompts // 32),
-                             "--batch-prompts // 32, at least 1 (DAPO's mini-batches of 32 prompts); 1 for "
-                             "flash_reinforce"),
+             "minibatches": (max(1, int(args.batch_prompts // algo.minibatch_prompts)), "--batch-prompts // 32, at "
+                             "least 1 (DAPO's mini-batches of 32 prompts); 1 for flash_reinforce"),
              "critic_warmup_steps": ("plateau" if args.algo in CRITIC_ALGOS and not uses_coverage(args) else 0,
                                      "plateau with a critic and no coverage pretraining, else 0"),
-             "adv_norm": ("center" if args.algo in CRITIC_ALGOS else "none", "center with a critic: the critic's "
-                          "level leaves the actor's advantages; none for the critic-free baselines, centred their own "
-                          "way"),
+             "adv_norm": (algo.adv_norm, "center for s3ac: the critic's level leaves the actor's advantages; none "
+                          "for the others (ppo unmeasured; the baselines centre their own way)"),
              "eval_max_new_tokens": (args.max_new_tokens, "--max-new-tokens")}
     chosen = {name: rule for name, rule in rules.items() if getattr(args, name) == "auto"}
     for name, (value, rule) in chosen.items() if say else ():
@@ -2902,15 +2923,20 @@ def progress_position(step: int, train_s: float, steps: int, max_minutes: float)
     return (min(train_s / 60, max_minutes), max_minutes, "min") if max_minutes > 0 else (step, steps, "step")
 
 
+PHASE_METRICS = [f"perf/{p}_s" for p in ("generate", "reward", "values", "advantages", "old_logprobs", "actor", "pact",
+                                         "critic")]  # train_step's phases (phase_timer)
+
+
 def step_line(metrics: dict, has_critic: bool) -> str:
-    """The one line a training step prints."""
+    """The one line a training step prints, ending with its seconds and their split by phase (the ranks' means)."""
     clip = ("drop {actor/trust_region_drop:.3f} " if "actor/trust_region_drop" in metrics
             else "clipfrac {actor/pg_clipfrac:.3f} ")
     critic = ("v_loss {critic/v_loss:.4f} EV {critic/explained_var:+.3f} V0 {critic/v0_mean:+.3f} "
               "offset {critic/offset:+.3f} | " if has_critic else "")
     return ("step {step:4d} | reward {rollout/reward:+.3f} acc {rollout/acc:.3f} len {rollout/response_len:.0f} | "
             "pg_loss {actor/pg_loss:+.4f} " + clip + "entropy {actor/entropy:.3f} | " + critic
-            + "{perf/step_s:.0f}s").format_map(metrics)
+            + "step {perf/step_s:.1f} s: ").format_map(metrics) + ", ".join(
+        f"{key[5:-2]} {metrics[key]:.1f}" for key in PHASE_METRICS + ["perf/other_s"] if key in metrics)
 
 
 # --- Models: loading (a .gguf file is converted once), dtype, timers ---
@@ -2954,6 +2980,14 @@ def synced_time(device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.time()
+
+
+@contextlib.contextmanager
+def phase_timer(metrics: dict, phase: str, device):
+    """Adds the seconds the block takes, its queued device work included, to metrics["perf/<phase>_s"]."""
+    t0 = synced_time(device)
+    yield
+    metrics[f"perf/{phase}_s"] = metrics.get(f"perf/{phase}_s", 0.0) + synced_time(device) - t0
 
 
 def autocast(device, dtype):

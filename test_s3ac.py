@@ -1091,8 +1091,8 @@ REQUIRED_KEYS = ["rollout/reward", "rollout/acc", "rollout/response_len", "rollo
                  "verify/timeout", "verify/error", "actor/pg_loss", "actor/pg_clipfrac", "actor/approx_kl",
                  "actor/entropy", "actor/grad_norm", "critic/v_loss", "critic/explained_var",
                  "critic/value_mean", "critic/grad_norm", "critic/offset", "adv/mean", "adv/pos_share",
-                 "perf/tokens_per_s", "time/rollout", "time/verify", "time/values", "time/actor", "time/critic",
-                 "perf/step_s"]
+                 "perf/tokens_per_s", "perf/generate_s", "perf/reward_s", "perf/values_s", "perf/advantages_s",
+                 "perf/old_logprobs_s", "perf/actor_s", "perf/critic_s", "perf/other_s", "perf/step_s"]
 
 
 def test_smoke_run_logs_metrics_and_moves_critic(smoke_run):
@@ -1112,6 +1112,23 @@ def test_smoke_run_logs_metrics_and_moves_critic(smoke_run):
     head0 = s3ac.Critic(AutoModel.from_pretrained(path), seed=1).value_head.weight
     head2 = load_file(os.path.join(out, "checkpoints", "step_2", "critic", "value_head.safetensors"))["weight"]
     assert not torch.equal(head0, head2)
+
+
+def test_each_step_logs_and_says_its_seconds_by_phase(smoke_run):
+    """Every step's record holds perf/<phase>_s for each of train_step's phases (PHASE_METRICS) and perf/other_s, the
+    rest: they sum to perf/step_s less the evaluation, every phase >= 0; the step's printed line (step_line) ends with
+    that split, by hand "step 12.4 s: generate 7.1, ..., other 0.3". Mutants: a phase left out of
+    PHASE_METRICS or of the line, other_s computed before the evaluation is subtracted."""
+    records = read_jsonl(os.path.join(smoke_run[1], "metrics.jsonl"))
+    for r in records[1:]:
+        phases = [r[k] for k in s3ac.PHASE_METRICS if k in r]
+        assert len(phases) == len(s3ac.PHASE_METRICS) - 1 and min(phases) >= 0  # all but PACT's
+        assert sum(phases) + r["perf/other_s"] == pytest.approx(r["perf/step_s"] - r.get("time/eval", 0.0))
+    line = s3ac.step_line({"step": 3, "rollout/reward": 0.5, "rollout/acc": 0.5, "rollout/response_len": 10,
+                           "actor/pg_loss": 0.1, "actor/pg_clipfrac": 0.0, "actor/entropy": 1.0, "perf/step_s": 12.44,
+                           "perf/generate_s": 7.1, "perf/reward_s": 0.2, "perf/actor_s": 2.9, "perf/values_s": 0.5,
+                           "perf/other_s": 0.3}, has_critic=False)
+    assert line.endswith("| step 12.4 s: generate 7.1, reward 0.2, values 0.5, actor 2.9, other 0.3"), line
 
 
 def test_smoke_run_writes_samples(smoke_run):
@@ -1382,9 +1399,39 @@ def test_resolve_args_per_algorithm_defaults_and_errors():
                            ({"algo": "grpo", "k": 2, "critic_sync": "pact"}, "needs a critic"),
                            ({"algo": "rloo", "k": 2, "prompt_selection": "daps"}, "needs a critic"),
                            ({"algo": "a2c"}, "expected one of"), ({"daps_a_min": 0.0}, "daps-a-min"),
-                           ({"critic_layers": 1, "critic_model": "other"}, "critic-model must stay auto")]:
+                           ({"critic_layers": 1, "critic_model": "other"}, "critic-model must stay auto"),
+                           ({"algo": "grpo", "k": 2, "adv_norm": "center"}, "sum to zero in each group"),
+                           ({"algo": "rloo", "k": 2, "adv_norm": "center"}, "sum to zero in each group"),
+                           ({"algo": "flash_reinforce", "adv_norm": "center"}, "sum to zero in each group")]:
         with pytest.raises(ValueError, match=needle):
             s3ac.resolve_args(s3ac.Args(**fields))
+
+
+def test_the_phases_read_each_algorithms_choices_from_its_table(monkeypatch):
+    """ALGOS and ACTOR_LOSS_CHOICES are what the step and the auto rules read: swapping one entry changes the step.
+    A loss marked ratio_to_mu makes no log pi_old pass on the engine's mu; a loss's normaliser reaches optimize; an
+    algorithm's prompts per mini-batch, adv-norm default and baseline reach resolve_args and compute_advantages.
+    Mutants caught: any of these tested by the algorithm's or the loss's name instead of the table."""
+    batch = s3ac.Batch(torch.tensor([[1]]), torch.ones(1, 1), torch.tensor([[5, 5]]), torch.ones(1, 2),
+                       torch.tensor([False]), torch.tensor([0]), sampler_logprobs=torch.zeros(1, 2))
+    args = s3ac.resolve_args(s3ac.Args(batch_prompts=64))  # s3ac: cispo, two mini-batches
+    assert (args.minibatches, args.adv_norm) == (2, "center") and s3ac.needs_pi_old(args, batch)
+    seen = []
+    monkeypatch.setattr(s3ac, "optimize", lambda *a: seen.append(a[11]) or {})  # its normaliser
+    s3ac.update_actor(None, None, batch, torch.ones(1, 2), torch.zeros(1, 2), args, None)
+    monkeypatch.setitem(s3ac.ACTOR_LOSS_CHOICES, "cispo", (True, "sequences"))
+    assert not s3ac.needs_pi_old(args, batch)  # the pass is skipped
+    s3ac.update_actor(None, None, batch, torch.ones(1, 2), torch.zeros(1, 2), args, None)
+    assert seen == ["tokens", "sequences"]
+    monkeypatch.setitem(s3ac.ALGOS, "s3ac", dataclasses.replace(s3ac.ALGOS["s3ac"], minibatch_prompts=8,
+                                                                adv_norm="none"))
+    assert (s3ac.resolve_args(s3ac.Args(batch_prompts=64)).minibatches, args.adv_norm) == (8, "center")
+    assert s3ac.resolve_args(s3ac.Args(batch_prompts=64)).adv_norm == "none"
+    monkeypatch.setitem(s3ac.ALGOS, "reinforce_pp", s3ac.Algo(s3ac.rloo_advantages))
+    rewards, index, mask = torch.tensor([1.0, -1.0, 1.0, 1.0]), torch.tensor([0, 0, 1, 1]), torch.ones(4, 2)
+    adv, _, _ = s3ac.compute_advantages(s3ac.Args(algo="reinforce_pp"), types.SimpleNamespace(prompt_index=index),
+                                        rewards, None, mask)
+    assert adv[:, 0].tolist() == [2.0, -2.0, 0.0, 0.0]  # RLOO's: R less the other one of its group
 
 
 def test_parse_args_stops_a_bad_combination_with_one_line(capsys):
@@ -1684,20 +1731,25 @@ def test_flash_reinforce_defaults_and_k():
 def test_perf_padding_counts_the_no_grad_passes_each_algorithm_makes():
     """step_metrics' perf/padding by hand on rows of 2 + 3 and 1 + 1 tokens (two micro-batches: together they would
     pad 3 of 10 slots, over MAX_PADDING; so 7 slots a pass, none padding) and an update of 20 slots, 4 padding:
-    FlashREINFORCE on the engine's log mu makes no no-grad pass (4 / 20), on log pi_old one (4 / 27); S3AC two,
-    pi_old and values (4 / 34), three under PACT (4 / 41)."""
+    at two mini-batches FlashREINFORCE on the engine's log mu makes no no-grad pass (4 / 20), on log pi_old one
+    (4 / 27); S3AC two, pi_old and values (4 / 34), three under PACT (4 / 41). At one mini-batch (one optimizer step)
+    the update reads log pi_old from its own pass: S3AC makes one (4 / 27), FlashREINFORCE none, but PACT on log pi_old
+    as its mu still three. Mutant: the pi_old pass made at one mini-batch."""
     batch = s3ac.Batch(torch.tensor([[1, 1], [0, 1]]), torch.tensor([[1.0, 1.0], [0.0, 1.0]]),
                        torch.tensor([[5, 5, 5], [5, 0, 0]]), torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]]),
                        torch.tensor([False, False]), torch.tensor([0, 1]), sampler_logprobs=torch.zeros(2, 3))
     state = types.SimpleNamespace(critic=None, successes=torch.zeros(2), attempts=torch.ones(2))
-    cases = [("flash_reinforce", "tis", None, "s3ac", 4 / 20), ("flash_reinforce", "none", None, "s3ac", 4 / 27),
-             ("cispo", "tis", object(), "s3ac", 4 / 34), ("cispo", "tis", object(), "pact", 4 / 41)]
-    for loss, correction, critic, sync, want in cases:
-        args = types.SimpleNamespace(actor_loss=loss, is_correction=correction, critic_sync=sync, micro_batch_tokens=64)
+    cases = [("flash_reinforce", "tis", None, "s3ac", 2, 4 / 20), ("flash_reinforce", "none", None, "s3ac", 2, 4 / 27),
+             ("cispo", "tis", object(), "s3ac", 2, 4 / 34), ("cispo", "tis", object(), "pact", 2, 4 / 41),
+             ("cispo", "tis", object(), "s3ac", 1, 4 / 27), ("flash_reinforce", "none", None, "s3ac", 1, 4 / 20),
+             ("cispo", "none", object(), "pact", 1, 4 / 41)]
+    for loss, correction, critic, sync, minibatches, want in cases:
+        args = types.SimpleNamespace(actor_loss=loss, is_correction=correction, critic_sync=sync, micro_batch_tokens=64,
+                                     minibatches=minibatches, actor_epochs=1)
         state.critic = critic
         m = s3ac.step_metrics(args, state, batch, torch.tensor([1.0, -1.0]), ["correct", "wrong"],
                               {"actor/pad_slots": 4, "actor/slots": 20})
-        assert m["perf/padding"] == pytest.approx(want), (loss, correction, sync)
+        assert m["perf/padding"] == pytest.approx(want), (loss, correction, sync, minibatches)
 
 
 def test_smoke_flash_reinforce_logs_its_metrics_and_trains(tiny, tmp_path):
@@ -1776,18 +1828,25 @@ def test_masked_whiten_centre_only_and_the_advantage_metrics_by_hand():
     assert fit["pretrain/offset"] == pytest.approx(cm["critic/offset"])
 
 
-def test_adv_norm_auto_centres_with_a_critic_and_leaves_the_baselines_raw():
-    """--adv-norm auto: center for the algorithms with a critic (whose advantages carry its level), none for the
-    critic-free baselines (whose own baselines centre them: FlashREINFORCE's R less the batch mean per response, whose
-    token mean a centring would move); said at start; a value given is kept."""
+def test_adv_norm_auto_centres_s3ac_alone_and_refuses_centring_a_zero_sum_baseline(capsys):
+    """--adv-norm auto: center for s3ac (whose advantages carry its critic's level; measured), none for ppo (never
+    measured) and the critic-free baselines (whose own baselines centre them: FlashREINFORCE's R less the batch mean
+    per response, whose token mean a centring would move); said at start; a value given is kept, but center on grpo,
+    rloo or flash_reinforce stops parse_args with one line. Mutants: ppo centred by auto, a refusal left out."""
     said = []
-    for algo, want in (("s3ac", "center"), ("ppo", "center"), ("grpo", "none"), ("rloo", "none"),
+    for algo, want in (("s3ac", "center"), ("ppo", "none"), ("grpo", "none"), ("rloo", "none"),
                        ("reinforce_pp", "none"), ("flash_reinforce", "none")):
         k = 4 if algo in ("grpo", "rloo") else 1
         assert s3ac.resolve_args(s3ac.Args(algo=algo, k=k), say=said.append).adv_norm == want, algo
-    assert sum(line.startswith("--adv-norm center (auto: center with a critic") for line in said) == 2
+    assert sum(line.startswith("--adv-norm center (auto: center for s3ac") for line in said) == 1
     assert s3ac.resolve_args(s3ac.Args(algo="s3ac", adv_norm="none")).adv_norm == "none"
-    assert s3ac.resolve_args(s3ac.Args(algo="flash_reinforce", adv_norm="center")).adv_norm == "center"
+    assert s3ac.resolve_args(s3ac.Args(algo="ppo", adv_norm="center")).adv_norm == "center"
+    assert s3ac.resolve_args(s3ac.Args(algo="flash_reinforce", adv_norm="whiten")).adv_norm == "whiten"
+    for algo, k in (("grpo", "4"), ("rloo", "4"), ("flash_reinforce", "1")):
+        with pytest.raises(SystemExit):
+            s3ac.parse_args(["--algo", algo, "--k", k, "--adv-norm", "center"])
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--adv-norm center" in err and f"--algo {algo}" in err, err
 
 
 def centred_loop(adv, mask, scale: bool):
@@ -1959,6 +2018,41 @@ def test_update_actor_with_pi_old_of_a_separate_pass_has_ratio_one(tiny):
     assert m["actor/approx_kl"] == pytest.approx(0.0, abs=1e-6) and m["actor/pg_clipfrac"] == 0.0
     after = s3ac.policy_logprobs(model, batch, 1.0, 8)
     assert (after - before).abs().max() > 1e-3  # the actor moved, so PACT's rho differs from 1
+
+
+@pytest.mark.parametrize("actor_loss", ["cispo", "ppo"])
+def test_one_step_update_takes_pi_old_from_its_own_pass_as_a_separate_pass_would(tiny, actor_loss):
+    """At one mini-batch and one epoch train_step makes no log pi_old pass (needs_pi_old), and update_actor, given
+    old_logprobs None, takes log pi_old, detached, and TIS's weights from its own forward pass. On the tiny model
+    (dropout off), with the engine's log mu offset from the trainer's, that gives the same loss, TIS metrics and SGD
+    step as the separate pass (old_policy_logprobs handed to update_actor: _actor_step). Mutants caught: the detach
+    dropped (PPO's ratio pi / pi_old then carries no gradient: no step), TIS's weights from a stale pi_old (the
+    engine's log mu: w = 1) or not applied."""
+    _, base, tok = tiny
+    batch = sampled_batch(base, tok)
+    B, T = batch.response_mask.shape
+    g = torch.Generator().manual_seed(3)
+    advantages = torch.randn(B, T, generator=g) * batch.response_mask  # [B, T]
+    delta = (torch.rand(B, T, generator=g) * 2 - 1) * batch.response_mask  # log pi_old - log mu in [-1, 1]
+    batch.sampler_logprobs = s3ac.policy_logprobs(base, batch, 1.0, 8) - delta  # [B, T] log mu
+    args = s3ac.resolve_args(s3ac.Args(micro_batch_tokens=40, actor_grad_clip=1e9, minibatches=1,
+                                       actor_loss=actor_loss, is_cap=1.5))
+    assert not s3ac.needs_pi_old(args, batch) and s3ac.needs_pi_old(dataclasses.replace(args, actor_epochs=2), batch)
+    separate, want = _actor_step(base, batch, advantages, actor_loss=actor_loss, is_cap=1.5)
+    model = copy.deepcopy(base).train()
+    got = s3ac.update_actor(model, torch.optim.SGD(model.parameters(), lr=1.0), batch, advantages, None, args,
+                            torch.Generator().manual_seed(0))
+    for key in ("actor/pg_loss", "actor/approx_kl", "rollout/is_weight_mean", "rollout/is_capped_frac",
+                "rollout/logprob_gap_mean", "rollout/logprob_gap_max"):
+        assert got[key] == pytest.approx(want[key], abs=1e-6), key
+    assert got["rollout/is_capped_frac"] > 0 and got["actor/approx_kl"] == pytest.approx(0.0, abs=1e-6)
+    moved = max((a - b).abs().max().item() for a, b in zip(separate, base.parameters()))
+    assert moved > 1e-3
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(model.parameters(), separate))
+    unweighted = copy.deepcopy(base).train()  # --is-correction none: the weights above must have changed the step
+    s3ac.update_actor(unweighted, torch.optim.SGD(unweighted.parameters(), lr=1.0), batch, advantages, None,
+                      dataclasses.replace(args, is_correction="none"), torch.Generator().manual_seed(0))
+    assert not all(torch.allclose(a, b, atol=1e-6) for a, b in zip(model.parameters(), unweighted.parameters()))
 
 
 def test_update_actor_flash_reinforce_micro_batches_take_the_whole_batch_sample_mean(tiny):
@@ -2198,7 +2292,7 @@ def test_credit_sparsity_value_separation_and_adv_explained_variance():
 # End to end: every algorithm and critic feature, two steps each on the tiny model
 # ---------------------------------------------------------------------------------------------------------------
 CRITIC_KEYS = ["critic/v_loss", "critic/explained_var", "critic/adv_explained_var", "critic/efficiency",
-               "critic/compute_ratio", "critic/credit_sparsity", "critic/value_sep", "time/values", "time/critic"]
+               "critic/compute_ratio", "critic/credit_sparsity", "critic/value_sep", "perf/values_s", "perf/critic_s"]
 
 
 @pytest.mark.parametrize("algo,extra", [("ppo", []), ("grpo", ["--dynamic-sampling", "--grpo-std", "false"]),
@@ -2211,7 +2305,7 @@ def test_smoke_every_algorithm(tiny, tmp_path, algo, extra):
     for r in records[1:]:
         assert all(k in r for k in ["actor/pg_loss", "actor/pg_clipfrac", "actor/approx_kl", "rollout/reward",
                                     "prompts/share_mid"])
-        has_critic = [k for k in r if k.startswith("critic/") or k == "time/values"]
+        has_critic = [k for k in r if k.startswith("critic/") or k == "perf/values_s"]
         if algo == "ppo":
             assert all(k in r for k in CRITIC_KEYS) and r["adv/lambda_mean"] == pytest.approx(0.95)
         else:
@@ -2717,15 +2811,14 @@ def test_tis_weights_hand_values():
 
 
 def _actor_step(model, batch, advantages, **flags):
-    """The parameters after one SGD step (lr 1) of train_step's actor phase: log pi_old from one no-grad pass,
-    importance_weights, update_actor on w * A; and its metrics."""
+    """The parameters after one SGD step (lr 1) of train_step's actor phase on the path of a separate pass: log pi_old
+    from one no-grad pass (old_policy_logprobs), handed to update_actor, which weights A by TIS's w; and its metrics."""
     model = copy.deepcopy(model)
     args = s3ac.resolve_args(s3ac.Args(micro_batch_tokens=40, actor_grad_clip=1e9, minibatches=1, **flags))
     old = s3ac.policy_logprobs(model, batch, args.temperature, 8)  # [B, T] log pi_old
-    w, m = s3ac.importance_weights(args, batch, old, batch.response_mask)  # [B, T]
     model.train()
-    m.update(s3ac.update_actor(model, torch.optim.SGD(model.parameters(), lr=1.0), batch, w * advantages, old, args,
-                               torch.Generator().manual_seed(0)))
+    m = s3ac.update_actor(model, torch.optim.SGD(model.parameters(), lr=1.0), batch, advantages, old, args,
+                          torch.Generator().manual_seed(0))
     return [p.detach().clone() for p in model.parameters()], m
 
 

@@ -620,7 +620,7 @@ def check_records(records: list, steps: int, daps_start: int, rollouts_per_step:
     rate logged, not every response a verifier error. Returns the findings; "problems" lists what failed."""
     import math
     problems, nan_allowed = [], 0
-    logged = [r["step"] for r in records if "pretrain/epoch" not in r and "pretrain/warmup_step" not in r]
+    logged = [r["step"] for r in records if not {"pretrain/epoch", "pretrain/warmup_step", "perf/warmup_s"} & set(r)]
     if logged != list(range(steps + 1)):
         problems.append(f"steps logged {logged}, expected 0..{steps}")
     for r in records:

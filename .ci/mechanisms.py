@@ -338,8 +338,9 @@ def exp_coverage(lab: Lab, seeds: list) -> list:
         results["neither", seed] = run("neither", seed, ["--critic-warmup-steps", "0"])  # s3ac.py warms up by default
         results["coverage", seed] = run("coverage", seed, ["--coverage-temperatures", opts.coverage_temperatures])
         if warmup == "auto":  # warm-up steps of about coverage pretraining's wall time, decided on the first seed
-            per_step = statistics.mean(sum(r.get(k, 0.0) for k in ("time/rollout", "time/verify", "time/values",
-                                                                    "time/critic")) for r in results["neither", seed][0])
+            per_step = statistics.mean(sum(r.get(k, 0.0) for k in ("perf/generate_s", "perf/reward_s",
+                                                                    "perf/values_s", "perf/critic_s"))
+                                       for r in results["neither", seed][0])
             warmup = str(max(1, round(results["coverage", seed][1] / max(per_step, 1e-9))))
         results["warmup", seed] = run("warmup", seed, ["--critic-warmup-steps", warmup])
     metric = lambda name, key: spread([statistics.mean([r[key] for r in results[name, s][0]
