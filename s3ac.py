@@ -13,10 +13,9 @@ algorithm box (train_step, train), 3. the parts a step calls (reward, log-probs,
 plumbing (a reader may stop at its banner). Shape letters: B sequences, T response tokens, P prompt tokens, H hidden
 size, V vocabulary; response_mask [B, T] is 1.0 on the generated tokens, the stop token included, 0.0 on padding.
 
-Before step 1, train() pretrains the critic with the actor frozen (critic_pretraining: coverage trajectories when
-asked for, then warm-up batches of fresh rollouts until the held-out fit stops improving). Then each step is
-train_step (section 2), one call per phase, each timed (perf/<phase>_s): sample_rollouts (choose_prompts: uniform
-or DAPS; generate_responses; call_reward, R in [-1, 1]) -> critic_pass (V(s_t) [B, T]) -> compute_advantages
+Before step 1, train() pretrains the critic, the actor frozen (critic_pretraining: coverage, then warm-up). Then each
+step is train_step (section 2), one call per phase, each timed (perf/<phase>_s): sample_rollouts (choose_prompts:
+uniform or DAPS; generate_responses; call_reward, R in [-1, 1]) -> critic_pass (V(s_t) [B, T]) -> compute_advantages
 (decoupled_gae: raw advantages, the critic's returns; --adv-norm centres the actor's alone) -> old_policy_logprobs
 (log pi_old; no pass at one optimizer step) -> logprobs_of_mu (log mu) -> train_actor (update_actor: TIS's min(pi_old
 / mu, C), optimize's one normaliser, cispo_loss) -> train_critic (toward the returns, or PACT's) -> critic_metrics.
@@ -60,9 +59,8 @@ from typing import Literal
 import torch
 import torch.nn as nn
 
-# kernels.py beside this file holds the Triton twins of section 1's math (@triton_on_cuda). It is loaded as module
-# `s3ac_kernels`: `kernels` is Hugging Face's kernel-hub package, which transformers imports and kernels.py would shadow
-# (this folder is first on sys.path), so that package is imported first, where installed, with kernels.py out of sight.
+# kernels.py beside this file holds the Triton twins of section 1's math (@triton_on_cuda), loaded as `s3ac_kernels`:
+# `kernels` is Hugging Face's kernel-hub package (transformers imports it), which kernels.py would shadow.
 def _load_kernels_py():
     """kernels.py as module s3ac_kernels. ImportError if it was imported as `kernels` before s3ac."""
     path = os.path.join(os.path.dirname(os.path.realpath(__file__)), "kernels.py")
@@ -117,11 +115,10 @@ def triton_on_cuda(fn):
 
 @triton_on_cuda
 def gae(rewards, values, response_mask, gamma: float, lam):
-    """Generalized Advantage Estimation (Schulman et al. 2016, eq. 16): a reverse loop over T with V = 0 and A = 0 after
-    the last valid token; a masked step carries V and A across (as verl's compute_gae_advantage_return), so padding or a
-    masked span changes nothing. rewards, values [B, T] (NaN or inf in padding is never read); response_mask [B, T],
-    nonzero on valid tokens; lam: a float or [B] (per row). Returns (advantages, returns), [B, T] fp32, raw (no
-    whitening), 0 on padding. Raises ValueError for tensors not of one shape [B, T] or lam of neither 1 nor B."""
+    """Generalized Advantage Estimation (Schulman et al. 2016, eq. 16): a reverse loop over T, V = 0 and A = 0 after the
+    last valid token; a masked step carries V and A across (as verl's compute_gae_advantage_return). rewards, values
+    [B, T] (padding never read); response_mask [B, T], nonzero on valid tokens; lam: a float or [B]. Returns
+    (advantages, returns), [B, T] fp32, raw, 0 on padding. ValueError: not one shape [B, T], lam of neither 1 nor B."""
     if rewards.dim() != 2 or not rewards.shape == values.shape == response_mask.shape:
         raise ValueError(f"expected rewards, values, response_mask of one shape [B, T], got "
                          f"{tuple(rewards.shape)}, {tuple(values.shape)}, {tuple(response_mask.shape)}")
@@ -175,17 +172,15 @@ def mc_returns(rewards, response_mask, gamma: float):
 
 
 # --- Actor losses: CISPO (S3AC's), the PPO clipped surrogate, truncated importance weights ---
-# Every loss here is a sum over the mask's tokens / num_tokens, the normaliser optimize counts (its definition is
-# beside that line); called alone, the mask's tokens of the call. FlashREINFORCE's is a mean per response, / its
-# num_sequences. Truncated IS (tis_weights) is not inside a loss: update_actor scales the advantages by it.
+# Every loss is a sum over the mask's tokens / num_tokens (optimize counts it; called alone: the call's tokens), and
+# FlashREINFORCE's a mean per response / num_sequences. update_actor scales the advantages by TIS (tis_weights).
 @triton_on_cuda
 def cispo_loss(logprobs, old_logprobs, advantages, response_mask, eps_low: float, eps_high: float,
                num_tokens=None):
     """CISPO policy loss (MiniMax-M1, 2025, sec. 3.1, eq. 4): the clipped ratio is a detached weight, so every token
     keeps a gradient (unlike PPO clipping); bounds relative to 1. logprobs [B, T] (nats, requires grad), old_logprobs,
-    advantages, response_mask [B, T]; padding may hold garbage; num_tokens: the normaliser above. Returns (pg_loss,
-    metrics: pg_clipfrac, the share of clipped ratios, and approx_kl, the k3 estimate of KL(old || new), each a sum over
-    valid tokens / num_tokens). Raises ValueError for tensors not of one shape [B, T]."""
+    advantages, response_mask [B, T] (garbage padding); num_tokens: the normaliser above. Returns (pg_loss, metrics per
+    num_tokens: pg_clipfrac, clipped ratios, approx_kl, k3 of KL(old || new)). ValueError: not one shape [B, T]."""
     if logprobs.dim() != 2 or not logprobs.shape == old_logprobs.shape == advantages.shape == response_mask.shape:
         raise ValueError("expected logprobs, old_logprobs, advantages, response_mask of one shape [B, T]")
     valid = response_mask != 0  # [B, T]
@@ -223,9 +218,9 @@ ACTOR_LOSSES = {"cispo": cispo_loss, "ppo": ppo_clip_loss}  # same signature, ch
 
 def sequence_trust_region(logprobs, sampler_logprobs, response_mask, delta: float):
     """FlashREINFORCE's sequence trust region (Hu, Zhang et al. 2026): keep a response iff the token mean of the
-    Bernoulli KL between mu(a_t) and pi(a_t), the sampled token's probability under sampler and learner (both
-    clamped to [1e-6, 1 - 1e-6] as its reference code), is <= delta. logprobs, sampler_logprobs, response_mask [B, T]
-    (garbage padding). Returns (keep [B] bool, D [B] fp64; a row without tokens: kept, D = 0). No gradient."""
+    Bernoulli KL between mu(a_t) and pi(a_t), each clamped to [1e-6, 1 - 1e-6] as its reference code, is <= delta.
+    logprobs, sampler_logprobs, response_mask [B, T] (garbage padding). Returns (keep [B] bool, D [B] fp64; a row
+    without tokens: kept, D = 0). No gradient."""
     valid = response_mask != 0  # [B, T]
     p = torch.where(valid, sampler_logprobs.detach().double(), 0.0).exp().clamp(1e-6, 1 - 1e-6)  # [B, T] mu(a_t)
     q = torch.where(valid, logprobs.detach().double(), 0.0).exp().clamp(1e-6, 1 - 1e-6)  # [B, T] pi(a_t)
@@ -237,9 +232,8 @@ def sequence_trust_region(logprobs, sampler_logprobs, response_mask, delta: floa
 def flash_reinforce_loss(logprobs, sampler_logprobs, advantages, response_mask, delta: float, num_sequences=None):
     """FlashREINFORCE's loss (Hu, Zhang et al. 2026): log pi times A and the detached, unclipped rho_t = pi / mu (mu the
     sampler's), averaged in each response, then over responses; one outside sequence_trust_region adds 0 but counts.
-    logprobs [B, T] (requires grad), sampler_logprobs, advantages, response_mask [B, T]; num_sequences: the sample-mean
-    normaliser (alone: the call's responses). Returns (pg_loss, metrics per num_sequences: trust_region_drop, the share
-    outside the region, seq_kl, the mean D_i; pg_clipfrac 0). Needs: sequence_trust_region."""
+    logprobs [B, T] (requires grad), sampler_logprobs, advantages, response_mask [B, T]; num_sequences: the normaliser.
+    Returns (pg_loss, metrics: trust_region_drop, seq_kl, pg_clipfrac 0). Needs: sequence_trust_region."""
     valid = response_mask != 0  # [B, T]
     has_tokens = valid.any(1)  # [B]
     n = has_tokens.sum().clamp(min=1).float() if num_sequences is None else num_sequences
@@ -256,9 +250,9 @@ def flash_reinforce_loss(logprobs, sampler_logprobs, advantages, response_mask, 
 
 def tis_weights(old_logprobs, sampler_logprobs, response_mask, cap: float):
     """Truncated importance sampling (TIS; Yao et al. 2025, "Your efficient RL framework secretly brings you
-    off-policy RL training"): per-token weights that correct the sampler/trainer mismatch, detached, 1 on padding.
-    old_logprobs: log pi_old [B, T], the trainer's recomputation; sampler_logprobs: log mu [B, T], the rollout
-    engine's own; response_mask [B, T]. Returns (w [B, T] fp32, metrics over valid tokens, 0-dim tensors)."""
+    off-policy RL training"): detached per-token weights against the sampler/trainer gap, 1 on padding. old_logprobs
+    [B, T] log pi_old (the trainer's), sampler_logprobs [B, T] log mu (the engine's), response_mask [B, T]. Returns
+    (w [B, T] fp32, metrics over valid tokens, 0-dim tensors)."""
     valid = response_mask != 0  # [B, T]
     ratio = torch.where(valid, (old_logprobs - sampler_logprobs).detach().float(), 0.0).exp()  # [B, T]
     w = ratio.clamp(max=cap)  # [B, T]  w_t = min(pi_old(a_t|s_t) / mu(a_t|s_t), C)
@@ -271,10 +265,9 @@ def tis_weights(old_logprobs, sampler_logprobs, response_mask, cap: float):
 # --- Critic losses and targets: clipped value loss, soft BCE, PACT's importance-weighted targets ---
 @triton_on_cuda
 def value_loss(values, old_values, returns, response_mask, eps_v: float, num_tokens=None):
-    """Clipped value loss (OpenAI baselines' PPO2; Engstrom et al. 2020, sec. 3; VAPO). values [B, T] (reward units,
-    requires grad), old_values, returns (targets R), response_mask [B, T]; padding may hold garbage. eps_v: the ABSOLUTE
-    clip range around old_values; num_tokens as in cispo_loss. Returns (v_loss, {"v_clipfrac": share of valid tokens
-    whose clipped branch is strictly larger}). Raises ValueError for tensors not of one shape [B, T]."""
+    """Clipped value loss (OpenAI baselines' PPO2; Engstrom et al. 2020, sec. 3; VAPO). values [B, T] (requires grad),
+    old_values, returns, response_mask [B, T] (garbage padding); eps_v: the ABSOLUTE clip range around old_values.
+    Returns (v_loss, {"v_clipfrac": share where the clipped branch is larger}). ValueError: not one shape [B, T]."""
     if values.dim() != 2 or not values.shape == old_values.shape == returns.shape == response_mask.shape:
         raise ValueError("expected values, old_values, returns, response_mask of one shape [B, T]")
     valid = response_mask != 0  # [B, T]
@@ -282,9 +275,7 @@ def value_loss(values, old_values, returns, response_mask, eps_v: float, num_tok
     v = torch.where(valid, values.float(), 0.0)  # [B, T]
     v_old = torch.where(valid, old_values.float(), 0.0)  # [B, T]
     ret = torch.where(valid, returns.float(), 0.0)  # [B, T]
-    # clip(V, V_old - eps, V_old + eps) = V_old + clip(V - V_old, -eps, eps), and is V itself (bit for bit) inside
-    # the range, so there the two branches tie exactly
-    v_clip = torch.clamp(v, v_old - eps_v, v_old + eps_v)  # [B, T]
+    v_clip = torch.clamp(v, v_old - eps_v, v_old + eps_v)  # [B, T]  V itself, bit for bit, inside: the branches tie
     loss_unclipped = (v - ret) ** 2  # [B, T]
     loss_clipped = (v_clip - ret) ** 2  # [B, T]
     # L_t = 0.5 max((V - R)^2, (V_old + clip(V - V_old, -eps_v, eps_v) - R)^2);  loss = sum L_t / n
@@ -313,8 +304,7 @@ def critic_loss_fn(raw, old_values, targets, response_mask, critic_loss: str, ep
     """value_loss (mse: raw = V, clipped around old_values) or bce_value_loss (bce: raw = z, soft targets (R + 1) / 2;
     old_values unused) by critic_loss, toward +-1-scale targets [B, T]. Needs: value_loss, bce_value_loss."""
     if critic_loss == "bce":
-        # a soft target above 1 (PACT's rho_t > 1 on a right answer) has no minimum under BCE: clamp to [0, 1]
-        soft_targets = ((targets + 1) / 2).clamp(0.0, 1.0)  # [B, T]
+        soft_targets = ((targets + 1) / 2).clamp(0.0, 1.0)  # [B, T]  above 1 (PACT's rho_t > 1) BCE has no minimum
         return bce_value_loss(raw, soft_targets, response_mask, num_tokens=num_tokens)
     return value_loss(raw, old_values, targets, response_mask, eps_v, num_tokens=num_tokens)
 
@@ -322,9 +312,8 @@ def critic_loss_fn(raw, old_values, targets, response_mask, critic_loss: str, ep
 def pact_targets(returns, logprobs, sampler_logprobs, response_mask, rho_min: float, rho_max: float):
     """PACT's importance-corrected critic targets and loss mask: with rho_t the detached per-token ratio (not PACT's
     product I_t; departure 7), E_mu[target_t | s_t] = V^pi_new(s_t) when later tokens follow pi_new as well (exact for
-    the last token); a kept wrong answer (R = -1) keeps the target -1. returns [B, T] (the Monte-Carlo return on the +-1
-    scale: decoupled_gae's returns at critic lambda 1, or mc_returns; a right answer's target reaches 2 rho_max - 1),
-    logprobs [B, T] of the updated actor, sampler_logprobs [B, T] of mu, the policy that sampled (logprobs_of_mu),
+    the last token); a kept wrong answer (R = -1) keeps the target -1. returns [B, T]: Monte-Carlo, +-1 scale (a right
+    answer's target reaches 2 rho_max - 1); logprobs [B, T] of the updated actor; sampler_logprobs [B, T] log mu;
     response_mask [B, T]. Returns (targets [B, T] on the +-1 scale, critic_mask [B, T] float, metrics)."""
     valid = response_mask.bool()  # [B, T]
     rho = torch.where(valid, logprobs.detach() - sampler_logprobs, 0.0).exp()  # [B, T]  rho_t = pi_new / mu
@@ -420,9 +409,8 @@ def reinforce_pp_advantages(rewards, prompt_index, response_mask):
 
 
 def flash_reinforce_advantages(rewards, prompt_index, response_mask):
-    """FlashREINFORCE (Hu, Zhang et al. 2026, sec. "One-Batch REINFORCE"): each reward less the mean reward of the
-    whole batch, all ranks included (independent prompts, no group: prompt_index unused), broadcast over the tokens.
-    rewards [B]; response_mask [B, T]. Returns (advantages [B, T] fp32, {}). Needs: all_reduce."""
+    """FlashREINFORCE (Hu, Zhang et al. 2026, sec. "One-Batch REINFORCE"): each reward [B] less the whole batch's mean
+    (all ranks; prompt_index unused), over response_mask [B, T]. Returns (advantages, {}). Needs: all_reduce."""
     r = rewards.double()  # [B]
     mean = all_reduce(torch.stack([r.sum(), torch.tensor(float(r.numel()), dtype=r.dtype, device=r.device)]))  # [2]
     return (r - mean[0] / mean[1]).float()[:, None] * response_mask, {}  # [B, T]  A_i = R_i - (1/B) sum_j R_j
@@ -509,10 +497,9 @@ def critic_metrics(values, returns, rewards, response_mask, critic_s: float, act
 
 # --- Readiness: will RL help? The value-gradient hypothesis: RL impact ~ usable signal S_m x headroom H_alpha ---
 def headroom(rewards, prompt_index, alpha: float):
-    """Achievable reward headroom H_alpha, our reading: per prompt, its K sampled rewards reweighted toward the better
-    ones, q_alpha ~ p exp(alpha R) self-normalised over the samples (they come from p), H = E_q[R] - E_p[R]; 0 when the
-    K rewards are equal, >= 0 (Cov_p(R, exp(alpha R)) / E_p[exp(alpha R)]). rewards [B] in [-1, 1], prompt_index [B].
-    Returns (H [G] fp64, one per distinct prompt_index in increasing order; metrics). ValueError for alpha < 0."""
+    """Achievable reward headroom H_alpha, our reading: per prompt, q_alpha ~ p exp(alpha R) self-normalised over its K
+    samples, H = E_q[R] - E_p[R] >= 0 (0 for equal rewards). rewards [B] in [-1, 1], prompt_index [B]. Returns (H [G]
+    fp64, one per distinct prompt_index in increasing order; metrics). ValueError for alpha < 0."""
     if alpha < 0:
         raise ValueError(f"headroom: alpha {alpha} must be >= 0")
     _, group = torch.unique(prompt_index.cpu(), return_inverse=True)  # [B] group id 0..G-1
@@ -535,9 +522,8 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def costate_norms(hidden, logprobs, advantages, response_mask):
     """Empirical costates lambda_hat_t (the value-gradient paper): the gradient of the advantage-weighted actor loss
-    with respect to a block's hidden states hidden [B, P + T, H], by autograd, in the graph of logprobs [B, T] (log pi
-    of the response tokens: position P - 1 + t scores token t); advantages, response_mask [B, T]. Returns
-    (||lambda_hat_t||_2 [B, T] fp32, 0 on padding; metrics). No parameter's .grad is touched. Needs: masked_mean."""
+    with respect to a block's hidden states [B, P + T, H] in the graph of logprobs [B, T]; advantages, response_mask
+    [B, T]. Returns (||lambda_hat_t||_2 [B, T] fp32, 0 on padding; metrics); no .grad is touched. Needs: masked_mean."""
     T = response_mask.shape[1]
     valid = response_mask != 0  # [B, T]
     # L = -sum_t A_t log pi(a_t | s_t): a SUM over tokens, not a mean, so a token's costate does not shrink with B
@@ -561,26 +547,23 @@ def impact_score(signal, h):
 # -----------------------------------------------------------------------------------------------------------------
 # Where this code departs from the papers (README.md points here)
 # -----------------------------------------------------------------------------------------------------------------
-# 1. Rollouts sample at plain temperature over the full vocabulary (no top-p, top-k or repetition penalty). CISPO's and
-#    PPO's ratio is pi / pi_old (see 2); TIS (--is-correction tis) weights each token's actor loss by min(pi_old / mu,
-#    C), mu the engine's own log-prob, against the sampler/trainer gap (bf16 vLLM, fp32 trainer). Under --top-p /
-#    --top-k mu is mu / Z on the kept tokens (Z their mass): the weight is about Z, the update their policy gradient
-#    times Z. --is-correction none: mu only feeds rollout/logprob_gap. PACT's rho = pi_new / mu too.
-# 2. log pi_old comes from a separate no-grad pass (old_policy_logprobs; verl, OpenRLHF) where the update takes more
-#    than one optimizer step (auto: DAPO's 16 of 32); at one (the CPU demo's) the ratio is 1, and it is the update's
-#    own forward pass, detached (needs_pi_old).
+# 1. Rollouts sample at plain temperature over the full vocabulary (no top-p, top-k or repetition penalty). The ratio
+#    is pi / pi_old (see 2); TIS (--is-correction tis) weights each token's actor loss by min(pi_old / mu, C), mu the
+#    engine's log-prob. Under --top-p / --top-k mu is mu / Z on the kept tokens (Z their mass): the weight and the
+#    update scale by about Z. --is-correction none: mu only feeds rollout/logprob_gap. PACT's rho = pi_new / mu too.
+# 2. log pi_old comes from a no-grad pass (old_policy_logprobs; verl, OpenRLHF) where the update takes more than one
+#    optimizer step; at one (the CPU demo) it is the update's own forward pass, detached: ratio 1 (needs_pi_old).
 # 3. Constant lr, AdamW without weight decay (DAPO: 10 warm-up steps, 0.1); fp32 weights/states, bf16 autocast on CUDA.
 # 4. The critic is a separate model (default: the actor's checkpoint; same tokenizer); --critic-layers k trains a copy
 #    of the actor's last k blocks on its hidden states after block L - k (Baseten's partial trunk; see Critic).
-# 5. Log-probs come from the last hidden state and the output embedding in chunks (kernels.logprobs_from_hidden), never
-#    the [B, T, V] logits, fp32 with TF32 matmuls on CUDA (kernels.HEAD_FP32_PRECISION); models that rescale logits
-#    after the output layer (Gemma-2, Granite, Cohere) are refused.
+# 5. Log-probs come from the last hidden state and the output embedding in chunks (kernels.logprobs_from_hidden), fp32
+#    (TF32 on CUDA), never the [B, T, V] logits; models that rescale logits after the output layer are refused.
 # 6. The reward reads one final answer by section 4's policy (the last \boxed{}, else the final statement's number;
 #    truncated -1; exact comparison), not math-verify's default extraction; a hung check is killed after
 #    --verify-timeout s and is wrong (see Verifier). Actor and critic load without dropout.
-# 7. PACT's ratio I_t, the product of per-token ratios from t to the end, is here the detached current-token ratio
-#    (PACT's practical choice; exact for the last token). It weights the [0, 1] return (R + 1) / 2 for both critics, as
-#    PACT does (on +-1, BCE's targets (1 - rho) / 2 < 0 have no minimum); BCE's soft targets are clamped at 1 (rho > 1).
+# 7. PACT's ratio I_t (the product of per-token ratios from t to the end) is here the detached current-token ratio
+#    (PACT's practical choice; exact for the last token), weighting the [0, 1] return (R + 1) / 2 for both critics as
+#    PACT does; BCE's soft targets are clamped at 1 (rho > 1), where BCE has no minimum.
 # 8. REINFORCE++ has no per-token KL penalty (no reference model). FlashREINFORCE (ALGOS) runs synchronously (its
 #    trust region screens only the sampler/trainer gap); a cut response under --overlong-filter leaves its B.
 # 9. The DAPS constants (--daps-n-c 4, --daps-a-min 0.1, --daps-decay 0.99, --daps-start 10) are ours, not the paper's.
@@ -592,9 +575,8 @@ def impact_score(signal, h):
 #    subset; Qwen2.5-Math's \boxed{} instruction replaces its answer-format lines. Without an S3AC figure, DAPO's
 #    Qwen2.5-Math recipe: 512 prompts per step, lr 1e-6, 200 steps, evaluation every 10, responses cut at 3072 tokens.
 # 13. Readiness, our readings (the value-gradient paper's summary gives no exact equation 29): H_alpha, S and the impact
-#    as headroom, usable_signal and impact_score say; the costates are those of the SUMMED loss for GRPO's advantages
-#    (population std) at the output of one block, by default the middle one, L // 2, where credit has crossed the
-#    attention of the blocks above it (the last block's output holds little more than the output layer's gradient).
+#    as headroom, usable_signal and impact_score say; costates of the SUMMED loss for GRPO's advantages (population
+#    std) at the output of block L // 2 by default (the last block's holds little beyond the output layer's gradient).
 # 14. S3AC's advantages are centred per batch (--adv-norm auto: center, less their token mean over the loss tokens,
 #    as verl's and OpenRLHF's whitening centres them); the paper is silent. The critic's returns stay raw.
 
@@ -609,7 +591,7 @@ class Algo:
     baseline: typing.Callable = None  # a critic-free baseline of section 1; None: decoupled GAE on a trained critic
     actor_loss: str = "cispo"  # --actor-loss auto
     lams: tuple = ("adaptive", 1.0)  # --actor-lam and --critic-lam auto (PACT's Monte-Carlo credit, 1, overrides them)
-    adv_norm: str = "none"  # --adv-norm auto; center where a critic's level enters the advantages (measured: s3ac)
+    adv_norm: str = "none"  # --adv-norm auto; center where a critic's level enters the advantages (s3ac)
     zero_sum: bool = False  # its advantages sum to zero per group already: an explicit --adv-norm center is refused
     minibatch_prompts: float = 32  # --minibatches auto: --batch-prompts // this, at least 1 (DAPO's 32; inf: one)
     groups: bool = False  # it compares the K rollouts of a prompt: --k >= 2
@@ -639,8 +621,7 @@ class Batch:
     features: torch.Tensor = None  # [B, P + T, H] fp32, a partial-trunk critic's input (store_critic_features) or None
 
     def rows(self, idx, features: bool = False):
-        """The sub-batch of the sequences `idx` (a list or [b] index tensor), trimmed to its own longest prompt and
-        response, with the features only when asked (the actor's micro-batches need no copy)."""
+        """The rows `idx` (a list or [b] tensor), trimmed to their longest prompt and response; features when asked."""
         p, t = (int(m.sum(1).max()) if len(m) else 0 for m in (self.prompt_mask[idx], self.response_mask[idx]))
         P = self.prompt_ids.shape[1]
         cols = {"prompt_ids": slice(P - p, P), "prompt_mask": slice(P - p, P), "features": slice(P - p, P + t)}
@@ -709,9 +690,8 @@ def train_step(args: Args, state: TrainState, reward_fn):
 
 
 def sample_rollouts(args: Args, state: TrainState, reward_fn):
-    """choose_prompts, then collect_rollouts, a round; --dynamic-sampling drops groups of equal successes and refills
-    (at most max_refills rounds). The DAPS counts decay once here and grow every round (collect_rollouts). Returns
-    (batch, rewards [B], statuses, sample records of a few rollouts, metrics)."""
+    """choose_prompts, then collect_rollouts; --dynamic-sampling drops groups of equal successes and refills, at most
+    max_refills rounds (DAPS's counts decay once). Returns (batch, rewards [B], statuses, records, metrics)."""
     state.successes, state.attempts = state.successes * args.daps_decay, state.attempts * args.daps_decay  # S, N
     daps_gen = torch.Generator().manual_seed(args.seed * 1_000_003 + state.step)  # resume replays the same draws
     parts, statuses, records, kept, dropped = [], [], [], 0, 0
@@ -804,8 +784,8 @@ def old_policy_logprobs(args: Args, state: TrainState, batch: Batch):
 
 
 def needs_pi_old(args: Args, batch: Batch) -> bool:
-    """Whether the step makes the log pi_old pass: not for a loss whose ratio is pi / mu on the engine's mu, nor for
-    one optimizer step (update_actor reads log pi_old from its own pass) unless PACT reads it as mu afterwards."""
+    """Whether the step makes the log pi_old pass: not for a ratio pi / mu on the engine's mu, nor for one optimizer
+    step (update_actor reads it from its own pass) unless PACT reads it as mu afterwards."""
     mu_is_pi_old = args.is_correction != "tis" or batch.sampler_logprobs is None  # logprobs_of_mu's rule
     if ACTOR_LOSS_CHOICES[args.actor_loss][0] and not mu_is_pi_old:  # its ratio_to_mu
         return False
@@ -813,17 +793,15 @@ def needs_pi_old(args: Args, batch: Batch) -> bool:
 
 
 def actor_loss_mask(args: Args, batch: Batch, mask):
-    """The tokens the actor loss averages over, [B, T]: the response tokens (mask [B, T]), less every token of a
-    response cut off at the length limit with --overlong-filter (DAPO's overlong filtering)."""
+    """The actor loss's tokens [B, T]: mask [B, T] less each truncated response under --overlong-filter (DAPO)."""
     if not args.overlong_filter:
         return mask
     return mask * (~batch.truncated).to(mask.device)[:, None].float()  # [B, T]
 
 
 def logprobs_of_mu(args: Args, batch: Batch, old_logprobs, device):
-    """log mu [B, T] on device, the policy the rollouts were drawn from, as FlashREINFORCE's pi / mu and PACT's rho_t
-    = pi_new / mu read it: the engine's own log-probs with --is-correction tis (where it gave them), else log pi_old
-    [B, T]."""
+    """log mu [B, T] on device, the policy the rollouts were drawn from (FlashREINFORCE's pi / mu, PACT's rho_t): the
+    engine's own log-probs with --is-correction tis (where it gave them), else log pi_old [B, T]."""
     if args.is_correction == "tis" and batch.sampler_logprobs is not None:
         return batch.sampler_logprobs.to(device)  # [B, T]
     return old_logprobs
@@ -844,9 +822,9 @@ def update_actor(model, optimizer, batch: Batch, advantages, old_logprobs, args:
                  sampler_logprobs=None):
     """ACTOR_LOSSES[args.actor_loss] (token mean over loss_mask [B, T], default: response_mask) or flash_reinforce_loss
     (sample mean): actor_epochs passes of minibatches steps. Ratio denominator: old_logprobs [B, T] log pi_old, or
-    sampler_logprobs [B, T] log mu (ACTOR_LOSS_CHOICES); None: each forward pass's own log pi, detached (r = 1,
-    log pi_old for one optimizer step alone). With the engine's log mu (batch.sampler_logprobs), --is-correction tis
-    weights the advantages [B, T] by w = min(pi_old / mu, C) (tis_weights). Returns metrics, TIS's among them."""
+    sampler_logprobs [B, T] log mu (ACTOR_LOSS_CHOICES); None: each pass's own log pi, detached (one optimizer step).
+    With batch.sampler_logprobs, --is-correction tis weights the advantages [B, T] by min(pi_old / mu, C). Returns
+    metrics, TIS's among them."""
     device = advantages.device
     loss_mask = batch.response_mask.to(device) if loss_mask is None else loss_mask  # [B, T]
     ratio_to_mu, normaliser = ACTOR_LOSS_CHOICES[args.actor_loss]
@@ -884,8 +862,8 @@ def update_actor(model, optimizer, batch: Batch, advantages, old_logprobs, args:
 
 
 def train_critic(args: Args, state: TrainState, batch: Batch, values, returns, sampler_logprobs):
-    """update_critic from values [B, T] toward returns [B, T], or PACT's targets (--critic-sync pact): the returns
-    weighted by rho_t = pi_new / mu, pi_new from one more pass of the UPDATED actor, sampler_logprobs [B, T] log mu."""
+    """update_critic from values [B, T] toward returns [B, T], or PACT's (--critic-sync pact): weighted by rho_t =
+    pi_new / mu, pi_new from one more pass of the UPDATED actor, sampler_logprobs [B, T] log mu."""
     mask = batch.response_mask.to(state.device)  # [B, T]
     targets, critic_mask, metrics = returns, mask, {}  # [B, T] each
     if args.critic_sync == "pact":
@@ -904,8 +882,7 @@ def train_critic(args: Args, state: TrainState, batch: Batch, values, returns, s
 
 def update_critic(critic, optimizer, batch: Batch, old_values, targets, critic_mask, args: Args, generator) -> dict:
     """critic_loss_fn toward `targets` [B, T] (+-1 scale) on critic_mask [B, T]: args.critic_epochs passes of
-    args.minibatches steps (optimize). old_values [B, T]: the mse loss's clip anchor. A partial-trunk critic reads
-    store_critic_features (one trunk pass for every epoch). All on the critic's device."""
+    args.minibatches steps (optimize); old_values [B, T]: the mse clip anchor. All on the critic's device."""
     device = targets.device
     with autocast(device, compute_dtype(args.dtype, device)):
         store_critic_features(critic, batch, args.micro_batch_tokens)  # [B, P + T, H]; nothing for k = 0
@@ -928,20 +905,18 @@ def optimize(module, optimizer, batch: Batch, loss_fn, token_mask, epochs: int, 
              features: bool = False) -> dict:
     """The update loop of actor and critic: `epochs` passes, each of `minibatches` optimizer steps, each accumulating
     micro_batches. loss_fn(rows, mbatch, num_tokens) -> (loss, metrics): rows [b] index the batch, mbatch =
-    batch.rows(rows, features) (its t response columns the batch's first t; features only when asked), num_tokens the
-    normaliser counted below, so the micro-batching changes no gradient. A step with a non-finite gradient norm is
-    skipped (weights and optimizer state untouched; the norm is global under FSDP2, so every rank skips it). Returns
-    metrics averaged over steps: grad_norm before clipping, the share clipped (NaN when no step was taken)."""
+    batch.rows(rows, features) (the batch's first t response columns), num_tokens the normaliser counted below. A step
+    with a non-finite gradient norm (global under FSDP2: every rank) is skipped, weights and optimizer untouched.
+    Returns metrics averaged over steps: grad_norm before clipping, the share clipped (NaN when no step was taken)."""
     device = next(module.parameters()).device
     sums, steps, skipped, pads = {"grad_norm": 0.0, "clipped": 0.0}, 0, 0, [0, 0]
     for _ in range(epochs):
         perm = torch.randperm(token_mask.shape[0], generator=generator)  # [B]
         for mb in perm.chunk(minibatches):
             rows_mask = token_mask[mb.to(token_mask.device)]  # [b, T]
-            # THE normaliser of every loss (section 1): the tokens of the (actor's or critic's) mask in this whole
-            # mini-batch, all ranks summed and passed to every micro-batch's loss, so the step's gradient is that of
-            # the global token mean (FSDP2 sums the ranks' gradients: shard); "sequences" (FlashREINFORCE's sample mean,
-            # each response's token mean summed): its responses instead
+            # THE normaliser of every loss (section 1): the mask's tokens in this whole mini-batch, all ranks summed,
+            # for every micro-batch: the step's gradient is the global token mean's (FSDP2 sums the ranks' gradients);
+            # "sequences" (FlashREINFORCE's sample mean): its responses instead
             count = rows_mask.sum() if normaliser == "tokens" else (rows_mask.sum(1) > 0).sum().float()
             num_tokens = all_reduce(count.to(device)).clamp(min=1)
             micro = micro_batches(batch, micro_batch_tokens, mb)
@@ -973,8 +948,8 @@ def optimize(module, optimizer, batch: Batch, loss_fn, token_mask, epochs: int, 
 
 
 def step_metrics(args: Args, state: TrainState, batch: Batch, rewards, statuses: list, metrics: dict):
-    """The step's rollout/, verify/, prompts/ metrics and perf/padding: pad / computed slots over
-    its passes (no-grad ones over the batch, and the updates' pad_slots and slots, taken out of metrics)."""
+    """The step's rollout/, verify/, prompts/ metrics and perf/padding: pad / computed slots over its passes (no-grad
+    ones, and the updates' pad_slots and slots, taken out of metrics)."""
     mask = batch.response_mask.to(rewards.device)  # [B, T]
     passes = needs_pi_old(args, batch) + (state.critic is not None) + (args.critic_sync == "pact")  # no-grad passes
     pad, slots = (passes * n for n in padding_counts(batch, micro_batches(batch, args.micro_batch_tokens)))
@@ -1009,10 +984,10 @@ def choose_prompts(args: Args, state: TrainState, count: int, generator):
 
 def daps_select(sampler: PromptSampler, count: int, p_c_of, successes, attempts, n_c: float, a_min: float,
                 generator):
-    """Draw candidates from sampler (anything with draw(count) -> indices) until `count` are accepted, each with
-    probability daps_accept_prob. p_c_of(indices) -> [n] critic estimates; successes, attempts [n_prompts]: the
-    decayed counts S and N. Returns (accepted indices, {"drawn", "accepted", "p_hat_sum" over the accepted}).
-    Terminates since a >= a_min > 0. Needs: daps_estimate, daps_accept_prob, PromptSampler."""
+    """Draw from sampler (draw(count) -> indices) until `count` are accepted, each with probability daps_accept_prob
+    (>= a_min > 0). p_c_of(indices) -> [n] critic estimates; successes, attempts [n_prompts]: the decayed S and N.
+    Returns (accepted, {"drawn", "accepted", "p_hat_sum" over the accepted}). Needs: daps_estimate, daps_accept_prob,
+    PromptSampler."""
     chosen, drawn, p_hat_sum = [], 0, 0.0
     while len(chosen) < count:
         candidates = sampler.draw(count - len(chosen))
@@ -1026,9 +1001,8 @@ def daps_select(sampler: PromptSampler, count: int, p_c_of, successes, attempts,
 
 # --- Critic pretraining before step 1 (actor frozen): coverage trajectories, on-policy warm-up ---
 def coverage_pretraining(args: Args, state: TrainState, reward_fn) -> list:
-    """The critic on coverage trajectories, generated (generate_coverage, into <out_dir>/coverage.jsonl) or
-    --coverage-data: coverage_epochs passes over 90% of the prompts' trajectories, a critic_update per
-    batch_prompts * k rows. Returns per epoch the fit (EV, loss) on the 10% held out; the last has time/pretrain."""
+    """The critic on coverage trajectories (generate_coverage, or --coverage-data): coverage_epochs passes over 90% of
+    the prompts', a critic_update per batch_prompts * k rows. Returns per epoch the fit on the 10% held out."""
     t0 = time.time()
     path = args.coverage_data or os.path.join(args.out_dir, "coverage.jsonl")
     if not args.coverage_data:
@@ -1056,9 +1030,8 @@ def coverage_pretraining(args: Args, state: TrainState, reward_fn) -> list:
 
 
 def generate_coverage(args: Args, state: TrainState, reward_fn, chosen: list) -> list:
-    """Trajectories, K per prompt index of chosen, rows {policy, prompt_index, prompt_ids, response_ids (stop
-    included), reward}, of every --coverage-models entry (default the actor; others loaded in turn, same tokenizer) at
-    every --coverage-temperatures entry (default --temperature)."""
+    """Trajectories {policy, prompt_index, prompt_ids, response_ids (stop included), reward}, K per index of chosen, of
+    each --coverage-models entry (default the actor) at each --coverage-temperatures entry (default --temperature)."""
     models = [m for m in args.coverage_models.split(",") if m] or [args.model]
     temperatures = [float(t) for t in args.coverage_temperatures.split(",") if t] or [args.temperature]
     idx, rows = [i for i in chosen for _ in range(args.k)], []
@@ -1089,11 +1062,11 @@ def rows_to_batch(rows: list, pad_id: int):
 
 
 def critic_fit(values, raw, returns, response_mask, critic_loss: str) -> dict:
-    """pretrain/ explained variance, loss (unclipped, token mean) and offset (mean V(s_0) - mean R, rows with a
-    token) of values / raw [B, T] against returns [B, T] (R_0 = R at gamma 1)."""
+    """pretrain/ EV, loss (unclipped token mean), offset (V(s_0) - R) of values / raw [B, T] against returns [B, T]."""
     v_loss, _ = critic_loss_fn(raw, values, returns, response_mask, critic_loss, eps_v=0.0)  # V_old = V: no clip
+    offset = (values - returns)[response_mask[:, 0] > 0, 0]  # [b] V(s_0) - R of the rows with a token
     return {"pretrain/explained_var": explained_variance(values, returns, response_mask),
-            "pretrain/v_loss": v_loss.item(), "pretrain/offset": (values - returns)[response_mask[:, 0] > 0, 0].mean().item()}
+            "pretrain/v_loss": v_loss.item(), "pretrain/offset": offset.mean().item()}
 
 
 def held_out_fit(args: Args, state: TrainState, held_out) -> dict:
@@ -1127,8 +1100,7 @@ def warmup_plateaued(held_out_losses: list) -> bool:
 
 
 def warmup_rollouts(args: Args, state: TrainState, reward_fn):
-    """Fresh rollouts of the next batch_prompts prompts, this rank's share (counted in state): (batch, rewards [B],
-    metrics, rollout/reward and rollout/acc included)."""
+    """Fresh rollouts of the next batch_prompts prompts, this rank's share: (batch, rewards [B], metrics with acc)."""
     prompts = state.sampler.draw(args.batch_prompts)[state.rank::state.world]
     batch, rewards, _, _, metrics = collect_rollouts(args, state, prompts, reward_fn)
     return batch, rewards, {**metrics, "rollout/reward": rewards.mean().item(),
@@ -1137,9 +1109,8 @@ def warmup_rollouts(args: Args, state: TrainState, reward_fn):
 
 def critic_pretraining(args: Args, state: TrainState, reward_fn, log, say):
     """Before step 1, the actor frozen (S3AC's critic pretraining): coverage pretraining when asked for, then on-policy
-    warm-up, plateau (warmup_plateaued, at most WARMUP_MAX_BATCHES; ours: each update scored on one batch drawn first
-    and never trained on) or N batches (each scored on its own rollouts before it trains on them); --max-minutes counts
-    it. Logged (log), said (say), timed in state.train_s."""
+    warm-up, plateau (warmup_plateaued, at most WARMUP_MAX_BATCHES) or N batches; --max-minutes counts it. Logged
+    (log), said (say), timed in state.train_s."""
     if uses_coverage(args):
         epochs = coverage_pretraining(args, state, reward_fn)
         state.train_s += epochs[-1]["time/pretrain"]  # generation (unless --coverage-data) and every epoch
@@ -1181,9 +1152,8 @@ def critic_pretraining(args: Args, state: TrainState, reward_fn, log, say):
 
 
 def train(args: Args, reward_fn=None, eval_reward_fn=None):
-    """Run S3AC (or the --algo baseline) as args say; returns the path of metrics.jsonl. reward_fn, eval_reward_fn:
-    the training and evaluation rewards (section 3a), by default the flags'; one given is never closed. Raises
-    ValueError (flags, data, reward contract, checkpoint) or FloatingPointError (--max-skipped-steps)."""
+    """Run S3AC (or the --algo baseline) as args say; returns the path of metrics.jsonl. reward_fn, eval_reward_fn: by
+    default the flags' (one given is never closed). ValueError (flags, data, reward, checkpoint), FloatingPointError."""
     with setup_run(args, reward_fn, eval_reward_fn) as run:  # plumbing (section 4): data, models, logs, rewards
         args, state, say = run.args, run.state, run.say
         evaluate_now = functools.partial(run_evaluation, args, state, run.eval_sets, run.eval_reward_fn,
@@ -1196,7 +1166,6 @@ def train(args: Args, reward_fn=None, eval_reward_fn=None):
                     critic_pretraining(args, state, run.reward_fn, run.log, say)
                 run.log(mean_over_ranks(warmup))  # its time apart: no step's perf/step_s holds it
 
-        # the loop: a step, evaluation every eval_every steps, one log record, a checkpoint every save_every steps
         for step in run.steps():
             timer = time.time()
             metrics, records = train_step(args, state, run.reward_fn)
@@ -1272,7 +1241,6 @@ def call_reward(reward_fn, golds: list, completions: list, truncated: list):
 
 def load_reward_fn(spec: str, flag: str = "--reward-fn"):
     """The function "path/to/file.py:function" names (verl's custom_reward_function); else ValueError naming flag."""
-    import importlib.util
     path, _, name = spec.rpartition(":")
     if not path or not name:
         raise ValueError(f"{flag} {spec}: expected path/to/file.py:function (or math, the verifier)")
@@ -1304,8 +1272,7 @@ def make_rewards(args: Args, reward_fn=None, eval_reward_fn=None):
 
 # --- 3b. The actor: log-probs of the sampled tokens ---
 class Policy(nn.Module):
-    """The actor (policy.lm, the Hugging Face causal LM) as one forward from token ids to log-probs: FSDP2 gathers
-    a module's own parameters (embeddings, final norm, output layer) in that module's forward."""
+    """The actor (policy.lm) as one forward from token ids to log-probs, in which FSDP2 gathers its root parameters."""
 
     def __init__(self, lm: nn.Module):
         super().__init__()
@@ -1332,8 +1299,8 @@ def model_inputs(batch: Batch):
 
 
 def actor_logprobs(model, batch: Batch, temperature: float):
-    """log pi(a_t | s_t) and the entropy of pi(. | s_t) (no gradient) at the sampling temperature, both [B, T] fp32
-    (0 on padding), never the [B, T, V] logits (Policy.forward). model: a Policy or a Hugging Face causal LM."""
+    """log pi(a_t | s_t) and the entropy of pi(. | s_t) (no gradient) at the sampling temperature, [B, T] fp32 each,
+    0 on padding (Policy.forward). model: a Policy or a Hugging Face causal LM."""
     policy = model if isinstance(model, Policy) else Policy(model)
     device = next(policy.parameters()).device
     input_ids, attention_mask, position_ids = (x.to(device) for x in model_inputs(batch))
@@ -1347,8 +1314,7 @@ def actor_logprobs(model, batch: Batch, temperature: float):
 
 @torch.no_grad()
 def policy_logprobs(model, batch: Batch, temperature: float, micro_batch_tokens: int):
-    """No-grad log pi(a_t | s_t) [B, T] of the whole batch in eval mode, in micro-batches (0 on padding).
-    Leaves model in eval mode: call model.train() before a training forward."""
+    """No-grad log pi(a_t | s_t) [B, T], 0 on padding, in micro-batches; leaves model in eval mode (then .train())."""
     model.eval()
     micro = micro_batches(batch, micro_batch_tokens)
     return unsplit([actor_logprobs(model, batch.rows(mb), temperature)[0] for mb in micro], micro, batch)  # [B, T]
@@ -1358,9 +1324,8 @@ MAX_PADDING = 0.1  # micro_batches: a row joins a micro-batch only while its pad
 
 
 def micro_batches(batch: Batch, max_tokens: int, rows=None) -> list:
-    """The rows (default all) in micro-batches by tokens (verl's dynamic batch size): longest first, a row joins the
-    current one while its slots, rows x (longest prompt + response: Batch.rows trims to it), stay within max_tokens
-    and its padding within MAX_PADDING, else opens the next (a row over the budget: alone). [b] index tensors."""
+    """The rows (default all) in micro-batches by tokens ([b] index tensors; verl's dynamic batch size), longest first:
+    a row joins one while its slots, rows x (longest prompt + response), stay within max_tokens, padding MAX_PADDING."""
     rows = torch.arange(batch.response_ids.shape[0]) if rows is None else torch.as_tensor(rows, dtype=torch.long)
     p, t = batch.prompt_mask.sum(1).long()[rows].tolist(), batch.response_mask.sum(1).long()[rows].tolist()
     out = []
@@ -1394,12 +1359,11 @@ def unsplit(parts: list, micro: list, batch: Batch):
 
 # --- 3c. The critic: full model, or the partial trunk ---
 class Critic(nn.Module):
-    """V(s_t): a transformer backbone and a linear value head without bias, initialised from N(0, (1/(H+1))^2)
-    with its own seed (S3AC: a large head init would dominate the first gradients). --critic-layers k:
-        k = 0   a whole separate model that reads the token ids (the paper's critic);
-        k >= 1  the partial trunk (Baseten's value head on the last k of L layers): `trunk` feeds the ACTOR's hidden
-                states after block L - k, without gradient, into the critic's own copy of the actor's last k blocks
-                and final norm (top_blocks); the critic loss never reaches the actor (store_critic_features)."""
+    """V(s_t): a transformer backbone and a linear value head without bias, initialised from N(0, (1/(H+1))^2) with
+    its own seed (S3AC: a large head init would dominate the first gradients). --critic-layers k = 0: a separate model
+    that reads the token ids (the paper's critic); k >= 1: the partial trunk (Baseten's): `trunk` feeds the ACTOR's
+    hidden states after block L - k, without gradient, into the critic's copy of its last k blocks and final norm
+    (top_blocks); the critic loss never reaches the actor."""
 
     def __init__(self, backbone: nn.Module, seed: int, trunk=None, block: int = None):
         super().__init__()
@@ -1411,8 +1375,7 @@ class Critic(nn.Module):
         self.block = block  # k >= 1: L - k, the actor block whose input the trunk gives; None for k = 0
 
     def forward(self, input_ids, attention_mask, position_ids, features=None):
-        """Values at every position, [B, P + T] fp32. features [B, P + T, H]: the trunk's hidden states of these
-        rows (trunk_features), computed here when None; unused by a separate critic (k = 0)."""
+        """Values at every position, [B, P + T] fp32. features [B, P + T, H]: the trunk's (None: computed here)."""
         if self.trunk is not None and features is None:
             features = self.trunk(input_ids, attention_mask, position_ids)  # [B, P + T, H]
         inputs = {"input_ids": input_ids} if self.trunk is None else {"inputs_embeds": features}  # k = 0: token ids
@@ -1454,8 +1417,7 @@ def top_blocks(lm: nn.Module, k: int) -> nn.Module:
 
 @torch.no_grad()
 def actor_hidden_states(policy: nn.Module, block: int, input_ids, attention_mask, position_ids):
-    """The actor's hidden states after block `block` (0: the embeddings), [B, P + T, H] fp32, without gradient,
-    from its own forward (recording_block_input). policy: a Policy or a causal LM (FSDP2: gathered for the call)."""
+    """The actor's hidden states after block `block` (0: embeddings), [B, P + T, H] fp32, no gradient (Policy or LM)."""
     lm = policy.lm if isinstance(policy, Policy) else policy
     with gathered(policy), recording_block_input(lm, block) as calls:
         lm.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
@@ -1476,9 +1438,8 @@ def recording_block_input(lm: nn.Module, block: int):
 
 
 def load_critic(path: str, device, seed: int, head_file: str = "", layers: int = 0, actor=None) -> Critic:
-    """fp32 critic, dropout off; the value head from head_file when resuming, else fresh. layers = 0: the
-    backbone read from path. layers = k >= 1: the partial trunk on `actor` (the Policy): top_blocks(actor, k), or the
-    saved copy at path. Raises ValueError when a saved critic was trained with another --critic-layers."""
+    """fp32 critic, dropout off, its value head from head_file (resuming) or fresh; layers = 0: the backbone at path;
+    k >= 1: top_blocks(actor, k) on the Policy `actor`, or the saved copy. ValueError: a saved critic of another k."""
     from transformers import AutoModel
     if layers and not head_file:
         backbone = top_blocks(actor.lm, layers)
@@ -1511,8 +1472,7 @@ def critic_values(critic: Critic, batch: Batch, features=None):
 
 @torch.no_grad()
 def trunk_features(critic: Critic, batch: Batch, micro_batch_tokens: int):
-    """The partial-trunk critic's input, [B, P + T, H] fp32 on its device: the actor's hidden states after block
-    L - k, one trunk pass in micro-batches; None for a separate critic (k = 0)."""
+    """A partial trunk's input [B, P + T, H] fp32: the actor's hidden states after block L - k; None for k = 0."""
     if critic.trunk is None:
         return None
     device = critic.value_head.weight.device
@@ -1526,8 +1486,7 @@ def trunk_features(critic: Critic, batch: Batch, micro_batch_tokens: int):
 
 
 def store_critic_features(critic: Critic, batch: Batch, micro_batch_tokens: int):
-    """batch.features, computed once (trunk_features, unless generate_hf recorded them), [B, P + T, H]; None for a
-    full critic. The values and every critic epoch then share one trunk pass."""
+    """batch.features [B, P + T, H] computed once (trunk_features, or generate_hf recorded them); None for k = 0."""
     if batch.features is None:
         batch.features = trunk_features(critic, batch, micro_batch_tokens)  # [B, P + T, H]; None for k = 0
     return batch.features
@@ -1540,9 +1499,8 @@ def value_from_raw(raw, critic_loss: str):
 
 @torch.no_grad()
 def value_pass(critic: Critic, batch: Batch, critic_loss: str, micro_batch_tokens: int, features=None):
-    """No-grad critic pass in micro-batches: (values [B, T] on the +-1 scale, 0 on padding; raw head outputs [B, T],
-    V for mse, z for bce). features [B, P + T, H]: a partial trunk's input, default batch.features (else its trunk
-    runs per micro-batch). Leaves critic in eval mode."""
+    """No-grad critic pass in micro-batches, critic left in eval mode: (values [B, T] on the +-1 scale, 0 on padding;
+    raw [B, T], V or z). features [B, P + T, H]: a partial trunk's input, default batch.features (None: trunk runs)."""
     critic.eval()
     batch = batch if features is None else dataclasses.replace(batch, features=features)
     micro = micro_batches(batch, micro_batch_tokens)
@@ -1635,9 +1593,8 @@ def blank_generation_config(config):
 
 @contextlib.contextmanager
 def neutral_generation_config(model):
-    """Context in which model.generation_config is blank (blank_generation_config), put back on exit. transformers
-    5.x fills a given config's unset fields from model.generation_config, so a checkpoint's defaults (Qwen2.5-Instruct's
-    repetition_penalty, min_p, ...) would otherwise change the sampling distribution after mu is recorded."""
+    """Context with model.generation_config blank: transformers 5.x fills a given config's unset fields from it, so a
+    checkpoint's defaults (repetition_penalty, min_p, ...) would change the sampling after mu is recorded."""
     saved = model.generation_config
     model.generation_config = blank_generation_config(saved)
     try:
@@ -1651,10 +1608,9 @@ def generate_hf(model, prompts: list, prompt_index: list, eos_ids, pad_id: int, 
                 temperature: float, batch_size: int, greedy: bool = False, top_p: float = 1.0, top_k: int = 0,
                 record_block: int = None, progress: str = None) -> Batch:
     """One response per prompt (token-id lists; repeat one K times for K) from transformers' generate: left padding,
-    stop on any eos id, temperature sampling (full vocabulary unless top_p < 1 or top_k > 0) or greedy, no checkpoint
-    default (neutral_generation_config); Batch.sampler_logprobs [B, T], log mu (SamplerLogprobs). Under torchrun
-    every rank passes as many prompts. record_block = L - k keeps the hidden states after block L - k in
-    Batch.features [B, P + T, H] fp32 (0 on padding and each row's last token); progress: a bar's name, or None."""
+    stop on any eos id, temperature sampling (full vocabulary unless top_p < 1 or top_k > 0) or greedy, log mu in
+    Batch.sampler_logprobs [B, T]; under torchrun every rank passes as many prompts. record_block = L - k: the hidden
+    states after that block in Batch.features [B, P + T, H] fp32 (0 on padding and each row's last token)."""
     from tqdm import tqdm
     from transformers import GenerationConfig, LogitsProcessorList
     from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
@@ -1732,13 +1688,11 @@ def saved_bytes(fn, params) -> int:
 
 @functools.lru_cache(maxsize=4)
 def activation_constants(config_json: str) -> dict:
-    """Bytes autograd keeps for backward, measured on the CPU for an architecture (config_json: its config.json):
-    1- and 2-block causal LMs of its widths run actor_logprobs and critic_values under bf16 autocast on one sequence
-    of S = 8, 16, 24 tokens (saved_bytes); c + a S + b S^2 is solved for one block (2 blocks less 1) and for the rest.
-    Returns a block's a ("block", bytes a token), b ("block_quad": attention probabilities where kept, as on a CPU
-    math path; CUDA's SDPA keeps O(S)) and c ("block_casts": its bf16 weight copies), and the rest's a. A pair of rows,
-    the second padded, measures what padding adds a block (the attention mask each layer saves): its S^2 coefficient
-    per row, "block_pad" (bytes a token per token of row length)."""
+    """Bytes autograd keeps for backward, measured on the CPU for an architecture (config_json: its config.json): 1- and
+    2-block causal LMs of its widths run actor_logprobs and critic_values under bf16 autocast on one sequence of S = 8,
+    16, 24 tokens (saved_bytes); c + a S + b S^2 is solved for one block (2 blocks less 1) and for the rest. Returns a
+    block's a ("block", bytes a token), b ("block_quad": attention probabilities, CPU math path; CUDA's SDPA: O(S)), c
+    ("block_casts": bf16 weight copies), the rest's a, and "block_pad": the S^2 term per row a padded pair adds."""
     from transformers import AutoConfig, AutoModelForCausalLM
     lengths, counts = (8, 16, 24), {}
     for blocks in (1, 2):
@@ -1782,11 +1736,10 @@ def parameter_counts(config) -> dict:
 def memory_plan(config, args: Args, device_gib: float, cuda: bool = True, world: int = 1) -> dict:
     """The memory plan of training args for the model `config` on device_gib GiB over `world` ranks: per phase, named
     terms (terms_gib) against (1 - PLAN_MARGIN) of the device less PLAN_RESERVE_GIB: fp32 weights, AdamW states and
-    gradients (sharded over the ranks), bf16 weight casts, activations a token (activation_constants; recomputing, a
-    block keeps its fp32 input) x the micro-batch, the padded attention mask, two blocks' backward working set, the
-    log-prob chunk, the output layer's fp32 weight gradient (until the tied embedding's joins it), under torchrun the
-    root's unsharded parameters and gradients and the FSDP2 buffers. "auto": recompute only when two longest rows do not
-    fit; the largest budget that fits. Returns a dict (peak_gib, fits, micro_batch_tokens, terms_gib, ...)."""
+    gradients (sharded), bf16 casts, activations (activation_constants; recomputing: a block's fp32 input) x tokens,
+    the padded mask, two blocks' backward, the log-prob chunk, the output layer's weight gradient, under torchrun the
+    root unsharded and FSDP2's buffers. "auto": recompute only when two longest rows do not fit; the largest budget
+    that fits. Returns a dict (peak_gib, fits, micro_batch_tokens, terms_gib, ...)."""
     const, n = activation_constants(config.to_json_string()), parameter_counts(config)
     L, H, V, k = config.num_hidden_layers, config.hidden_size, config.vocab_size, args.critic_layers
     critic = 0 if args.algo not in CRITIC_ALGOS else n["block"] * k + 3 * H if k else n["base"] + H  # trainable
@@ -2249,9 +2202,8 @@ def _verify_worker(conn):
 
 
 class Verifier:
-    """The default reward function (section 3a's contract): +1 when `grade` says 'correct', else -1. Checks run in a
-    "spawn" worker process (a script that uses it guards `if __name__ == "__main__":`), killed after `timeout` seconds
-    and counted as 'timeout' (math-verify's own alarm works only in a main thread). Safe to call from any thread."""
+    """The default reward (section 3a's contract): +1 when `grade` says 'correct', else -1. Checks run in a "spawn"
+    worker (a script guards `if __name__ == "__main__":`), killed after `timeout` s as 'timeout'. Thread-safe."""
 
     STATUSES = ("correct", "wrong", "not_a_number", "no_answer", "truncated", "bad_gold", "error", "timeout")
 
@@ -2320,8 +2272,8 @@ def flag(default, help: str):
 
 
 def number_or(kind: type, *words: str):
-    """An Args field's type: one of `words` (auto, ...) or a number of `kind` (int refuses 2.5), from a flag's text or
-    a value; the parser calls it on the flag, resolve_args on a value set in code. ArgumentTypeError names the rule."""
+    """An Args field's type: one of `words` (auto, ...) or a number of `kind` (int refuses 2.5), of a flag's text (the
+    parser) or a value set in code (resolve_args). ArgumentTypeError names the rule."""
     def parse(value):
         if value in words:
             return value
@@ -2480,9 +2432,8 @@ def parse_args(argv=None) -> Args:
 
 def resolve_args(args: Args, say=None) -> Args:
     """A checked copy of args, each "auto" replaced by the rule of the block at its end (but --critic-model,
-    --prompt-key, --answer-key, --micro-batch-tokens and --gradient-checkpointing, resolved where used), each said
-    with say(line) when given; idempotent. ValueError: an unknown choice, a number out of domain, a critic feature and
-    no critic, K < 2 groups."""
+    --prompt-key, --answer-key, --micro-batch-tokens, --gradient-checkpointing: where used), said by say; idempotent.
+    ValueError: an unknown choice, a number out of domain, a critic feature and no critic, K < 2 groups."""
     for name, kind in typing.get_type_hints(Args).items():  # Literal choices and number_or fields set in code
         value, flag = getattr(args, name), f"--{name.replace('_', '-')}"
         if typing.get_origin(kind) is typing.Literal and value not in typing.get_args(kind):
@@ -2581,7 +2532,7 @@ ARITHMETIC_DIGITS = ("1x1", "1x2", "2x1", "2x2")  # digits of the first and the 
 
 def make_arithmetic(n: int, seed: int, ops: str = ARITHMETIC_OPS, digits: tuple = ARITHMETIC_DIGITS) -> list:
     """`n` seeded problems "What is a op b?" (strata op, digits: "1x2" a one-digit a, two-digit b), operands of 1 or 2
-    digits (p 1/2), op uniform over +-*, those in `ops` and `digits` kept; ValueError for other or no ops / digits."""
+    digits (p 1/2), op uniform over +-*, those in `ops` and `digits` kept; ValueError: other or no ops / digits."""
     if not ops or set(ops) - set(ARITHMETIC_OPS) or not digits or set(digits) - set(ARITHMETIC_DIGITS):
         raise ValueError(f"builtin:arithmetic: op={ops!r} digits={','.join(digits)!r}: expected a subset of "
                          f"{ARITHMETIC_OPS!r} and of {','.join(ARITHMETIC_DIGITS)}")
@@ -2652,8 +2603,6 @@ def load_problems(spec: str, prompt_key: str = "auto", answer_key: str = "auto",
 ANSWER_FORMAT = re.compile(r"^\s*Solve the following math problem step by step\. The last line of your response "
                            r"should be of the form Answer: .*? where \$Answer is the answer to the problem\.\s*"
                            r"|\s*Remember to put your answer on its own line after \"Answer:\"\.?\s*$", re.DOTALL)
-
-
 _WORKED_SOLUTION = re.compile(r"\n|(?<!\\)[.?!]\s+[A-Za-z]")  # a line break, or a sentence end, then a word
 
 
@@ -2918,8 +2867,7 @@ def setup_run(args: Args, reward_fn=None, eval_reward_fn=None) -> Run:
 
 
 def progress_position(step: int, train_s: float, steps: int, max_minutes: float) -> tuple:
-    """The training bar's (position, total, unit): under --max-minutes the training minutes so far (train_s / 60:
-    evaluations left out, warm-up counted, the budget's own clock), at most max_minutes; else the steps done."""
+    """The training bar's (position, total, unit): training minutes (train_s / 60) up to --max-minutes, else steps."""
     return (min(train_s / 60, max_minutes), max_minutes, "min") if max_minutes > 0 else (step, steps, "step")
 
 
@@ -3031,9 +2979,9 @@ def load_actor(path: str, device):
 
 
 def check_context(args: Args, path: str, vllm: bool, train_prompts: list, eval_sets: list):
-    """ValueError in one line (flags, model): the longest training prompt + --max-new-tokens outgrows a model reading
-    it (the actor at `path`, --critic-model, --coverage-models), or the longest evaluation prompt +
-    --eval-max-new-tokens the actor; limit: max_position_embeddings (unset: unchecked), vLLM: --vllm-max-model-len."""
+    """ValueError in one line: the longest training prompt + --max-new-tokens outgrows a model reading it (the actor at
+    `path`, --critic-model, --coverage-models), or the longest evaluation prompt + --eval-max-new-tokens the actor's
+    max_position_embeddings (unset: unchecked) or --vllm-max-model-len."""
     from transformers import AutoConfig
     others = ([args.critic_model] if args.critic_model != "auto" else []) + args.coverage_models.split(",")
     readers = [(path, args.model, [p for _, _, prompts in eval_sets for p in prompts])] + [
@@ -3086,8 +3034,7 @@ def load_models(args: Args, actor_src: str, critic_src: str, ckpt, tokenizer, de
 
 # --- vLLM: the rollout engine and its weight sync ---
 class VLLMRollout:
-    """A vLLM engine in the training process, one per rank under torchrun; its processed log-probs (after temperature,
-    top-p, top-k) are the mu of the TIS weight. On CUDA it sleeps (level 1) while the trainer runs."""
+    """A vLLM engine in this process, one per rank, its processed log-probs mu; on CUDA it sleeps while training."""
 
     def __init__(self, path: str, args: Args, device, rank: int, world: int, **engine_kwargs):
         """The engine on `path` in the compute dtype, seeded args.seed + rank; engine_kwargs to vllm.LLM. ValueError:
@@ -3119,8 +3066,7 @@ class VLLMRollout:
             self.asleep = True
 
     def wake(self, tags: list = None):
-        """Wake the engine (tags: the part, as vllm's wake_up; None: all), every path through here: PyTorch's cached
-        free blocks released first, as vLLM maps new memory the trainer's last update may still hold in its cache."""
+        """Wake the engine (tags: vllm's wake_up parts; None: all), PyTorch's cached free blocks released first."""
         torch.cuda.empty_cache()  # a no-op where CUDA was never used
         self.llm.wake_up(tags=tags)
 
@@ -3138,9 +3084,8 @@ class VLLMRollout:
     def generate(self, prompts: list, prompt_index: list, eos_ids, pad_id: int, max_new_tokens: int,
                  temperature: float, greedy: bool = False, top_p: float = 1.0, top_k: int = 0,
                  policy: nn.Module = None, progress: str = None) -> Batch:
-        """As generate_hf, plus Batch.sampler_logprobs [B, T]; policy: synced in first when stale. A request ended by an
-        abort or error is truncated (reward -1), masked to its own tokens. ValueError: engine_logprobs. A sampled
-        request's seed comes from torch's RNG, which a checkpoint holds: vLLM seeds an unseeded one from its own RNG."""
+        """As generate_hf; policy: synced in first when stale. A request ended by an abort or error is truncated
+        (reward -1), masked to its own tokens. ValueError: engine_logprobs. Seeds: torch's (checkpointed) RNG."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         if self.stale and policy is not None:
@@ -3224,8 +3169,7 @@ def distributed() -> bool:
 
 def exit_process(error: str = None):
     """Ends the process: `error` on stderr and exit status 1, else 0. A torchrun rank leaves by os._exit, stdout
-    flushed, skipping the interpreter's teardown, where a gloo worker thread still releasing a collective's tensors
-    asks for the GIL and aborts the rank (std::terminate); FSDP2 keeps the group, and that thread, alive until then."""
+    flushed: in the interpreter's teardown a gloo thread FSDP2 keeps alive would ask for the GIL and abort the rank."""
     if not distributed():
         sys.exit(error)
     sys.stderr.write(f"{error}\n" if error else "")  # stderr is line-buffered
@@ -3278,8 +3222,7 @@ def full_state_dict(module: nn.Module) -> dict:
 
 
 def optimizer_state(module: nn.Module, optimizer, state: dict = None):
-    """The optimizer's state keyed by parameter name, whole: a checkpoint loads on any number of ranks; with `state`,
-    load it instead. Every rank must call this under FSDP2."""
+    """The optimizer's state by parameter name, whole (for any number of ranks), or loads `state`. Every rank calls."""
     from torch.distributed.checkpoint import state_dict as dcp
     options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=state is None)
     if state is not None:
@@ -3325,8 +3268,7 @@ def gather_records(records: list) -> list:
 # --- Checkpoints (atomic) and resume ---
 def check_disk(args: Args, models: list):
     """Before step 1: OSError, with the figures and the flags that change them, when --out-dir lacks room for the
-    checkpoints the run holds at once (fp32 weights, the trainable ones' AdamW moments): keep_checkpoints + 1, or
-    as many as --steps and --save-every save, less those already there."""
+    checkpoints the run holds at once (keep_checkpoints + 1, or fewer if --steps saves fewer), less those there."""
     size = sum((12 if p.requires_grad else 4) * p.numel() for m in models if m is not None for p in m.parameters())
     root = os.path.join(args.out_dir, "checkpoints")
     there = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(root) for f in files)
@@ -3340,9 +3282,8 @@ def check_disk(args: Args, models: list):
 
 def save_checkpoint(out_dir: str, step: int, model, tokenizer, critic, actor_opt, critic_opt, sampler, update_gen,
                     keep: int, prompt_counts=None, train_s: float = 0.0, record: dict = None):
-    """Write checkpoints/step_N atomically (a temporary directory renamed, then `latest` replaced): a kill leaves the
-    previous one. model: a Policy; critic / critic_opt may be None; prompt_counts: DAPS's (successes, attempts);
-    record: run_record, as run.json. Every torchrun rank calls this; rank 0 writes, with every rank's RNG."""
+    """Write checkpoints/step_N atomically (a kill leaves the previous one). model: a Policy; critic / critic_opt may be
+    None; prompt_counts: DAPS's (S, N); record: run_record, as run.json. Every rank calls this; rank 0 writes."""
     from safetensors.torch import save_file
     policy = model if isinstance(model, Policy) else Policy(model)
     actor_weights, actor_state = full_state_dict(policy), optimizer_state(policy, actor_opt)
@@ -3391,9 +3332,8 @@ def _write_atomic(path: str, text: str):
 
 
 def trim_log(path: str, step: int):
-    """Rewrite the JSONL log `path` (atomically) to its records of steps <= step: a resume drops those of steps the
-    kill threw away, and a torn last line (a kill while writing it) with one line on stderr. ValueError names the file
-    and line of any other line that is not JSON."""
+    """Rewrite the JSONL log `path` (atomically) to its records of steps <= step, and drop a torn last line (a kill
+    while writing it) with one line on stderr. ValueError names the file and line of any other line that is not JSON."""
     with open(path) as f:
         lines = f.readlines()
     kept = []
@@ -3422,8 +3362,7 @@ def latest_checkpoint(out_dir: str):
     return None
 
 
-# A resume refuses a change of these flags (check_resume): the saved weights, the critic head's meaning (V or a logit),
-# whether there is a critic, its shape and the data order depend on them.
+# A resume refuses a change of these flags (check_resume): the weights, the critic and the data order depend on them.
 FIXED_ON_RESUME = ("model", "critic_model", "algo", "critic_loss", "critic_layers", "seed")
 DATA_FLAGS = ("data", "split", "prompt_key", "answer_key", "eval_data", "eval_size", "max_prompt_tokens", "reward_fn")
 
