@@ -592,7 +592,7 @@ class Algo:
     actor_loss: str = "cispo"  # --actor-loss auto
     lams: tuple = ("adaptive", 1.0)  # --actor-lam and --critic-lam auto (PACT's Monte-Carlo credit, 1, overrides them)
     adv_norm: str = "none"  # --adv-norm auto; center where a critic's level enters the advantages (s3ac)
-    zero_sum: bool = False  # its advantages sum to zero per group already: an explicit --adv-norm center is refused
+    zero_sum: bool = False  # its advantages sum to zero per group or batch: an explicit --adv-norm center is refused
     minibatch_prompts: float = 32  # --minibatches auto: --batch-prompts // this, at least 1 (DAPO's 32; inf: one)
     groups: bool = False  # it compares the K rollouts of a prompt: --k >= 2
 
@@ -738,13 +738,15 @@ def collect_rollouts(args: Args, state: TrainState, prompt_list: list, reward_fn
     t1 = time.time()
     lengths, finite = batch.response_mask.sum(1), torch.isfinite(batch.sampler_logprobs).all(1)  # [B] each
     keep = finite & (lengths > 0)  # [B] the rows that train
-    if args.algo in ("grpo", "rloo"):  # a group baseline compares two responses to a prompt at least
+    if ALGOS[args.algo].groups:  # a group baseline compares two responses to a prompt at least
         keep &= ((batch.prompt_index[:, None] == batch.prompt_index) & keep).sum(1) >= 2  # [B] kept in its group
     metrics = {"perf/generate_s": t1 - t0, "rollout/generated_tokens": int(lengths.sum()),  # all generated
                "rollout/samples": len(index), "rollout/dropped": int((~finite).sum()),
                "rollout/aborted": int((batch.truncated & (lengths < args.max_new_tokens)).sum())}  # ended short
     batch.response_mask = batch.response_mask * keep[:, None]  # [B, T] no token of a dropped row trains
-    batch = batch.rows(keep.nonzero()[:, 0], features=True) if keep.any() else batch  # a rank needs rows
+    batch.sampler_logprobs = torch.where(keep[:, None], batch.sampler_logprobs, 0.0)  # [B, T] finite, 0 on padding
+    if keep.any() and not distributed():  # under torchrun every rank keeps B rows (as many optimizer steps), masked
+        batch = batch.rows(keep.nonzero()[:, 0], features=True)
     texts = decode_responses(state.tokenizer, batch.response_ids, state.eos_ids | {state.pad_id})
     rewards, statuses = call_reward(reward_fn, [state.problems[i].answer for i in batch.prompt_index.tolist()], texts,
                                     batch.truncated.tolist())  # [B]
@@ -808,7 +810,7 @@ def logprobs_of_mu(args: Args, batch: Batch, old_logprobs, device):
 
 
 def train_actor(args: Args, state: TrainState, batch: Batch, advantages, old_logprobs, sampler_logprobs, loss_mask):
-    """update_actor (advantages [B, T] TIS-weighted by the caller; old_logprobs [B, T] log pi_old; sampler_logprobs
+    """update_actor (advantages [B, T] raw, TIS's w applied there; old_logprobs [B, T] log pi_old; sampler_logprobs
     [B, T] log mu; the token mean over loss_mask [B, T]); marks the engine stale. Returns metrics."""
     state.policy.train()
     metrics = update_actor(state.policy, state.actor_opt, batch, advantages, old_logprobs, args, state.update_gen,
@@ -2485,8 +2487,8 @@ def resolve_args(args: Args, say=None) -> Args:
         raise ValueError(f"--critic-layers {args.critic_layers}: with k >= 1 the critic reads the actor's trunk, so "
                          f"--critic-model must stay auto")
     if algo.zero_sum and args.adv_norm == "center":
-        raise ValueError(f"--adv-norm center: --algo {args.algo}'s advantages sum to zero in each group already (a "
-                         f"centring would only move their token mean); use none or whiten")
+        raise ValueError(f"--adv-norm center: --algo {args.algo}'s advantages sum to zero per group or batch already "
+                         f"(a centring would only move their token mean); use none or whiten")
     pact = args.critic_sync == "pact"
     if pact and args.critic_lam not in ("auto", 1.0):
         raise ValueError(f"--critic-lam {args.critic_lam}: --critic-sync pact weights Monte-Carlo returns, so the "
@@ -2494,8 +2496,8 @@ def resolve_args(args: Args, say=None) -> Args:
     # Every "auto" rule, in one block: the value it becomes and the rule, said (say) beside the value at start
     actor_loss = algo.actor_loss if args.actor_loss == "auto" else args.actor_loss
     rules = {"actor_loss": (algo.actor_loss, "the --algo's own (ALGOS): ppo's, flash_reinforce's, else cispo"),
-             "actor_lam": (1.0 if pact else algo.lams[0], "1 under --critic-sync pact (PACT's Monte-Carlo credit), "
-                           "else the --algo's: 0.95 for ppo (GAE), adaptive 1 - 1/(alpha T_i) (VAPO) for s3ac"),
+             "actor_lam": (1.0 if pact and algo.lams[0] == "adaptive" else algo.lams[0], "the --algo's: 0.95 for "
+                           "ppo (GAE), adaptive 1 - 1/(alpha T_i) (VAPO) for s3ac, 1 under --critic-sync pact"),
              "critic_lam": (1.0 if pact else algo.lams[1], "1 under pact, else the --algo's: 0.95 for ppo, 1 "
                             "(Monte-Carlo returns) for s3ac"),
              "eps_low": (0.2 if actor_loss == "ppo" else 1.0, "0.2 for the ppo loss, else 1: no lower clip (CISPO)"),

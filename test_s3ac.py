@@ -1124,6 +1124,7 @@ def test_each_step_logs_and_says_its_seconds_by_phase(smoke_run):
         phases = [r[k] for k in s3ac.PHASE_METRICS if k in r]
         assert len(phases) == len(s3ac.PHASE_METRICS) - 1 and min(phases) >= 0  # all but PACT's
         assert sum(phases) + r["perf/other_s"] == pytest.approx(r["perf/step_s"] - r.get("time/eval", 0.0))
+        assert r["perf/other_s"] < 0.5 * max(phases)  # mutant: the largest phase's clock dropped, its time in other_s
     line = s3ac.step_line({"step": 3, "rollout/reward": 0.5, "rollout/acc": 0.5, "rollout/response_len": 10,
                            "actor/pg_loss": 0.1, "actor/pg_clipfrac": 0.0, "actor/entropy": 1.0, "perf/step_s": 12.44,
                            "perf/generate_s": 7.1, "perf/reward_s": 0.2, "perf/actor_s": 2.9, "perf/values_s": 0.5,
@@ -1400,9 +1401,9 @@ def test_resolve_args_per_algorithm_defaults_and_errors():
                            ({"algo": "rloo", "k": 2, "prompt_selection": "daps"}, "needs a critic"),
                            ({"algo": "a2c"}, "expected one of"), ({"daps_a_min": 0.0}, "daps-a-min"),
                            ({"critic_layers": 1, "critic_model": "other"}, "critic-model must stay auto"),
-                           ({"algo": "grpo", "k": 2, "adv_norm": "center"}, "sum to zero in each group"),
-                           ({"algo": "rloo", "k": 2, "adv_norm": "center"}, "sum to zero in each group"),
-                           ({"algo": "flash_reinforce", "adv_norm": "center"}, "sum to zero in each group")]:
+                           ({"algo": "grpo", "k": 2, "adv_norm": "center"}, "sum to zero per group or batch"),
+                           ({"algo": "rloo", "k": 2, "adv_norm": "center"}, "sum to zero per group or batch"),
+                           ({"algo": "flash_reinforce", "adv_norm": "center"}, "sum to zero per group or batch")]:
         with pytest.raises(ValueError, match=needle):
             s3ac.resolve_args(s3ac.Args(**fields))
 
@@ -6134,6 +6135,11 @@ def test_a_non_finite_engine_logprob_drops_its_response_and_a_streak_stops_the_r
                                                        truncated: graded.append(texts) or ([1.0], ["correct"]))
     assert kept.prompt_index.tolist() == [7] and kept.sampler_logprobs.tolist() == [[-0.5, -1.25, -0.125]]
     assert graded == [["5 6"]] and (m["rollout/dropped"], m["rollout/aborted"]) == (1, 0)  # the stop id 2 not read
+    monkeypatch.setattr(s3ac, "distributed", lambda: True)  # under torchrun: B rows on every rank, the dropped masked
+    monkeypatch.setattr(s3ac, "all_reduce", lambda x, op="sum": x)  # (mutant: the row removed, a rank's B differs)
+    kept = s3ac.collect_rollouts(args, scripted_state(batch, 10), [7, 9], lambda g, t, tr: ([1.0, -1.0], ["", ""]))[0]
+    assert kept.response_mask.sum(1).tolist() == [3, 0] and kept.sampler_logprobs[1].tolist() == [0.0] * 3
+    monkeypatch.undo()
     if not math.isnan(bad):
         return  # the run once
     generate = s3ac.generate_hf

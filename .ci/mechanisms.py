@@ -34,6 +34,7 @@ import json
 import math
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -327,6 +328,7 @@ def exp_coverage(lab: Lab, seeds: list) -> list:
 
     def run(name, seed, extra):
         out = os.path.join(opts.out, "coverage", f"{name}-seed{seed}")
+        shutil.rmtree(out, ignore_errors=True)  # a rerun starts afresh (s3ac refuses a folder with another run in it)
         args = s3ac.parse_args(opts.s3ac_argv + ["--steps", str(opts.online_steps), "--seed", str(seed),
                                                  "--out-dir", out, "--model", lab.path, *extra])
         records = read_records(os.path.dirname(s3ac.train(args, lab.reward_fn, lab.reward_fn)))
