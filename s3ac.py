@@ -96,8 +96,8 @@ kernels = _load_kernels_py()
 # --- GAE and decoupled GAE ---
 def triton_on_cuda(fn):
     """Decorator: on CUDA tensors (or --kernels triton) the call runs kernels.<fn's name>, its Triton twin (same math);
-    on CPU tensors or with --kernels torch, fn (.__wrapped__) runs; the first tensor argument decides. Pasted elsewhere
-    it is fn itself, unless `s3ac` was imported before the copy is defined: then CUDA runs s3ac's twin, not the copy."""
+    on CPU tensors or with --kernels torch (S3AC_KERNELS=torch), fn (.__wrapped__) runs. Pasted elsewhere it is fn
+    itself, unless `s3ac` was imported before the copy is defined: then CUDA runs s3ac's twin, even of an edited copy."""
     import functools  # pasted with each function it decorates: torch and this alone
     import sys
     twins = sys.modules.get("s3ac_kernels")
