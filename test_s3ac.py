@@ -1865,13 +1865,13 @@ def test_adv_norm_centres_the_actors_advantages_and_leaves_the_critics_targets(t
     """One step of s3ac.train with --adv-norm none, center and whiten from the same seed (the same rollouts), under
     --overlong-filter with every other response marked cut (so the loss mask is not the response mask) and a log mu
     lowered by 0.4 (t mod 3) (so TIS's weights w = min(pi_old / mu, 2) are not 1): the critic gets the same returns
-    and old values every time; the actor gets w (A - mean) (center) or w (A - mean) / std (whiten), the mean and
-    population std those of the raw advantages A on the loss mask, from an fp64 loop. Mutants caught: centring over
-    the response mask, centring the TIS-weighted w A (after the weights), centring the returns too, centring per
-    row, a mean over padding."""
+    and old values every time; train_actor gets A - mean (center) or (A - mean) / std (whiten), the mean and
+    population std those of the raw advantages A on the loss mask, from an fp64 loop, and update_actor's loss gets
+    w times them, w from tis_weights. Mutants caught: centring over the response mask, centring the TIS-weighted
+    w A (after the weights), centring the returns too, centring per row, a mean over padding."""
     seen = {}
     generate, train_actor, train_critic = s3ac.generate_hf, s3ac.train_actor, s3ac.train_critic
-    compute_advantages, importance_weights = s3ac.compute_advantages, s3ac.importance_weights
+    compute_advantages, tis_weights, cispo = s3ac.compute_advantages, s3ac.tis_weights, s3ac.ACTOR_LOSSES["cispo"]
 
     def cut_and_shifted(*a, **k):  # the sampled batch: even rows end unstopped, odd ones cut; log mu lowered
         out = generate(*a, **k)
@@ -1886,10 +1886,14 @@ def test_adv_norm_centres_the_actors_advantages_and_leaves_the_critics_targets(t
         seen[norm]["raw"] = advantages.clone()
         return advantages, returns, m
 
-    def weights(*a, **k):
-        w, m = importance_weights(*a, **k)
-        seen[norm]["w"] = w.clone()
+    def weights(*a, **k):  # update_actor's w, a call per micro-batch, then one over the batch for the metrics
+        w, m = tis_weights(*a, **k)
+        seen[norm].setdefault("w", []).append(w.clone())
         return w, m
+
+    def loss(logprobs, den, adv, *a, **k):  # the advantages the loss weighs, a call per micro-batch
+        seen[norm].setdefault("loss_adv", []).append(adv.clone())
+        return cispo(logprobs, den, adv, *a, **k)
 
     def actor(args, state, batch, advantages, old_logprobs, sampler_logprobs, loss_mask):
         seen[norm].update(adv=advantages.clone(), mask=loss_mask.clone(), response_mask=batch.response_mask.clone())
@@ -1900,23 +1904,26 @@ def test_adv_norm_centres_the_actors_advantages_and_leaves_the_critics_targets(t
         return train_critic(args, state, batch, values, returns, sampler_logprobs)
 
     for name, fn in (("generate_hf", cut_and_shifted), ("compute_advantages", raw),
-                     ("importance_weights", weights), ("train_actor", actor), ("train_critic", critic)):
+                     ("tis_weights", weights), ("train_actor", actor), ("train_critic", critic)):
         monkeypatch.setattr(s3ac, name, fn)
+    monkeypatch.setitem(s3ac.ACTOR_LOSSES, "cispo", loss)
     for norm in ("none", "center", "whiten"):
         seen[norm] = {}
         s3ac.train(s3ac.parse_args(smoke_flags(tiny[0], str(tmp_path / norm), "--steps", "1", "--adv-norm", norm,
                                                "--overlong-filter", "--eval-size", "1")))
-    mask, w = seen["none"]["mask"].bool(), seen["none"]["w"].double()
-    raw_adv = seen["none"]["raw"].double()
+    mask, raw_adv = seen["none"]["mask"].bool(), seen["none"]["raw"].double()
     assert (seen["none"]["mask"] != seen["none"]["response_mask"]).any() and 0 < mask.sum() < mask.numel()
-    assert (w[mask] - 1).abs().max() > 0.3 and raw_adv[mask].std() > 0  # the checks below have teeth
+    assert raw_adv[mask].std() > 0 and ((seen["none"]["w"][-1] - 1).abs() > 0.3).any()  # the checks have teeth
     for norm in ("center", "whiten"):
         assert torch.equal(seen[norm]["returns"], seen["none"]["returns"])
         assert torch.equal(seen[norm]["values"], seen["none"]["values"])
-        assert torch.equal(seen[norm]["mask"], seen["none"]["mask"]) and torch.equal(seen[norm]["w"], seen["none"]["w"])
-        assert torch.equal(seen[norm]["raw"], seen["none"]["raw"])
-        ref = w * centred_loop(raw_adv, mask, scale=norm == "whiten")  # [B, T]
+        assert torch.equal(seen[norm]["mask"], seen["none"]["mask"]) and torch.equal(seen[norm]["raw"], seen["none"]["raw"])
+        ref = centred_loop(raw_adv, mask, scale=norm == "whiten")  # [B, T]
         assert torch.allclose(seen[norm]["adv"].double(), ref, atol=1e-5), norm
+        rows = [(wa[i].double() / w[i].double()) for wa, w in zip(seen[norm]["loss_adv"], seen[norm]["w"])
+                for i in range(len(wa))]  # each micro-batch's w A over its w: one centred row each
+        assert len(rows) == len(ref) and all(any(torch.allclose(r, ref[b, :len(r)], atol=1e-5)
+                                                  for b in range(len(ref))) for r in rows), norm
 
 
 def test_masked_whiten_and_reinforce_pp():
@@ -3696,10 +3703,11 @@ def test_partial_trunk_coverage_pretraining_warmup_and_max_minutes(tiny, tmp_pat
                           "--coverage-prompts", "4", "--coverage-epochs", "1", "--critic-warmup-steps", "1",
                           "--max-minutes", "0.0001"))
     records = read_jsonl(os.path.join(out, "metrics.jsonl"))
-    assert [r["step"] for r in records] == [0, 0, 0, 1]
+    assert [r["step"] for r in records] == [0, 0, 0, 0, 1]  # evaluation, coverage, warm-up, the warm-up's time
     assert "pretrain/epoch" in records[1] and records[1]["time/pretrain"] > 0
     assert records[2]["pretrain/warmup_step"] == 1 and records[2]["critic/grad_norm"] > 0
-    assert "eval/pass@1" in records[3] and "critic/explained_var" in records[3]
+    assert records[3]["perf/warmup_s"] >= records[1]["time/pretrain"]  # coverage and warm-up, both before step 1
+    assert "eval/pass@1" in records[4] and "critic/explained_var" in records[4]
     assert s3ac.latest_checkpoint(out).endswith("step_1")
 
 
